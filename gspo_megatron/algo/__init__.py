@@ -1,0 +1,38 @@
+"""GSPO math: pure tensor functions (no torch.distributed), shapes in each docstring.
+
+Modules: advantages (group-relative A_i), ratios (sequence log-ratio and its CP-reducible partial sums),
+surrogate (the clipped min shared by all losses), gspo (GSPO and GSPO-token), grpo (token-level baseline),
+kl (reference-policy KL estimators), aggregation (denominators), metrics (diagnostics).
+"""
+
+from .advantages import group_advantages
+from .aggregation import AGGREGATIONS, aggregate, seq_mean_token_mean, sequence_mean, token_mean
+from .grpo import grpo_loss
+from .gspo import GSPOTerms, gspo_loss, gspo_loss_from_sums, gspo_sequence_objective, gspo_token_loss
+from .kl import KL_ESTIMATORS, kl_k1, kl_k2, kl_k3, kl_penalty
+from .ratios import masked_log_ratio_sums, sequence_log_ratio, sequence_log_ratio_from_sums
+from .surrogate import clipped_surrogate
+
+__all__ = [
+    "AGGREGATIONS",
+    "GSPOTerms",
+    "KL_ESTIMATORS",
+    "aggregate",
+    "clipped_surrogate",
+    "group_advantages",
+    "grpo_loss",
+    "gspo_loss",
+    "gspo_loss_from_sums",
+    "gspo_sequence_objective",
+    "gspo_token_loss",
+    "kl_k1",
+    "kl_k2",
+    "kl_k3",
+    "kl_penalty",
+    "masked_log_ratio_sums",
+    "seq_mean_token_mean",
+    "sequence_log_ratio",
+    "sequence_log_ratio_from_sums",
+    "sequence_mean",
+    "token_mean",
+]

@@ -1,0 +1,92 @@
+"""Process groups: torch.distributed start-up and Megatron-Core's model-parallel layout."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A parallel layout. ``data`` is derived: world / (tensor * pipeline * context)."""
+
+    tensor: int = 1
+    pipeline: int = 1
+    expert: int = 1
+    context: int = 1
+    expert_tensor: int | None = None  # None: the same as ``tensor`` (megatron's default)
+    sequence_parallel: bool = False
+
+    def world_size_ok(self, world_size: int) -> str | None:
+        model = self.tensor * self.pipeline * self.context
+        if world_size % model:
+            return f"world size {world_size} is not divisible by tensor*pipeline*context = {model}"
+        etp = self.expert_tensor or self.tensor
+        if world_size % (self.expert * etp * self.pipeline):
+            return (
+                f"world size {world_size} is not divisible by expert*expert_tensor*pipeline = "
+                f"{self.expert * etp * self.pipeline}"
+            )
+        return None
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_distributed(backend: str | None = None) -> None:
+    """Start torch.distributed from the torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT).
+
+    A single process without those variables becomes a world of one on loopback.
+    """
+    if dist.is_initialized():
+        return
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        from gspo_megatron.parallel.launch import free_port
+
+        os.environ["MASTER_PORT"] = str(free_port())
+    backend = backend or default_backend()
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group(backend=backend)
+
+
+def init_model_parallel(layout: Layout, seed: int = 1234) -> None:
+    """Build Megatron-Core's TP/PP/EP/CP/DP groups for ``layout`` and seed its RNG tracker.
+
+    On a machine without CUDA this first applies ``patches.megatron_cpu``.
+    """
+    from patches import megatron_cpu
+
+    megatron_cpu.apply()
+    from megatron.core import parallel_state, tensor_parallel
+
+    problem = layout.world_size_ok(dist.get_world_size())
+    if problem:
+        raise ValueError(f"parallel layout {layout}: {problem}")
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tensor,
+        pipeline_model_parallel_size=layout.pipeline,
+        context_parallel_size=layout.context,
+        expert_model_parallel_size=layout.expert,
+        expert_tensor_parallel_size=layout.expert_tensor,
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def destroy() -> None:
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

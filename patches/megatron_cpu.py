@@ -1,0 +1,478 @@
+"""Run megatron-core on CPU with the gloo backend.
+
+megatron-core assumes a CUDA device throughout: ``torch.cuda.current_device()`` as an allocation device,
+literal ``device="cuda"``, CUDA streams/events/RNG, ``Tensor.type() == "torch.cuda.FloatTensor"`` checks,
+and a few gloo-incompatible collectives. ``apply()`` makes the tested version run on CPU so that tests use
+the real Megatron-Core code paths (models, TP/PP/EP/CP mappings, schedules, DDP, optimizers, dist
+checkpointing) with real ``torch.distributed``.
+
+What it changes, from broad to narrow:
+
+1. A module-scoped device remap. Each loaded ``megatron.core.*`` module's global name ``torch`` is
+   replaced by ``_TorchOnCpu``, a proxy that forwards everything to the real ``torch`` except
+   ``torch.cuda`` (a CPU stand-in: ``current_device()`` is the CPU, streams/events are no-ops, RNG calls use
+   the CPU generator), ``torch.device("cuda"...)`` (gives the CPU) and tensor factories (a CUDA ``device``
+   argument becomes the CPU). This is a remap of ~200 call sites, which no list of narrow patches would
+   keep up with; it is scoped to megatron's own module globals, so torch and every other library are
+   untouched. A ``TorchFunctionMode`` would not do: it is inactive inside ``autograd.Function.backward``
+   where many of these calls live.
+2. ``torch.Tensor.cuda`` returns the tensor itself (there is no CUDA device to move to, and megatron calls
+   ``.cuda()`` on checkpoint loads, RoPE tables and tied embeddings). This is the one process-wide change;
+   it is only made when CUDA is absent, where ``.cuda()`` could only have raised.
+3. Narrow patches of named functions:
+   - ``tensor_parallel.random._get_cuda_rng_state/_set_cuda_rng_state``: use the CPU generator (the CUDA
+     versions defer through ``torch.cuda._lazy_call``, which never runs without CUDA).
+   - ``WrappedTorchNorm``: allow sequence parallelism and tag the norm parameters ``sequence_parallel`` so
+     ``finalize_model_grads`` all-reduces their gradients across TP (TENorm does the same on GPU).
+   - ``moe_utils.te_general_gemm``: defined as ``None`` when TransformerEngine is absent (NameError in 0.16).
+   - ``moe_utils.maybe_move_tensor_to_cpu``: honour ``as_numpy`` for CPU tensors, so split sizes reach
+     ``all_to_all_single`` as a list, not a tensor.
+   - ``tensor_parallel.mappings._gather_along_first_dim/_reduce_scatter_along_first_dim`` with uneven
+     split sizes (TP x EP with the alltoall dispatcher): gloo rejects per-rank chunks of different sizes, so
+     the chunks are padded to the largest one.
+   - Optimizer constructors that test ``param.type()`` against ``"torch.cuda.*Tensor"`` strings are
+     recompiled from their source with the CPU type names.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import sys
+import textwrap
+import types
+from typing import Callable
+
+import torch
+
+TESTED_MEGATRON_VERSIONS = ("0.16.1",)
+
+_applied = False
+_real_torch = torch
+
+
+class MegatronVersionError(RuntimeError):
+    pass
+
+
+def _installed_megatron_version() -> str:
+    from megatron.core import package_info
+
+    return package_info.__version__
+
+
+def _check_version() -> None:
+    version = _installed_megatron_version()
+    if version not in TESTED_MEGATRON_VERSIONS:
+        raise MegatronVersionError(
+            f"patches.megatron_cpu was tested with megatron-core {', '.join(TESTED_MEGATRON_VERSIONS)}, "
+            f"but {version} is installed. Install megatron-core=={TESTED_MEGATRON_VERSIONS[-1]} "
+            "(tools/install.sh does), or run on a CUDA machine where no patch is needed."
+        )
+
+
+# --------------------------------------------------------------------------------------------------
+# 1. The module-scoped remap
+# --------------------------------------------------------------------------------------------------
+
+_CPU = _real_torch.device("cpu")
+
+
+def _is_cuda_device(device) -> bool:
+    if isinstance(device, _real_torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+def _cpu_device_arg(device):
+    return _CPU if _is_cuda_device(device) else device
+
+
+def _on_cpu(fn: Callable) -> Callable:
+    """Wrap a tensor factory so a CUDA ``device`` argument means the CPU (and pinning is dropped)."""
+
+    @functools.wraps(fn)
+    def factory(*args, **kwargs):
+        if "device" in kwargs:
+            kwargs["device"] = _cpu_device_arg(kwargs["device"])
+        # Pinned host memory needs an accelerator runtime; on a CPU-only machine it is meaningless.
+        kwargs.pop("pin_memory", None)
+        return fn(*args, **kwargs)
+
+    return factory
+
+
+_FACTORIES = (
+    "tensor as_tensor empty empty_like empty_strided zeros zeros_like ones ones_like full full_like "
+    "arange linspace rand randn randint randperm eye"
+).split()
+
+
+class _DeviceMeta(type):
+    def __instancecheck__(cls, obj):
+        return isinstance(obj, _real_torch.device)
+
+
+class _Device(metaclass=_DeviceMeta):
+    """``torch.device`` as megatron sees it: any CUDA device is the CPU."""
+
+    def __new__(cls, type_or_str, index=None):
+        if isinstance(type_or_str, _real_torch.device):
+            return _cpu_device_arg(type_or_str)
+        if _is_cuda_device(type_or_str):
+            return _CPU
+        if index is None:
+            return _real_torch.device(type_or_str)
+        return _real_torch.device(type_or_str, index)
+
+
+class _NullStream:
+    """A CUDA stream stand-in: CPU ops run in program order, so every wait is already satisfied."""
+
+    def __init__(self, *args, **kwargs):
+        self.device = _CPU
+
+    def wait_stream(self, stream):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def record_event(self, event=None):
+        return event if event is not None else _NullEvent()
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+
+class _NullEvent:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, stream=None):
+        pass
+
+    def wait(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, other):
+        return 0.0
+
+
+def _noop(*args, **kwargs):
+    return None
+
+
+_nvtx = types.SimpleNamespace(range_push=_noop, range_pop=_noop, mark=_noop, range=lambda *a, **k: contextlib.nullcontext())
+
+
+def _cpu_get_rng_state(device=None):
+    return _real_torch.get_rng_state()
+
+
+def _cpu_set_rng_state(new_state, device=None):
+    _real_torch.set_rng_state(new_state)
+
+
+_cuda_random = types.SimpleNamespace(
+    get_rng_state=_cpu_get_rng_state,
+    set_rng_state=_cpu_set_rng_state,
+    manual_seed=lambda seed: _real_torch.manual_seed(seed),
+)
+
+
+class _CudaOnCpu(types.ModuleType):
+    """``torch.cuda`` as megatron sees it on a CPU-only machine."""
+
+    def __init__(self):
+        super().__init__("torch.cuda")
+        self.current_device = lambda: _CPU
+        self.set_device = _noop
+        self.synchronize = _noop
+        self.empty_cache = _noop
+        self.current_stream = lambda device=None: _NullStream()
+        self.default_stream = lambda device=None: _NullStream()
+        self.Stream = _NullStream
+        self.Event = _NullEvent
+        self.stream = lambda stream=None: contextlib.nullcontext()
+        self.set_stream = _noop
+        self.nvtx = _nvtx
+        self.random = _cuda_random
+        self.get_rng_state = _cpu_get_rng_state
+        self.set_rng_state = _cpu_set_rng_state
+        self.manual_seed = _cuda_random.manual_seed
+        self.manual_seed_all = _cuda_random.manual_seed
+        self.default_generators = (_real_torch.default_generator,)
+        self.memory_allocated = lambda *a, **k: 0
+        self.memory_reserved = lambda *a, **k: 0
+        self.max_memory_allocated = lambda *a, **k: 0
+        self.device_count = lambda: 0
+
+    def __getattr__(self, name):
+        return getattr(_real_torch.cuda, name)
+
+
+class _TorchOnCpu(types.ModuleType):
+    """``torch`` as megatron's modules see it: see the module docstring, point 1."""
+
+    def __init__(self):
+        super().__init__("torch")
+        self.cuda = _CudaOnCpu()
+        self.device = _Device
+        for name in _FACTORIES:
+            setattr(self, name, _on_cpu(getattr(_real_torch, name)))
+
+    def __getattr__(self, name):
+        return getattr(_real_torch, name)
+
+
+_torch_on_cpu = _TorchOnCpu()
+
+
+def _remap_megatron_modules() -> int:
+    """Point every loaded megatron.core module's ``torch`` global at the CPU proxy; returns how many."""
+    count = 0
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("megatron.core") or module is None:
+            continue
+        if getattr(module, "torch", None) is _real_torch:
+            module.torch = _torch_on_cpu
+            count += 1
+    return count
+
+
+# Everything our code paths touch; imported before the remap so the sweep covers them.
+_MEGATRON_MODULES = (
+    "megatron.core.parallel_state",
+    "megatron.core.utils",
+    "megatron.core.tensor_parallel",
+    "megatron.core.tensor_parallel.random",
+    "megatron.core.tensor_parallel.mappings",
+    "megatron.core.tensor_parallel.layers",
+    "megatron.core.tensor_parallel.cross_entropy",
+    "megatron.core.transformer.torch_norm",
+    "megatron.core.transformer.moe.moe_utils",
+    "megatron.core.transformer.moe.router",
+    "megatron.core.transformer.moe.token_dispatcher",
+    "megatron.core.transformer.moe.experts",
+    "megatron.core.transformer.moe.moe_layer",
+    "megatron.core.models.gpt",
+    "megatron.core.models.gpt.gpt_layer_specs",
+    "megatron.core.pipeline_parallel",
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.pipeline_parallel.p2p_communication",
+    "megatron.core.distributed",
+    "megatron.core.distributed.finalize_model_grads",
+    "megatron.core.optimizer",
+    "megatron.core.optimizer.distrib_optimizer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer_param_scheduler",
+    "megatron.core.dist_checkpointing",
+    "megatron.core.dist_checkpointing.serialization",
+    "megatron.core.dist_checkpointing.exchange_utils",
+    "megatron.core.dist_checkpointing.strategies.torch",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+)
+
+
+# --------------------------------------------------------------------------------------------------
+# 2. Tensor.cuda
+# --------------------------------------------------------------------------------------------------
+
+_real_tensor_cuda = _real_torch.Tensor.cuda
+
+
+def _tensor_cuda_on_cpu(self, device=None, non_blocking=False, memory_format=_real_torch.preserve_format):
+    return self
+
+
+# --------------------------------------------------------------------------------------------------
+# 3. Narrow patches
+# --------------------------------------------------------------------------------------------------
+
+
+def _patch_rng() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: _real_torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: _real_torch.set_rng_state(
+        new_state
+    )
+    import logging
+
+    logging.getLogger(mrandom.__name__).addFilter(_DropCpuRngWarning())
+
+
+class _DropCpuRngWarning:
+    """On CPU the "GPU" RNG the tracker forks *is* the CPU RNG, so this warning fires on every fork."""
+
+    def filter(self, record):
+        return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
+
+
+def _patch_torch_norm() -> None:
+    from megatron.core.transformer import torch_norm
+
+    original_new = torch_norm.WrappedTorchNorm.__new__
+    if getattr(original_new, "_gspo_cpu_patch", False):
+        return
+
+    def __new__(cls, config, hidden_size, eps=1e-5, **kwargs):
+        # The only obstacle to sequence parallelism is this assertion: the norm is elementwise over the
+        # hidden dimension, so a sequence shard normalises exactly like the full sequence. What SP does need
+        # is the gradient all-reduce over TP, which finalize_model_grads does for params tagged like this.
+        sequence_parallel = config.sequence_parallel
+        config.sequence_parallel = False
+        try:
+            norm = original_new(cls, config, hidden_size, eps, **kwargs)
+        finally:
+            config.sequence_parallel = sequence_parallel
+        for param in norm.parameters():
+            param.sequence_parallel = sequence_parallel
+        return norm
+
+    __new__._gspo_cpu_patch = True
+    torch_norm.WrappedTorchNorm.__new__ = __new__
+
+
+def _patch_moe_utils() -> None:
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if torch.is_tensor(tensor):
+            tensor = tensor.to(_CPU)
+            if as_numpy:
+                tensor = tensor.numpy()
+        return tensor
+
+    moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    # The dispatchers imported the name directly.
+    from megatron.core.transformer.moe import token_dispatcher
+
+    if hasattr(token_dispatcher, "maybe_move_tensor_to_cpu"):
+        token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+
+def _patch_uneven_collectives() -> None:
+    from megatron.core.tensor_parallel import mappings
+
+    gather_even = mappings._gather_along_first_dim
+    reduce_scatter_even = mappings._reduce_scatter_along_first_dim
+    if getattr(gather_even, "_gspo_cpu_patch", False):
+        return
+
+    def _gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return gather_even(input_, group, output_split_sizes, use_global_buffer)
+        # gloo's all_gather needs equal chunks: pad every rank's chunk to the largest, gather, trim.
+        sizes = [int(s) for s in output_split_sizes]
+        longest = max(sizes)
+        padded = input_.new_zeros((longest,) + tuple(input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        gathered = input_.new_empty((longest * len(sizes),) + tuple(input_.shape[1:]))
+        torch.distributed.all_gather_into_tensor(gathered, padded.contiguous(), group=group)
+        chunks = gathered.split(longest, dim=0)
+        return torch.cat([chunk[:size] for chunk, size in zip(chunks, sizes)], dim=0)
+
+    def _reduce_scatter_along_first_dim(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return reduce_scatter_even(input_, group, input_split_sizes, use_global_buffer)
+        sizes = [int(s) for s in input_split_sizes]
+        longest = max(sizes)
+        padded = input_.new_zeros((longest * len(sizes),) + tuple(input_.shape[1:]))
+        for i, chunk in enumerate(input_.split(sizes, dim=0)):
+            padded[i * longest : i * longest + sizes[i]] = chunk
+        output = input_.new_empty((longest,) + tuple(input_.shape[1:]))
+        torch.distributed.reduce_scatter_tensor(output, padded, group=group)
+        return output[: sizes[group.rank()]].contiguous()
+
+    _gather_along_first_dim._gspo_cpu_patch = True
+    mappings._gather_along_first_dim = _gather_along_first_dim
+    mappings._reduce_scatter_along_first_dim = _reduce_scatter_along_first_dim
+
+
+def _recompile(owner: type, name: str, replacements: dict[str, str]) -> None:
+    """Recompile ``owner.name`` from its source with textual replacements (each must occur).
+
+    Used only for the ``param.type()`` string checks, which no remap can reach. The function keeps its
+    module globals and a ``__class__`` cell, so zero-argument ``super()`` still works.
+    """
+    raw = inspect.getattr_static(owner, name)
+    func = raw.__func__ if isinstance(raw, (classmethod, staticmethod)) else raw
+    if getattr(func, "_gspo_cpu_patch", False):
+        return
+    source = textwrap.dedent(inspect.getsource(func))
+    for old, new in replacements.items():
+        if old not in source:
+            raise MegatronVersionError(f"cannot patch {owner.__qualname__}.{name}: {old!r} not found in its source")
+        source = source.replace(old, new)
+    # Drop decorators (classmethod/staticmethod are re-applied below); keep the def.
+    source = source[source.index("def ") :]
+    wrapper = "def _make(__class__):\n" + textwrap.indent(source, "    ") + f"\n    return {name}\n"
+    namespace: dict = {}
+    exec(compile(wrapper, inspect.getsourcefile(func), "exec"), func.__globals__, namespace)
+    new_func = namespace["_make"](owner)
+    new_func._gspo_cpu_patch = True
+    if isinstance(raw, classmethod):
+        new_func = classmethod(new_func)
+    elif isinstance(raw, staticmethod):
+        new_func = staticmethod(new_func)
+    setattr(owner, name, new_func)
+
+
+def _patch_optimizer_type_checks() -> None:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+    cpu_types = {"'torch.cuda.": "'torch."}
+    _recompile(DistributedOptimizer, "_build_model_and_main_param_groups", cpu_types)
+    _recompile(DistributedOptimizer, "__init__", cpu_types)
+    _recompile(Float16OptimizerWithFloat16Params, "__init__", cpu_types)
+
+
+# --------------------------------------------------------------------------------------------------
+
+
+def needed() -> bool:
+    """The patches are for machines without a CUDA device."""
+    return not _real_torch.cuda.is_available()
+
+
+def apply() -> None:
+    """Make megatron-core run on CPU. Idempotent; does nothing when a CUDA device is present.
+
+    Call it before building models or optimizers. Modules of megatron-core imported later can be covered
+    by calling it again.
+    """
+    global _applied
+    if not needed():
+        return
+    _check_version()
+    import importlib
+
+    for name in _MEGATRON_MODULES:
+        importlib.import_module(name)
+    if not _applied:
+        _real_torch.Tensor.cuda = _tensor_cuda_on_cpu
+        _patch_rng()
+        _patch_torch_norm()
+        _patch_moe_utils()
+        _patch_uneven_collectives()
+        _patch_optimizer_type_checks()
+        _applied = True
+    _remap_megatron_modules()

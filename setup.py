@@ -1,0 +1,28 @@
+"""gspo-megatron: GSPO reinforcement learning for Mixture-of-Experts models on Megatron-Core."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="gspo-megatron",
+    version="0.1.0",
+    description="GSPO (Group Sequence Policy Optimization) training backend on Megatron-Core with SGLang rollouts",
+    python_requires=">=3.10",
+    packages=find_packages(include=["gspo_megatron", "gspo_megatron.*", "patches", "patches.*"]),
+    install_requires=[
+        "torch>=2.6",
+        "megatron-core>=0.16.1",
+        # torch_dist checkpoint writer needs it but megatron-core does not declare it.
+        "psutil",
+        "numpy",
+        "pyyaml",
+        "safetensors",
+        "transformers>=4.51",
+    ],
+    extras_require={
+        # GPU-only: TransformerEngine needs CUDA torch and NCCL at build and import time.
+        "gpu": ["transformer-engine[pytorch]>=2.0", "triton"],
+        "sglang": ["sglang==0.5.23"],
+        "test": ["pytest"],
+    },
+    entry_points={"console_scripts": ["gspo-megatron=gspo_megatron.cli:main"]},
+)
