@@ -30,7 +30,8 @@ What it changes, from broad to narrow:
    - ``tensor_parallel.mappings._gather_along_first_dim/_reduce_scatter_along_first_dim`` with uneven
      split sizes (TP x EP with the alltoall dispatcher): gloo rejects per-rank chunks of different sizes, so
      the chunks are padded to the largest one.
-   - Optimizer constructors that test ``param.type()`` against ``"torch.cuda.*Tensor"`` strings are
+   - Optimizer constructors and ``clip_grad_by_total_norm_fp32``, which test ``param.type()`` against
+     ``"torch.cuda.*Tensor"`` strings, are
      recompiled from their source with the CPU type names.
 """
 
@@ -406,8 +407,8 @@ def _patch_uneven_collectives() -> None:
     mappings._reduce_scatter_along_first_dim = _reduce_scatter_along_first_dim
 
 
-def _recompile(owner: type, name: str, replacements: dict[str, str]) -> None:
-    """Recompile ``owner.name`` from its source with textual replacements (each must occur).
+def _recompile(owner, name: str, replacements: dict[str, str]) -> None:
+    """Recompile ``owner.name`` (a class or a module) from its source with textual replacements (each must occur).
 
     Used only for the ``param.type()`` string checks, which no remap can reach. The function keeps its
     module globals and a ``__class__`` cell, so zero-argument ``super()`` still works.
@@ -419,14 +420,14 @@ def _recompile(owner: type, name: str, replacements: dict[str, str]) -> None:
     source = textwrap.dedent(inspect.getsource(func))
     for old, new in replacements.items():
         if old not in source:
-            raise MegatronVersionError(f"cannot patch {owner.__qualname__}.{name}: {old!r} not found in its source")
+            raise MegatronVersionError(f"cannot patch {owner.__name__}.{name}: {old!r} not found in its source")
         source = source.replace(old, new)
     # Drop decorators (classmethod/staticmethod are re-applied below); keep the def.
     source = source[source.index("def ") :]
     wrapper = "def _make(__class__):\n" + textwrap.indent(source, "    ") + f"\n    return {name}\n"
     namespace: dict = {}
     exec(compile(wrapper, inspect.getsourcefile(func), "exec"), func.__globals__, namespace)
-    new_func = namespace["_make"](owner)
+    new_func = namespace["_make"](owner if isinstance(owner, type) else None)
     new_func._gspo_cpu_patch = True
     if isinstance(raw, classmethod):
         new_func = classmethod(new_func)
@@ -436,6 +437,7 @@ def _recompile(owner: type, name: str, replacements: dict[str, str]) -> None:
 
 
 def _patch_optimizer_type_checks() -> None:
+    from megatron.core.optimizer import clip_grads, optimizer
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
 
@@ -443,6 +445,9 @@ def _patch_optimizer_type_checks() -> None:
     _recompile(DistributedOptimizer, "_build_model_and_main_param_groups", cpu_types)
     _recompile(DistributedOptimizer, "__init__", cpu_types)
     _recompile(Float16OptimizerWithFloat16Params, "__init__", cpu_types)
+    _recompile(clip_grads, "clip_grad_by_total_norm_fp32", cpu_types)
+    # optimizer.py imported the function by name.
+    optimizer.clip_grad_by_total_norm_fp32 = clip_grads.clip_grad_by_total_norm_fp32
 
 
 # --------------------------------------------------------------------------------------------------

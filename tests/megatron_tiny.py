@@ -16,7 +16,7 @@ GLOBAL_BATCH = 4
 MICRO_BATCH = 1
 
 
-def build_model(dispatcher: str = "alltoall", seed: int = 0):
+def build_model(dispatcher: str = "alltoall", seed: int = 0, per_sequence_loss: bool = False):
     """A 2-layer MoE GPTModel: 4 experts, top-2, GQA, q/k norm, RMSNorm, SwiGLU, no biases, RoPE."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import finalize_model_grads
@@ -52,6 +52,8 @@ def build_model(dispatcher: str = "alltoall", seed: int = 0):
         expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
         # MoE with TP>1 requires sequence parallelism in megatron-core.
         sequence_parallel=tp > 1,
+        # The policy step normalises by sequences through megatron's per-token-loss mode.
+        calculate_per_token_loss=per_sequence_loss,
     )
     config.finalize_model_grads_func = finalize_model_grads
     torch.manual_seed(seed)
@@ -68,10 +70,12 @@ def build_model(dispatcher: str = "alltoall", seed: int = 0):
     return model
 
 
-def wrap_ddp(model):
+def wrap_ddp(model, distributed_optimizer: bool = False):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed_optimizer
+    )
     return DistributedDataParallel(model.config, ddp_config, model)
 
 

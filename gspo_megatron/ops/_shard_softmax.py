@@ -1,0 +1,99 @@
+"""Softmax over a vocabulary split across ranks: per-shard statistics and their exact combination (no collectives).
+
+A rank holding the logits z[:, shard] of one chunk of tokens computes, per token and relative to its *own* max m_r,
+
+    s_r = sum_{v in shard} exp(z_v - m_r)          u_r = sum_{v in shard} exp(z_v - m_r) (z_v - m_r)
+
+and the target logit z_y if it owns y (0 otherwise). Because no shard needs another's max, the shards exchange
+nothing until every chunk is done; the [tp, T, 4] statistics then combine exactly:
+
+    lse = M + log sum_r s_r exp(m_r - M),  M = max_r m_r
+    H   = lse - sum_v p_v z_v = sum_r exp(m_r - lse) (s_r (lse - m_r) - u_r)
+
+(the second form uses sum_r exp(m_r - lse) s_r = 1; each of its terms is >= 0, so no cancellation for peaked p).
+
+Backward, per token, with log p_v = z_v - lse, upstream gradients g (log-prob) and g_H (entropy):
+
+    dlogp_y / dz_v = [v = y] - p_v            dH / dz_v = -p_v (log p_v + H)
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["STAT_MAX", "STAT_SUMEXP", "STAT_TARGET", "STAT_ENTROPY", "combine_shard_stats", "logits_grad_", "shard_stats_"]
+
+# Columns of the per-token statistics tensor [T, 4].
+STAT_MAX, STAT_SUMEXP, STAT_TARGET, STAT_ENTROPY = range(4)
+
+
+def _owned(local_targets: torch.Tensor, shard_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(owned [c] bool, safe column [c, 1]): which targets fall in this shard, and an index valid everywhere."""
+    owned = (local_targets >= 0) & (local_targets < shard_rows)
+    return owned, torch.where(owned, local_targets, 0).unsqueeze(1)
+
+
+def shard_stats_(
+    z: torch.Tensor, local_targets: torch.Tensor, with_entropy: bool, out: torch.Tensor
+) -> None:
+    """Write (m_r, s_r, z_y or 0, u_r or 0) of one chunk to ``out`` [c, 4]. Consumes ``z`` (overwritten).
+
+    z: [c, V_shard] tempered logits (logits / temperature) in the compute dtype. local_targets: [c] target ids
+    minus this shard's first id (outside [0, V_shard): another rank owns it). Extra memory: one [c, V_shard]
+    buffer with entropy, none without.
+    """
+    owned, col = _owned(local_targets, z.shape[1])
+    m = z.amax(dim=1)
+    out[:, STAT_TARGET] = torch.where(owned, z.gather(1, col).squeeze(1), 0)
+    out[:, STAT_MAX] = m
+    z.sub_(m.unsqueeze(1))  # z - m_r <= 0: exp cannot overflow
+    if with_entropy:
+        e = torch.exp(z)
+        out[:, STAT_SUMEXP] = e.sum(dim=1)
+        out[:, STAT_ENTROPY] = e.mul_(z).sum(dim=1)
+    else:
+        out[:, STAT_SUMEXP] = z.exp_().sum(dim=1)
+        out[:, STAT_ENTROPY] = 0
+
+
+def combine_shard_stats(stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[tp, T, 4] per-shard statistics -> (lse [T], target logit z_y [T], entropy H [T]); see the module docstring."""
+    m, s, target, u = stats.unbind(dim=2)  # each [tp, T]
+    top = m.amax(dim=0)
+    lse = top + torch.log((s * torch.exp(m - top)).sum(dim=0))
+    entropy = (torch.exp(m - lse) * (s * (lse - m) - u)).sum(dim=0)
+    return lse, target.sum(dim=0), entropy
+
+
+def logits_grad_(
+    z: torch.Tensor,
+    local_targets: torch.Tensor,
+    lse: torch.Tensor,
+    entropy: torch.Tensor | None,
+    grad_logprob: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+    temperature: float,
+) -> torch.Tensor:
+    """Gradient w.r.t. the *untempered* logits x = z * temperature of one chunk, written over ``z`` and returned.
+
+    z: [c, V_shard] tempered logits; lse, entropy, grad_logprob, grad_entropy: [c] (a None gradient is zero;
+    entropy is only read when grad_entropy is given). Extra memory: one [c, V_shard] buffer with an entropy
+    gradient, none without.
+    """
+    logp = z.sub_(lse.unsqueeze(1))
+    # d/dx = d/dz / temperature: fold -1/temperature into the per-token factors once, not into [c, V] passes.
+    scale = -1.0 / temperature
+    a = grad_logprob * scale if grad_logprob is not None else None
+    if grad_entropy is None:
+        grad = logp.exp_()  # p
+        grad.mul_(a.unsqueeze(1)) if a is not None else grad.zero_()
+    else:
+        p = torch.exp(logp)
+        grad = logp.add_(entropy.unsqueeze(1)).mul_((grad_entropy * scale).unsqueeze(1))
+        if a is not None:
+            grad.add_(a.unsqueeze(1))
+        grad.mul_(p)
+    if grad_logprob is not None:
+        owned, col = _owned(local_targets, z.shape[1])
+        grad.scatter_add_(1, col, torch.where(owned, -a, 0).unsqueeze(1))
+    return grad

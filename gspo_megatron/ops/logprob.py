@@ -1,0 +1,130 @@
+"""Per-token log-probabilities (and entropy) of targets under a vocab-parallel output layer, without [T, V] logits.
+
+    logp_t = z_{t, y_t} - logsumexp_v z_{t, v},    H_t = -sum_v p_{t, v} log p_{t, v},
+    z = (hidden @ W.T) / temperature
+
+W is split by rows (vocabulary) over the tensor-parallel group, as in Megatron's output layer. Temperature
+divides the logits before the softmax, as SGLang does for the log-probs of sampled tokens, so train-side log-probs
+match the rollout's. Only ``vocab_size`` real ids take part: the rows Megatron pads the vocabulary with are
+excluded, as inference engines drop them before the softmax.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from . import _tp_comm as comm
+from ._logprob_function import VocabParallelLogprob
+
+__all__ = ["DEFAULT_CHUNK_ELEMENTS", "vocab_parallel_logprobs"]
+
+# Auto chunk size: rows such that one [rows, V_shard] fp32 logit buffer holds about this many elements
+# (128 MiB). Tuned with bench/logprob.py: large enough that the matmuls run at full speed, small enough that the
+# one or two live buffers stay a few percent of the [T, V] the naive path holds.
+DEFAULT_CHUNK_ELEMENTS = 1 << 25
+
+
+def vocab_parallel_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    tp_group: dist.ProcessGroup | None = None,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    chunk_size: int | None = None,
+    sequence_parallel: bool = False,
+    vocab_size: int | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob of each target token, and optionally the entropy of each token's distribution.
+
+    hidden: [T, H] or [s, b, H] final hidden states (the output layer's input), replicated over ``tp_group``;
+        with ``sequence_parallel``, this rank's block of the first dim ([T/tp, H] or [s/tp, b, H]).
+        Pass it directly: the op sums the hidden gradient over the TP group itself (do not also route it through
+        ``copy_to_tensor_model_parallel_region``).
+    weight: [V/tp, H] this rank's rows of the output layer (rank r holds global ids [r*V/tp, (r+1)*V/tp)).
+    targets: [T] or [s, b] global token ids in [0, vocab_size), for all tokens (also under sequence parallel).
+    tp_group: the tensor-parallel group the vocabulary is split over; None (or a group of one): no collectives.
+    temperature: logits are divided by it before the softmax.
+    chunk_size: tokens per chunk; peak extra memory is ~2 x chunk x V/tp fp32. None: DEFAULT_CHUNK_ELEMENTS / (V/tp).
+    vocab_size: real vocabulary size when ``weight`` holds Megatron's padding rows (default: all V rows are real).
+
+    Returns fp32 (float64 for float64 inputs) tensors of ``targets``' shape, identical on every TP rank:
+    logp, or (logp, entropy) if ``return_entropy``. Both are differentiable w.r.t. hidden and weight.
+    """
+    tp, rank = comm.group_size(tp_group), comm.group_rank(tp_group)
+    shard_rows = _check_inputs(hidden, weight, targets, tp, rank, temperature, chunk_size, sequence_parallel, vocab_size)
+    if chunk_size is None:
+        chunk_size = max(1, DEFAULT_CHUNK_ELEMENTS // max(1, shard_rows))
+    out = _implementation(hidden).apply(
+        hidden.reshape(-1, hidden.shape[-1]),
+        weight,
+        targets.reshape(-1),
+        tp_group,
+        float(temperature),
+        bool(return_entropy),
+        int(chunk_size),
+        rank * weight.shape[0],
+        shard_rows,
+        bool(sequence_parallel) and tp > 1,
+    )
+    if return_entropy:
+        return out[0].view(targets.shape), out[1].view(targets.shape)
+    return out.view(targets.shape)
+
+
+def _implementation(hidden: torch.Tensor) -> type[torch.autograd.Function]:
+    """The autograd Function to run. The torch chunk loop is the reference and, today, the only one.
+
+    A CUDA kernel (e.g. Triton, computing the shard statistics in the matmul epilogue) belongs here: selected only
+    when ``hidden.is_cuda``, with the same arguments and saved tensors, and tested against the torch path.
+    """
+    return VocabParallelLogprob
+
+
+def _check_inputs(hidden, weight, targets, tp, rank, temperature, chunk_size, sequence_parallel, vocab_size) -> int:
+    """Validate the arguments; return how many rows of this rank's weight shard are real vocabulary."""
+    for name, value in (("hidden", hidden), ("weight", weight), ("targets", targets)):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if hidden.dim() not in (2, 3) or not hidden.is_floating_point():
+        raise ValueError(f"hidden must be a float [T, H] or [s, b, H] tensor, got {hidden.dtype} {tuple(hidden.shape)}")
+    if weight.dim() != 2 or not weight.is_floating_point():
+        raise ValueError(f"weight must be a float [V/tp, H] tensor, got {weight.dtype} {tuple(weight.shape)}")
+    if weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight has hidden size {weight.shape[1]} but hidden has {hidden.shape[-1]}")
+    if weight.shape[0] == 0:
+        raise ValueError("weight has no vocabulary rows")
+    if weight.device != hidden.device or targets.device != hidden.device:
+        raise ValueError(
+            f"hidden, weight and targets must be on one device, got {hidden.device}, {weight.device}, {targets.device}"
+        )
+    if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
+        raise ValueError(f"targets must be an integer tensor of token ids, got {targets.dtype}")
+    tokens = tuple(hidden.shape[:-1])
+    if sequence_parallel and tp > 1:
+        tokens = (tokens[0] * tp, *tokens[1:])
+    if tuple(targets.shape) != tokens:
+        where = f" (hidden is this rank's 1/{tp} of the sequence)" if sequence_parallel and tp > 1 else ""
+        raise ValueError(f"targets has shape {tuple(targets.shape)} but hidden {tuple(hidden.shape)}{where} has tokens {tokens}")
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
+    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+
+    shard = weight.shape[0]
+    padded = shard * tp
+    vocab = padded if vocab_size is None else vocab_size
+    if not (isinstance(vocab, int) and (tp - 1) * shard < vocab <= padded):
+        # Every rank must own at least one real id; Megatron pads by < tp * 128 rows, far less than a shard.
+        raise ValueError(
+            f"vocab_size must be in ({(tp - 1) * shard}, {padded}] for a weight shard of {shard} rows x tp={tp}, "
+            f"got {vocab_size!r}"
+        )
+    if targets.numel():
+        low, high = torch.stack(torch.aminmax(targets)).tolist()  # one host sync; cheap next to the matmuls
+        if low < 0 or high >= vocab:
+            raise ValueError(f"targets must lie in [0, {vocab}) (the vocabulary), got ids from {low} to {high}")
+    return min(shard, vocab - rank * shard)

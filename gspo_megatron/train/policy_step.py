@@ -1,0 +1,230 @@
+"""GSPO (and GSPO-token / GRPO) inside Megatron's pipeline schedules.
+
+A rollout minibatch is a list of micro batches, each a dict of tensors:
+
+    input_ids     [b, S] long   prompt + response tokens (the model input)
+    labels        [b, S] long   the next token at each position (input_ids shifted left)
+    loss_mask     [b, S] bool   True where labels[t] is a response token
+    old_logprobs  [b, S] float  log pi_old(labels[t]), aligned with labels (ignored where not loss_mask)
+    advantages    [b] float     ([b, S] token advantages for gspo_token)
+    ref_logprobs  [b, S] float  optional, for a KL penalty
+
+Normalisation: megatron-core's per-token-loss mode is used with *sequences* as the unit (tokens for GRPO
+token-mean). Each micro batch's loss function returns (sum of its sequences' losses, number of sequences);
+the schedule does not divide by the micro batch count, DDP sums gradients over data-parallel ranks, and
+``finalize_model_grads`` divides by the number of sequences summed over all micro batches and DP ranks.
+So every sequence of the minibatch weighs the same in the gradient however the minibatch is split, exactly
+as in the single-process ``gspo_loss``. Models must be built with ``calculate_per_token_loss=True``.
+
+Context parallelism (GSPO): each CP rank's per-sequence partial sums are all-reduced as scalars
+(``parallel.reductions``), every CP rank computes the same loss, and only CP rank 0 counts the sequences
+(the count is summed over the DP x CP group).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Iterable
+
+import torch
+
+from gspo_megatron import algo
+from gspo_megatron.model.hidden_output import hidden_states_instead_of_logits
+from gspo_megatron.ops import vocab_parallel_logprobs
+from gspo_megatron.parallel.reductions import all_reduce_sequence_sums, broadcast_from_last_stage
+
+ALGORITHMS = ("gspo", "gspo_token", "grpo")
+
+
+@dataclass(frozen=True)
+class AlgoConfig:
+    """The policy loss. Defaults are the GSPO paper's."""
+
+    name: str = "gspo"
+    eps_low: float = 3e-4
+    eps_high: float = 4e-4
+    max_log_ratio: float = 10.0
+    grpo_aggregation: str = "token-mean"  # or "seq-mean-token-mean"
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    temperature: float = 1.0  # the rollout's sampling temperature: log-probs are of logits / temperature
+
+    def __post_init__(self):
+        if self.name not in ALGORITHMS:
+            raise ValueError(f"algo.name={self.name!r} is not one of {ALGORITHMS}")
+        if self.temperature <= 0:
+            raise ValueError(f"algo.temperature={self.temperature} must be > 0")
+
+    @classmethod
+    def grpo(cls, **kwargs) -> "AlgoConfig":
+        """The paper's GRPO baseline: token-level clip 0.2 / 0.27."""
+        return cls(name="grpo", eps_low=0.2, eps_high=0.27, **kwargs)
+
+
+def _groups():
+    from megatron.core import parallel_state as ps
+
+    return ps.get_tensor_model_parallel_group(), ps.get_context_parallel_group(), ps
+
+
+def token_logprobs(output_tensor: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float,
+                   sequence_parallel: bool) -> torch.Tensor:
+    """[b, s_local, H] last-stage hidden states -> log pi(labels) [b, S] through the fused op."""
+    tp_group, _, _ = _groups()
+    hidden = output_tensor.transpose(0, 1)  # [s_local, b, H]: the op gathers the sequence dim under SP
+    logprobs = vocab_parallel_logprobs(
+        hidden, weight, labels.t(), tp_group=tp_group, temperature=temperature, sequence_parallel=sequence_parallel
+    )
+    return logprobs.t()
+
+
+def _loss_terms(algo_config: AlgoConfig, batch: dict, logprobs: torch.Tensor):
+    """(loss summed over this micro batch's units, number of units, per-sequence stats) for one micro batch."""
+    _, cp_group, ps = _groups()
+    cfg = algo_config
+    mask = batch["loss_mask"]
+    ref = batch.get("ref_logprobs")
+    kl = dict(ref_logprobs=ref, kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator)
+    clip = dict(eps_low=cfg.eps_low, eps_high=cfg.eps_high, max_log_ratio=cfg.max_log_ratio)
+    counts_here = ps.get_context_parallel_rank() == 0
+    if ps.get_context_parallel_world_size() > 1 and (cfg.name != "gspo" or cfg.kl_coef):
+        raise NotImplementedError(
+            f"algo.name={cfg.name!r} (kl_coef={cfg.kl_coef}) under context parallelism: only gspo without a KL "
+            "term reduces over CP ranks so far"
+        )
+    if cfg.name == "gspo":
+        sums, counts = algo.masked_log_ratio_sums(logprobs, batch["old_logprobs"], mask)
+        sums, counts = all_reduce_sequence_sums(sums, counts, cp_group)
+        terms = algo.gspo_loss_from_sums(sums, counts, batch["advantages"], num_sequences=1.0, **clip)
+        loss = terms.loss
+        if cfg.kl_coef:
+            kl_term, _ = algo.kl.kl_loss_term(
+                logprobs, ref, mask, cfg.kl_coef, cfg.kl_estimator, "seq-mean-token-mean", cfg.max_log_ratio,
+                num_sequences=1.0,
+            )
+            loss = loss + kl_term
+        units = terms.valid.sum() if counts_here else torch.zeros((), dtype=torch.long)
+        stats = {
+            "seq_log_ratio": terms.seq_log_ratio.detach(),
+            "clipped_low": terms.clipped_low & terms.valid,
+            "clipped_high": terms.clipped_high & terms.valid,
+            "valid": terms.valid,
+        }
+        return loss, units, stats
+    if cfg.name == "gspo_token":
+        loss, _ = algo.gspo_token_loss(logprobs, batch["old_logprobs"], batch["advantages"], mask,
+                                       num_sequences=1.0, **clip, **kl)
+        units = mask.any(dim=-1).sum()
+    else:
+        per_token = cfg.grpo_aggregation == "token-mean"
+        denominator = dict(num_tokens=1.0) if per_token else dict(num_sequences=1.0)
+        loss, _ = algo.grpo_loss(logprobs, batch["old_logprobs"], batch["advantages"], mask,
+                                 aggregation=cfg.grpo_aggregation, **denominator, **clip, **kl)
+        units = mask.sum() if per_token else mask.any(dim=-1).sum()
+    valid = mask.any(dim=-1)
+    stats = {"seq_log_ratio": algo.sequence_log_ratio(logprobs.detach(), batch["old_logprobs"], mask), "valid": valid}
+    return loss, units, stats
+
+
+def _loss_func(algo_config: AlgoConfig, batch: dict, captured, output_tensor: torch.Tensor):
+    logprobs = token_logprobs(output_tensor, captured.weight, batch["labels"], algo_config.temperature,
+                              captured.sequence_parallel)
+    loss, units, stats = _loss_terms(algo_config, batch, logprobs)
+    units = units.to(torch.int)
+    return loss, units, {"loss_sum": loss.detach().clone(), "units": units.clone(), **stats}
+
+
+def _position_ids(input_ids: torch.Tensor) -> torch.Tensor:
+    return torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0).expand_as(input_ids)
+
+
+def policy_forward_step(algo_config: AlgoConfig):
+    """A ``forward_step_func`` for ``get_forward_backward_func`` computing the policy loss."""
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        with hidden_states_instead_of_logits(model) as captured:
+            output = model(batch["input_ids"], _position_ids(batch["input_ids"]), attention_mask=None)
+        return output, partial(_loss_func, algo_config, batch, captured)
+
+    return forward_step
+
+
+def _run_schedule(model, forward_step, micro_batches: list[dict], forward_only: bool):
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    b, seq = micro_batches[0]["input_ids"].shape
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter(micro_batches),
+        model=[model],
+        num_microbatches=len(micro_batches),
+        seq_length=seq,
+        micro_batch_size=b,
+        forward_only=forward_only,
+    )
+
+
+def update_step(model, optimizer, micro_batches: list[dict], algo_config: AlgoConfig) -> dict:
+    """One optimizer step on one minibatch (its share on this data-parallel rank, as micro batches).
+
+    Returns, on every rank: ``loss`` (the minibatch's mean loss per unit, over all DP ranks),
+    ``seq_log_ratio`` [n] of this DP rank's sequences, clip fractions, ``grad_norm`` and ``update_successful``.
+    If the step is skipped (non-finite gradients), the weights are left as they were.
+    """
+    _, _, ps = _groups()
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    results = _run_schedule(model, policy_forward_step(algo_config), micro_batches, forward_only=False)
+    update_successful, grad_norm, _ = optimizer.step()
+    summary = None
+    if ps.is_pipeline_last_stage():
+        totals = torch.stack([sum(r["loss_sum"] for r in results).float(), sum(r["units"] for r in results).float()])
+        torch.distributed.all_reduce(totals, group=ps.get_data_parallel_group(with_context_parallel=True))
+        valid = torch.cat([r["valid"] for r in results])
+        summary = {
+            "loss": totals[0] / totals[1].clamp_min(1),
+            "seq_log_ratio": torch.cat([r["seq_log_ratio"] for r in results]),
+            "valid": valid,
+        }
+        if "clipped_low" in results[0]:
+            n = valid.sum().clamp_min(1)
+            summary["clip_frac_low"] = torch.cat([r["clipped_low"] for r in results]).sum() / n
+            summary["clip_frac_high"] = torch.cat([r["clipped_high"] for r in results]).sum() / n
+    out = broadcast_from_last_stage(summary, ps.get_pipeline_model_parallel_group())
+    out["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+    out["update_successful"] = bool(update_successful)
+    return out
+
+
+def _logprob_loss_func(batch: dict, captured, temperature: float, output_tensor: torch.Tensor):
+    logprobs = token_logprobs(output_tensor, captured.weight, batch["labels"], temperature, captured.sequence_parallel)
+    mask = batch["loss_mask"]
+    zero = torch.zeros((), dtype=torch.float32, device=logprobs.device)
+    sums, counts = algo.masked_log_ratio_sums(logprobs, torch.zeros_like(logprobs), mask)
+    return zero, torch.zeros((), dtype=torch.int), {"logprobs": logprobs.detach(), "seq_logprob": sums.detach(),
+                                                     "num_tokens": counts.detach()}
+
+
+@torch.no_grad()
+def logprob_pass(model, micro_batches: Iterable[dict], temperature: float = 1.0) -> dict:
+    """Log-likelihoods of each micro batch's labels, with no gradient: the old- and reference-policy pass.
+
+    Returns on every pipeline rank: ``logprobs`` [n, S] per token (0 outside loss_mask is not guaranteed:
+    use the mask), ``seq_logprob`` [n] (sum over response tokens) and ``num_tokens`` [n].
+    """
+    _, _, ps = _groups()
+    micro_batches = list(micro_batches)
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        with hidden_states_instead_of_logits(model) as captured:
+            output = model(batch["input_ids"], _position_ids(batch["input_ids"]), attention_mask=None)
+        return output, partial(_logprob_loss_func, batch, captured, temperature)
+
+    results = _run_schedule(model, forward_step, micro_batches, forward_only=True)
+    out = None
+    if ps.is_pipeline_last_stage():
+        out = {key: torch.cat([r[key] for r in results]) for key in ("logprobs", "seq_logprob", "num_tokens")}
+    return broadcast_from_last_stage(out, ps.get_pipeline_model_parallel_group())

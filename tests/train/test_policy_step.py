@@ -1,0 +1,187 @@
+"""The GSPO update step inside Megatron's schedules equals world=1 under every parallel layout.
+
+Same weights (world=1 torch_dist checkpoint, loaded by resharding), same rollout minibatch of 8 sequences
+(split over data-parallel ranks and micro batches of 2), Adam with gradient clipping. Compared with the
+world=1 reference: the loss (1e-5 relative), the sequence log-ratios (2e-6 absolute), every gradient shard (1e-5 relative,
+max |a - e| / max |e|) and every updated weight shard (2e-6 absolute; weights are ~0.02, the step ~1e-3).
+Also: 1, 2 or 4 micro batches give the same gradient, and the log-prob pass equals the loss's log-probs.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from gspo_megatron.algo import group_advantages
+from gspo_megatron.parallel.groups import Layout
+from gspo_megatron.parallel.launch import run_on_ranks
+from gspo_megatron.train.policy_step import AlgoConfig, logprob_pass, update_step
+from tests import megatron_tiny as tiny
+
+NUM_SEQUENCES, GROUP, MICRO = 8, 4, 2
+RTOL, WEIGHT_ATOL = 1e-5, 2e-6
+# A sequence log-ratio is a difference of fp32 log-probs of magnitude ~5: its noise floor is ~5e-7 absolute.
+RATIO_ATOL = 2e-6
+ALGO = AlgoConfig(eps_low=3e-4, eps_high=4e-4)
+
+
+def make_rollout() -> dict:
+    """8 sequences of 16 tokens: prompts of 3-8 tokens, then the response (one sequence is all prompt)."""
+    g = torch.Generator().manual_seed(11)
+    tokens = torch.randint(0, tiny.VOCAB, (NUM_SEQUENCES, tiny.SEQ + 1), generator=g)
+    prompt = torch.randint(3, 9, (NUM_SEQUENCES,), generator=g)
+    prompt[5] = tiny.SEQ + 1  # empty response: excluded from the loss
+    positions = torch.arange(tiny.SEQ).unsqueeze(0)
+    rewards = torch.rand(NUM_SEQUENCES, generator=g)
+    return {
+        "input_ids": tokens[:, :-1],
+        "labels": tokens[:, 1:],
+        "loss_mask": positions + 1 >= prompt.unsqueeze(1),  # label t is token t+1
+        "advantages": group_advantages(rewards, GROUP),
+    }
+
+
+def micro_batches(rollout: dict, first: int, count: int, size: int) -> list[dict]:
+    return [{k: v[i : i + size] for k, v in rollout.items()} for i in range(first, first + count, size)]
+
+
+def build(ckpt_dir: str, dispatcher: str = "alltoall", distributed_optimizer: bool = False):
+    from megatron.core import dist_checkpointing
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    model = tiny.build_model(dispatcher, seed=1 + torch.distributed.get_rank(), per_sequence_loss=True)
+    loaded = dist_checkpointing.load(tiny.tensors_only(model.sharded_state_dict()), f"{ckpt_dir}/weights")
+    model.load_state_dict(loaded)
+    ddp = tiny.wrap_ddp(model, distributed_optimizer)
+    config = OptimizerConfig(optimizer="adam", lr=1e-3, adam_eps=1e-6, weight_decay=0.0, clip_grad=1.0,
+                             use_distributed_optimizer=distributed_optimizer)
+    return ddp, get_megatron_optimizer(config, [ddp])
+
+
+def reference(ckpt_dir: str):
+    """world=1: weights, rollout (old log-probs from the model, perturbed), then the step's results."""
+    from megatron.core import dist_checkpointing
+
+    for name in ("weights", "grads", "updated"):
+        os.makedirs(f"{ckpt_dir}/{name}")
+    model = tiny.build_model(per_sequence_loss=True)
+    dist_checkpointing.save(tiny.tensors_only(model.sharded_state_dict()), f"{ckpt_dir}/weights")
+    ddp, optimizer = build(ckpt_dir)
+    rollout = make_rollout()
+    passes = logprob_pass(ddp, micro_batches(rollout, 0, NUM_SEQUENCES, MICRO))
+    # pi_old differs from pi_theta by ~1e-3 per token, so some sequences fall outside 1 +- 4e-4 and clip.
+    noise = 1e-3 * torch.randn(passes["logprobs"].shape, generator=torch.Generator().manual_seed(3))
+    rollout["old_logprobs"] = passes["logprobs"] + noise
+    torch.save(rollout, f"{ckpt_dir}/rollout.pt")
+
+    before = {k: v.clone() for k, v in tiny.flat(tiny.tensors_only(ddp.module.sharded_state_dict())).items()}
+    out = update_step(ddp, optimizer, micro_batches(rollout, 0, NUM_SEQUENCES, MICRO), ALGO)
+    after = tiny.flat(tiny.tensors_only(ddp.module.sharded_state_dict()))
+    moved = min((after[k] - before[k]).abs().max().item() for k in before)
+    grads = tiny.grads_sharded_state_dict(ddp.module)
+    dist_checkpointing.save(grads, f"{ckpt_dir}/grads")
+    dist_checkpointing.save(tiny.tensors_only(ddp.module.sharded_state_dict()), f"{ckpt_dir}/updated")
+    torch.save(out, f"{ckpt_dir}/outputs.pt")
+
+    # The same minibatch as 1, 2 or 4 micro batches gives the same gradient.
+    split = {}
+    for size in (8, 4, 2):
+        ddp, optimizer = build(ckpt_dir)
+        update_step(ddp, optimizer, micro_batches(rollout, 0, NUM_SEQUENCES, size), ALGO)
+        split[size] = tiny.flat(tiny.grads_sharded_state_dict(ddp.module))
+    split_diff = max(tiny.max_rel_diff(split[s][k], split[2][k]) for s in (8, 4) for k in split[2])
+    # The log-prob pass must see exactly the log-probs the loss sees: with old = pass, every ratio is 1.
+    same = dict(rollout, old_logprobs=passes["logprobs"])
+    ddp, optimizer = build(ckpt_dir)
+    ratio_one = update_step(ddp, optimizer, micro_batches(same, 0, NUM_SEQUENCES, MICRO), ALGO)["seq_log_ratio"]
+    return {"out": out, "split_diff": split_diff, "ratio_one": ratio_one, "moved": moved}
+
+
+def compare(ckpt_dir: str, cases) -> dict:
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+
+    from gspo_megatron.parallel import groups
+
+    ref = torch.load(f"{ckpt_dir}/outputs.pt")
+    rollout = torch.load(f"{ckpt_dir}/rollout.pt")
+    results = {}
+    for name, layout, dispatcher, distributed_optimizer in cases:
+        groups.init_model_parallel(layout)
+        ddp, optimizer = build(ckpt_dir, dispatcher, distributed_optimizer)
+        per_dp = NUM_SEQUENCES // ps.get_data_parallel_world_size()
+        first = ps.get_data_parallel_rank() * per_dp
+        out = update_step(ddp, optimizer, micro_batches(rollout, first, per_dp, MICRO), ALGO)
+        ref_grads = tiny.flat(dist_checkpointing.load(tiny.empty_like_sharded(ddp.module), f"{ckpt_dir}/grads"))
+        ref_weights = tiny.flat(dist_checkpointing.load(tiny.empty_like_sharded(ddp.module), f"{ckpt_dir}/updated"))
+        grads = tiny.flat(tiny.grads_sharded_state_dict(ddp.module))
+        weights = tiny.flat(tiny.tensors_only(ddp.module.sharded_state_dict()))
+        results[name] = {
+            "loss": abs(out["loss"].item() - ref["loss"].item()) / abs(ref["loss"].item()),
+            "seq_log_ratio": (out["seq_log_ratio"] - ref["seq_log_ratio"][first : first + per_dp]).abs().max().item(),
+            "clip_frac": (out["clip_frac_low"] + out["clip_frac_high"]).item(),
+            # With the distributed optimizer each DP rank holds only its reduce-scattered slice of the grad
+            # buffer, so the full gradients are not there to compare; the updated weights (all-gathered) are.
+            "grads": None if distributed_optimizer else max(tiny.max_rel_diff(grads[k], ref_grads[k]) for k in grads),
+            "weights": max((weights[k] - ref_weights[k]).abs().max().item() for k in weights),
+            "update_successful": out["update_successful"],
+        }
+    return results
+
+
+_reference_cache: dict = {}
+
+
+def reference_dir(tmp_path_factory) -> tuple[str, dict]:
+    if not _reference_cache:
+        ckpt_dir = str(tmp_path_factory.mktemp("policy_reference"))
+        (result,) = run_on_ranks(reference, 1, Layout(), ckpt_dir)
+        _reference_cache.update(dir=ckpt_dir, result=result)
+    return _reference_cache["dir"], _reference_cache["result"]
+
+
+def _check(results, cases):
+    for name, *_ in cases:
+        for rank, r in enumerate(res[name] for res in results):
+            where = f"{name} rank {rank}"
+            assert r["update_successful"], where
+            assert r["loss"] <= RTOL, f"{where}: loss rel diff {r['loss']:.2e}"
+            assert r["seq_log_ratio"] <= RATIO_ATOL, f"{where}: seq log-ratio abs diff {r['seq_log_ratio']:.2e}"
+            if r["grads"] is not None:
+                assert r["grads"] <= RTOL, f"{where}: grads rel diff {r['grads']:.2e}"
+            assert r["weights"] <= WEIGHT_ATOL, f"{where}: updated weights abs diff {r['weights']:.2e}"
+
+
+def test_world1_reference_properties(tmp_path_factory):
+    _, result = reference_dir(tmp_path_factory)
+    out = result["out"]
+    assert result["split_diff"] <= 1e-6, f"1/2/4 micro batches: grads rel diff {result['split_diff']:.2e}"
+    torch.testing.assert_close(result["ratio_one"][out["valid"]], torch.zeros(int(out["valid"].sum())), rtol=0, atol=1e-6)
+    # Every tensor moved by far more than the layouts' weight tolerance, so that comparison has teeth.
+    assert result["moved"] > 100 * WEIGHT_ATOL, result["moved"]
+    assert out["grad_norm"] > 0
+    assert not out["valid"][5] and out["valid"].sum() == NUM_SEQUENCES - 1
+    # The perturbed old policy clips some sequences but not all: both GSPO branches are exercised.
+    assert 0 < (out["clip_frac_low"] + out["clip_frac_high"]).item() < 1
+
+
+TWO = [
+    ("tp2", Layout(tensor=2, sequence_parallel=True), "alltoall", False),
+    ("pp2", Layout(pipeline=2), "alltoall", False),
+    ("ep2", Layout(expert=2), "alltoall", True),
+]
+FOUR = [
+    ("tp2_ep2", Layout(tensor=2, expert=2, sequence_parallel=True), "alltoall", False),
+    ("pp2_ep2", Layout(pipeline=2, expert=2), "allgather", True),
+]
+
+
+def test_two_rank_update_steps_equal_world1(tmp_path_factory):
+    ckpt_dir, _ = reference_dir(tmp_path_factory)
+    _check(run_on_ranks(compare, 2, None, ckpt_dir, TWO), TWO)
+
+
+def test_four_rank_update_steps_equal_world1(tmp_path_factory):
+    ckpt_dir, _ = reference_dir(tmp_path_factory)
+    _check(run_on_ranks(compare, 4, None, ckpt_dir, FOUR), FOUR)
