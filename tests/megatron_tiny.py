@@ -16,7 +16,9 @@ GLOBAL_BATCH = 4
 MICRO_BATCH = 1
 
 
-def build_model(dispatcher: str = "alltoall", seed: int = 0, per_sequence_loss: bool = False):
+def build_model(
+    dispatcher: str = "alltoall", seed: int = 0, per_sequence_loss: bool = False, routing_replay: bool = False
+):
     """A 2-layer MoE GPTModel: 4 experts, top-2, GQA, q/k norm, RMSNorm, SwiGLU, no biases, RoPE."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import finalize_model_grads
@@ -54,8 +56,14 @@ def build_model(dispatcher: str = "alltoall", seed: int = 0, per_sequence_loss: 
         sequence_parallel=tp > 1,
         # The policy step normalises by sequences through megatron's per-token-loss mode.
         calculate_per_token_loss=per_sequence_loss,
+        moe_enable_routing_replay=routing_replay,
     )
     config.finalize_model_grads_func = finalize_model_grads
+    if routing_replay:
+        from megatron.core.transformer.moe.router_replay import RouterReplay
+
+        # RouterReplay keeps every router ever built in a class-level list: start it afresh per model.
+        RouterReplay.clear_global_router_replay_instances()
     torch.manual_seed(seed)
     model = GPTModel(
         config=config,
@@ -68,6 +76,13 @@ def build_model(dispatcher: str = "alltoall", seed: int = 0, per_sequence_loss: 
         position_embedding_type="rope",
     )
     return model
+
+
+def unwrap_layers(model):
+    """The decoder layers of a (DDP-wrapped) GPTModel on this pipeline stage."""
+    while hasattr(model, "module"):
+        model = model.module
+    return list(model.decoder.layers)
 
 
 def wrap_ddp(model, distributed_optimizer: bool = False):

@@ -8,6 +8,8 @@ A rollout minibatch is a list of micro batches, each a dict of tensors:
     old_logprobs  [b, S] float  log pi_old(labels[t]), aligned with labels (ignored where not loss_mask)
     advantages    [b] float     ([b, S] token advantages for gspo_token)
     ref_logprobs  [b, S] float  optional, for a KL penalty
+    routing       [b, L, s_local, k] long  optional: experts the old policy chose (``logprob_pass`` with
+                  ``record_routing=True``); when present the update pass replays them (GRPO + Routing Replay)
 
 Normalisation: megatron-core's per-token-loss mode is used with *sequences* as the unit (tokens for GRPO
 token-mean). Each micro batch's loss function returns (sum of its sequences' losses, number of sequences);
@@ -135,6 +137,42 @@ def _loss_func(algo_config: AlgoConfig, batch: dict, captured, output_tensor: to
     return loss, units, {"loss_sum": loss.detach().clone(), "units": units.clone(), **stats}
 
 
+# ---- routing replay (megatron-core's RouterReplay; the model needs moe_enable_routing_replay=True) ----------
+
+
+def _router_replay():
+    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+    return RouterReplay, RouterReplayAction
+
+
+def _recorded_routing(batch_size: int) -> torch.Tensor:
+    """This rank's routers' recorded top-k after one forward: [b, L_local, s_local, k].
+
+    Each router saw its tokens flattened s-major ([s_local * b, k]); regrouping them per sequence lets the
+    update pass split the rollout into different micro batches than the old-policy pass did.
+    """
+    RouterReplay, _ = _router_replay()
+    layers = [t.detach().reshape(-1, batch_size, t.shape[-1]).transpose(0, 1) for t in RouterReplay.get_recorded_data()]
+    if not layers:  # a pipeline stage without MoE layers
+        return torch.zeros(batch_size, 0, 0, 0, dtype=torch.long)
+    return torch.stack(layers, dim=1).clone()
+
+
+def _replay(routing: torch.Tensor) -> None:
+    """Make this rank's routers use ``routing`` [b, L_local, s_local, k] in the next forward."""
+    RouterReplay, Action = _router_replay()
+    per_layer = [routing[:, layer].transpose(0, 1).reshape(-1, routing.shape[-1]) for layer in range(routing.shape[1])]
+    RouterReplay.set_replay_data(per_layer)
+    RouterReplay.set_global_router_replay_action(Action.REPLAY_FORWARD)
+
+
+def _end_routing_replay() -> None:
+    RouterReplay, _ = _router_replay()
+    RouterReplay.clear_global_router_replay_action()
+    RouterReplay.clear_global_indices()
+
+
 def _position_ids(input_ids: torch.Tensor) -> torch.Tensor:
     return torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0).expand_as(input_ids)
 
@@ -144,6 +182,8 @@ def policy_forward_step(algo_config: AlgoConfig):
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
+        if "routing" in batch:
+            _replay(batch["routing"])
         with hidden_states_instead_of_logits(model) as captured:
             output = model(batch["input_ids"], _position_ids(batch["input_ids"]), attention_mask=None)
         return output, partial(_loss_func, algo_config, batch, captured)
@@ -176,7 +216,11 @@ def update_step(model, optimizer, micro_batches: list[dict], algo_config: AlgoCo
     _, _, ps = _groups()
     model.zero_grad_buffer()
     optimizer.zero_grad()
-    results = _run_schedule(model, policy_forward_step(algo_config), micro_batches, forward_only=False)
+    try:
+        results = _run_schedule(model, policy_forward_step(algo_config), micro_batches, forward_only=False)
+    finally:
+        if "routing" in micro_batches[0]:
+            _end_routing_replay()
     update_successful, grad_norm, _ = optimizer.step()
     summary = None
     if ps.is_pipeline_last_stage():
@@ -208,23 +252,38 @@ def _logprob_loss_func(batch: dict, captured, temperature: float, output_tensor:
 
 
 @torch.no_grad()
-def logprob_pass(model, micro_batches: Iterable[dict], temperature: float = 1.0) -> dict:
+def logprob_pass(model, micro_batches: Iterable[dict], temperature: float = 1.0, record_routing: bool = False) -> dict:
     """Log-likelihoods of each micro batch's labels, with no gradient: the old- and reference-policy pass.
 
-    Returns on every pipeline rank: ``logprobs`` [n, S] per token (0 outside loss_mask is not guaranteed:
-    use the mask), ``seq_logprob`` [n] (sum over response tokens) and ``num_tokens`` [n].
+    Returns on every pipeline rank: ``logprobs`` [n, S] per token (meaningful where loss_mask is set),
+    ``seq_logprob`` [n] (sum over response tokens) and ``num_tokens`` [n]. With ``record_routing``, also
+    ``routing`` [n, L_local, s_local, k]: the experts this rank's routers chose, to put in the update pass's
+    micro batches for Routing Replay (it stays on this rank: the same rank runs those layers in the update).
     """
     _, _, ps = _groups()
     micro_batches = list(micro_batches)
+    routing = []
+    if record_routing:
+        RouterReplay, Action = _router_replay()
+        RouterReplay.set_global_router_replay_action(Action.RECORD)
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
         with hidden_states_instead_of_logits(model) as captured:
             output = model(batch["input_ids"], _position_ids(batch["input_ids"]), attention_mask=None)
+        if record_routing:
+            routing.append(_recorded_routing(batch["input_ids"].shape[0]))
         return output, partial(_logprob_loss_func, batch, captured, temperature)
 
-    results = _run_schedule(model, forward_step, micro_batches, forward_only=True)
+    try:
+        results = _run_schedule(model, forward_step, micro_batches, forward_only=True)
+    finally:
+        if record_routing:
+            _end_routing_replay()
     out = None
     if ps.is_pipeline_last_stage():
         out = {key: torch.cat([r[key] for r in results]) for key in ("logprobs", "seq_logprob", "num_tokens")}
-    return broadcast_from_last_stage(out, ps.get_pipeline_model_parallel_group())
+    out = broadcast_from_last_stage(out, ps.get_pipeline_model_parallel_group())
+    if record_routing:
+        out["routing"] = torch.cat(routing)
+    return out
