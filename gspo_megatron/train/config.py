@@ -1,0 +1,266 @@
+"""The trainer's typed configuration: one dataclass per YAML section, checked once before anything starts.
+
+    cfg = load_config("examples/tiny_moe_cpu.yaml", ["parallel.tensor=2", "algo.name=grpo"])
+
+Every field has a default and a docstring. ``validate(cfg, world_size)`` checks each rule that can be
+checked without starting a process group (divisibility, compatible options) and raises ``ConfigError``
+naming the field and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config field is wrong; the message names it (``section.field``) and says how to fix it."""
+
+
+@dataclass
+class ModelConfig:
+    hf_dir: str = ""
+    """Hugging Face model directory (config.json, safetensors, tokenizer). Required unless ``tiny`` builds it."""
+    tiny: dict = field(default_factory=dict)
+    """If set and ``hf_dir`` does not exist yet: build a random model there from these HF config fields."""
+    megatron_checkpoint: str = ""
+    """Start from this Megatron dist checkpoint (tools/convert_hf_to_megatron.py) instead of hf_dir's weights."""
+    dtype: str = "float32"
+    """Parameter dtype: float32 or bfloat16 (bf16 needs a GPU to be fast)."""
+
+
+@dataclass
+class ParallelConfig:
+    tensor: int = 1
+    """Tensor-parallel size (attention heads, MLP and vocabulary are split over it)."""
+    pipeline: int = 1
+    """Pipeline-parallel size (layers are split over it)."""
+    expert: int = 1
+    """Expert-parallel size (MoE experts are spread over it)."""
+    expert_tensor: int | None = None
+    """Tensor-parallel size inside each expert (default: the same as ``tensor``)."""
+    context: int = 1
+    """Context-parallel size (needs TransformerEngine attention)."""
+    sequence_parallel: bool = True
+    """Shard activations along the sequence over the TP group (required by MoE when tensor > 1)."""
+    distributed_optimizer: bool = True
+    """Shard optimizer state over data-parallel ranks (ZeRO-1)."""
+    micro_batch_size: int = 1
+    """Sequences per micro batch."""
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "sglang"
+    """sglang (servers launched by us on loopback or ``urls``) or local (in-process sampling)."""
+    urls: list = field(default_factory=list)
+    """Attach to these SGLang servers (or one sglang-router) instead of launching one."""
+    group_size: int = 8
+    """G: responses sampled per prompt."""
+    prompts_per_step: int = 8
+    """Prompts per RL step; the rollout batch is prompts_per_step * group_size sequences."""
+    max_new_tokens: int = 64
+    max_prompt_tokens: int = 512
+    """Prompts longer than this are an error (they also size the memory estimate of ``plan``)."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    reuse_rollout_logprobs: bool = False
+    """Use SGLang's log-probs as pi_old instead of recomputing them in the trainer (the GSPO paper allows it)."""
+    weight_sync: str = "distributed"
+    """distributed (broadcast to the servers) or disk (save HF safetensors, server reloads)."""
+    server_args: dict = field(default_factory=dict)
+    """Extra sglang.launch_server arguments for servers we launch."""
+    timeout_s: float = 300.0
+    """A rollout request that takes longer fails the step with an error naming the server."""
+
+
+@dataclass
+class AlgoSection:
+    name: str = "gspo"
+    """gspo, gspo_token, grpo (token-level PPO clip)."""
+    eps_low: float | None = None
+    """Lower clip; default 3e-4 for GSPO, 0.2 for GRPO (the paper's values)."""
+    eps_high: float | None = None
+    """Upper clip; default 4e-4 for GSPO, 0.27 for GRPO."""
+    max_log_ratio: float = 10.0
+    grpo_aggregation: str = "token-mean"
+    routing_replay: bool = False
+    """GRPO + Routing Replay: replay the old policy's experts in the update pass (MoE)."""
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    normalize_advantage_std: bool = True
+    minibatches: int = 4
+    """Optimizer steps per rollout batch (the paper uses 4)."""
+
+
+@dataclass
+class OptimizerSection:
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    warmup_steps: int = 0
+    lr_decay: str = "constant"
+    """constant, linear or cosine (over train.steps)."""
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+
+
+@dataclass
+class DataConfig:
+    prompts: str = ""
+    """JSONL of {"prompt": str, "answer": ...} or {"messages": [...], "answer": ...}."""
+    task: str = ""
+    """A synthetic task shipped in the repo instead of a file (see gspo_megatron.rollout.tasks)."""
+    eval_prompts: str = ""
+    skip_malformed: bool = False
+    """Skip (and count) malformed JSONL lines instead of stopping at the first with its line number."""
+    reward: str = "math"
+    """math, exact_match, the task's own, or module:function."""
+    seed: int = 1234
+
+
+@dataclass
+class TrainSection:
+    steps: int = 100
+    eval_every: int = 0
+    seed: int = 1234
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = ""
+    every: int = 0
+    """Save every N steps (0: only at the end)."""
+    keep: int = 2
+
+
+@dataclass
+class LoggingConfig:
+    dir: str = "runs/default"
+    tensorboard: bool = True
+    """Write TensorBoard events when tensorboard is installed."""
+    wandb_project: str = ""
+    """Log to Weights & Biases when set (and wandb is installed)."""
+    plot_every: int = 5
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algo: AlgoSection = field(default_factory=AlgoSection)
+    optimizer: OptimizerSection = field(default_factory=OptimizerSection)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainSection = field(default_factory=TrainSection)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+# ---- loading ---------------------------------------------------------------------------------------
+
+
+def _field_types(cls) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _coerce(value: Any, annotation: Any, where: str) -> Any:
+    """YAML value -> the field's type, with an error naming the field."""
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin is typing.Union or (origin is not None and type(None) in args):
+        if value is None:
+            return None
+        annotation = next(a for a in args if a is not type(None))
+        origin = typing.get_origin(annotation)
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(f"{where}: expected true/false, got {value!r}")
+    if annotation in (int, float):
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        try:
+            number = annotation(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where}: expected {annotation.__name__}, got {value!r}") from None
+        if annotation is int and isinstance(value, float) and number != value:
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        return number
+    if annotation is str:
+        if isinstance(value, (dict, list)):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return str(value)
+    if annotation is dict or origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        return value
+    if annotation is list or origin is list:
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v]
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        return value
+    return value
+
+
+def _build(cls, values: dict, where: str):
+    if not isinstance(values, dict):
+        raise ConfigError(f"{where}: expected a mapping of fields, got {values!r}")
+    types = _field_types(cls)
+    unknown = sorted(set(values) - set(types))
+    if unknown:
+        raise ConfigError(f"{where}: unknown field(s) {unknown}; known: {sorted(types)}")
+    kwargs = {}
+    for name, annotation in types.items():
+        if name not in values:
+            continue
+        key = f"{where}.{name}" if where else name
+        if dataclasses.is_dataclass(annotation):
+            kwargs[name] = _build(annotation, values[name] or {}, key)
+        else:
+            kwargs[name] = _coerce(values[name], annotation, key)
+    return cls(**kwargs)
+
+
+def _apply_override(tree: dict, override: str) -> None:
+    if "=" not in override:
+        raise ConfigError(f"override {override!r} must look like section.field=value")
+    key, raw = override.split("=", 1)
+    parts = key.strip().split(".")
+    node = tree
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {override!r}: {part} is not a section")
+    node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
+    """YAML file (or None for defaults) + dotted ``section.field=value`` overrides -> a typed Config."""
+    tree: dict = {}
+    if path is not None:
+        file = Path(path)
+        if not file.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        tree = yaml.safe_load(file.read_text()) or {}
+        if not isinstance(tree, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    for override in overrides:
+        _apply_override(tree, override)
+    return _build(Config, tree, "")
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)

@@ -1,0 +1,103 @@
+"""Every config rule that can be checked before a process starts; errors name the field and the fix."""
+
+from __future__ import annotations
+
+from gspo_megatron.algo import AGGREGATIONS, KL_ESTIMATORS
+from gspo_megatron.train.config import Config, ConfigError
+from gspo_megatron.train.policy_step import ALGORITHMS
+
+ENGINES = ("sglang", "local")
+WEIGHT_SYNCS = ("distributed", "disk")
+LR_DECAYS = ("constant", "linear", "cosine")
+
+
+def _one_of(value, allowed, name):
+    if value not in allowed:
+        raise ConfigError(f"{name}={value!r} is not one of {allowed}")
+
+
+def _divides(n: int, d: int, n_name: str, d_name: str, fix: str = "") -> None:
+    if d <= 0 or n % d:
+        raise ConfigError(f"{n_name}={n} is not divisible by {d_name}={d}" + (f": {fix}" if fix else ""))
+
+
+def _positive(value, name):
+    if value <= 0:
+        raise ConfigError(f"{name}={value} must be > 0")
+
+
+def validate_layout(cfg: Config, world_size: int) -> int:
+    """Parallel sizes against the world size; returns the data-parallel size."""
+    p = cfg.parallel
+    for name in ("tensor", "pipeline", "expert", "context", "micro_batch_size"):
+        _positive(getattr(p, name), f"parallel.{name}")
+    model_parallel = p.tensor * p.pipeline * p.context
+    _divides(world_size, model_parallel, "world size", "parallel.tensor*pipeline*context",
+             "launch a multiple of that many processes, or lower the parallel sizes")
+    etp = p.expert_tensor or p.tensor
+    _divides(world_size, p.expert * etp * p.pipeline, "world size", "parallel.expert*expert_tensor*pipeline")
+    if p.context > 1:
+        try:
+            import transformer_engine  # noqa: F401
+        except ImportError:
+            raise ConfigError(
+                f"parallel.context={p.context} needs TransformerEngine attention (megatron's local attention "
+                "cannot split sequences); install the gpu extra or set parallel.context=1"
+            ) from None
+        if cfg.algo.name != "gspo":
+            raise ConfigError(f"parallel.context={p.context} supports algo.name='gspo' only, got {cfg.algo.name!r}")
+    return world_size // model_parallel
+
+
+def validate_model(cfg: Config, hf: dict) -> None:
+    """The model against the layout (the model provider repeats these with megatron's own config)."""
+    p = cfg.parallel
+    heads = hf.get("num_attention_heads")
+    kv = hf.get("num_key_value_heads", heads)
+    if heads:
+        _divides(heads, p.tensor, "num_attention_heads", "parallel.tensor")
+        _divides(kv, p.tensor, "num_key_value_heads", "parallel.tensor",
+                 "megatron splits whole key/value groups over TP ranks")
+    experts = hf.get("num_experts") or hf.get("num_local_experts") or 0
+    if experts:
+        _divides(experts, p.expert, "num_experts", "parallel.expert")
+        if p.tensor > 1 and not p.sequence_parallel:
+            raise ConfigError("parallel.sequence_parallel=false with parallel.tensor>1: MoE layers need sequence "
+                              "parallelism under TP; set parallel.sequence_parallel=true")
+    elif p.expert > 1:
+        raise ConfigError(f"parallel.expert={p.expert} but the model has no experts; set parallel.expert=1")
+    if hf.get("num_hidden_layers"):
+        _divides(hf["num_hidden_layers"], p.pipeline, "num_hidden_layers", "parallel.pipeline")
+
+
+def validate(cfg: Config, world_size: int, hf: dict | None = None) -> None:
+    a, r, o = cfg.algo, cfg.rollout, cfg.optimizer
+    _one_of(a.name, ALGORITHMS, "algo.name")
+    _one_of(a.grpo_aggregation, AGGREGATIONS, "algo.grpo_aggregation")
+    _one_of(a.kl_estimator, KL_ESTIMATORS, "algo.kl_estimator")
+    _one_of(r.engine, ENGINES, "rollout.engine")
+    _one_of(r.weight_sync, WEIGHT_SYNCS, "rollout.weight_sync")
+    _one_of(o.lr_decay, LR_DECAYS, "optimizer.lr_decay")
+    if a.routing_replay and a.name != "grpo":
+        raise ConfigError(f"algo.routing_replay=true is the GRPO baseline's fix; GSPO does not need it "
+                          f"(algo.name={a.name!r}): set algo.name=grpo or algo.routing_replay=false")
+    if a.kl_coef and not a.kl_coef > 0:
+        raise ConfigError(f"algo.kl_coef={a.kl_coef} must be >= 0")
+    if r.group_size < 2:
+        raise ConfigError(f"rollout.group_size={r.group_size}: group advantages need at least 2 responses per prompt")
+    for name in ("prompts_per_step", "max_new_tokens", "temperature"):
+        _positive(getattr(r, name), f"rollout.{name}")
+    _positive(a.minibatches, "algo.minibatches")
+    _positive(o.lr, "optimizer.lr") if o.lr != 0 else None
+    dp = validate_layout(cfg, world_size)
+    if hf is not None:
+        validate_model(cfg, hf)
+    batch = r.prompts_per_step * r.group_size
+    _divides(batch, a.minibatches, "rollout.prompts_per_step*group_size", "algo.minibatches")
+    _divides(batch // a.minibatches, dp * cfg.parallel.micro_batch_size, "sequences per minibatch",
+             "data-parallel size * parallel.micro_batch_size",
+             "every data-parallel rank needs whole micro batches of each minibatch")
+    if not (cfg.data.prompts or cfg.data.task):
+        raise ConfigError("data.prompts (a JSONL file) or data.task (a built-in task) must be set")
+    if cfg.data.prompts and cfg.data.task:
+        raise ConfigError("set one of data.prompts and data.task, not both")

@@ -1,0 +1,97 @@
+"""Typed config loading, overrides, validation errors that name the field, and the plan's numbers."""
+
+from __future__ import annotations
+
+import pytest
+
+from gspo_megatron.train.config import ConfigError, load_config
+from gspo_megatron.train.plan import ModelDims, estimate_memory, rank_groups
+from gspo_megatron.train.validate import validate
+
+QWEN3_30B_A3B = dict(
+    model_type="qwen3_moe", hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+    head_dim=128, intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+    vocab_size=151936, tie_word_embeddings=False,
+)
+
+
+def cfg(*overrides):
+    return load_config(None, ["data.task=count", *overrides])
+
+
+def test_defaults_yaml_and_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("rollout:\n  group_size: 4\nalgo:\n  name: grpo\n")
+    c = load_config(path, ["rollout.group_size=16", "parallel.sequence_parallel=false", "rollout.urls=a,b"])
+    assert c.rollout.group_size == 16 and c.algo.name == "grpo"
+    assert c.parallel.sequence_parallel is False and c.rollout.urls == ["a", "b"]
+    assert c.algo.minibatches == 4 and c.rollout.prompts_per_step == 8  # defaults kept
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["rollout.group_size=two"], r"rollout.group_size: expected int, got 'two'"),
+        (["rollout.gruop_size=4"], r"rollout: unknown field\(s\) \['gruop_size'\]"),
+        (["parallel.tensor=1.5"], r"parallel.tensor: expected an integer"),
+        (["nonsense"], r"must look like section.field=value"),
+    ],
+)
+def test_bad_fields_are_named(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+@pytest.mark.parametrize(
+    "overrides, world, hf, message",
+    [
+        (["algo.name=ppo"], 1, None, r"algo.name='ppo' is not one of"),
+        (["parallel.tensor=4"], 2, None, r"world size=2 is not divisible by parallel.tensor\*pipeline\*context=4"),
+        (["parallel.tensor=4"], 4, dict(QWEN3_30B_A3B, num_attention_heads=6), r"num_attention_heads=6 is not divisible by parallel.tensor=4"),
+        (["parallel.expert=3", "parallel.expert_tensor=1"], 3, QWEN3_30B_A3B, r"num_experts=128 is not divisible by parallel.expert=3"),
+        (["rollout.group_size=1"], 1, None, r"rollout.group_size=1: group advantages need at least 2"),
+        (["algo.minibatches=3"], 1, None, r"rollout.prompts_per_step\*group_size=64 is not divisible by algo.minibatches=3"),
+        (["algo.routing_replay=true"], 1, None, r"algo.routing_replay=true is the GRPO baseline's fix"),
+        (["parallel.context=2"], 2, None, r"parallel.context=2 needs TransformerEngine"),
+        (["parallel.tensor=2", "parallel.sequence_parallel=false"], 2, QWEN3_30B_A3B, r"parallel.sequence_parallel=false"),
+    ],
+)
+def test_incompatibilities_name_the_field(overrides, world, hf, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(cfg(*overrides), world, hf)
+
+
+def test_no_data_is_named():
+    with pytest.raises(ConfigError, match="data.prompts"):
+        validate(load_config(None), 1)
+
+
+def test_qwen3_30b_a3b_parameter_count():
+    dims = ModelDims.from_hf_config(QWEN3_30B_A3B)
+    # Qwen3-30B-A3B: 30.5B parameters, 3.3B active (its model card).
+    assert 30.3e9 < dims.total_params < 30.7e9
+    assert 3.2e9 < dims.active_params < 3.5e9
+
+
+def test_mlp_only_layers_and_sparse_step():
+    assert ModelDims.from_hf_config(dict(QWEN3_30B_A3B, mlp_only_layers=[0, 1])).moe_layers == 46
+    assert ModelDims.from_hf_config(dict(QWEN3_30B_A3B, decoder_sparse_step=2)).moe_layers == 24
+
+
+def test_rank_groups_match_megatron_order():
+    groups = rank_groups(8, cfg("parallel.tensor=2", "parallel.pipeline=2", "parallel.expert=2", "parallel.expert_tensor=1"))
+    assert groups["tensor"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert groups["pipeline"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert groups["data"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert groups["expert"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+def test_memory_scales_with_the_layout():
+    dims = ModelDims.from_hf_config(QWEN3_30B_A3B)
+    one = estimate_memory(dims, cfg("parallel.expert=8", "parallel.expert_tensor=1", "model.dtype=bfloat16"), 8, 4096)
+    more = estimate_memory(dims, cfg("parallel.expert=16", "parallel.expert_tensor=1", "model.dtype=bfloat16"), 16, 4096)
+    # By hand, bf16, TP=1 PP=1: experts 48 * 128 * 3 * 2048 * 768 / EP params, dense (attention, norms,
+    # routers, untied embeddings) ~1.51e9 params, 2 bytes each.
+    experts = 48 * 128 * 3 * 2048 * 768
+    assert one.params_gib == pytest.approx((experts / 8 + 1.51e9) * 2 / 2**30, rel=0.01)
+    assert more.params_gib == pytest.approx((experts / 16 + 1.51e9) * 2 / 2**30, rel=0.01)
