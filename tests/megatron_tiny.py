@@ -64,7 +64,12 @@ def build_model(
 
         # RouterReplay keeps every router ever built in a class-level list: start it afresh per model.
         RouterReplay.clear_global_router_replay_instances()
+    # Megatron initialises TP-split weights inside its RNG tracker's fork: re-seed it too, so a build is
+    # a function of ``seed`` alone, not of how many models this process built before.
+    from megatron.core import tensor_parallel
+
     torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
     model = GPTModel(
         config=config,
         transformer_layer_spec=get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False, qk_layernorm=True),

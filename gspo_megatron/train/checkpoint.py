@@ -1,0 +1,232 @@
+"""Training checkpoints: model, optimizer, LR schedule, RNG states and trainer state, written atomically.
+
+Layout of ``checkpoint.dir``:
+
+    step_000010/          a torch_dist checkpoint (megatron dist_checkpointing): model + optimizer shards,
+                          the LR schedule, trainer state (step, data position, weight version), and each
+                          rank's RNG states
+    step_000020/
+    latest                the name of the newest complete checkpoint
+
+A save goes to ``step_N.tmp/``, then rank 0 renames it to ``step_N/`` and replaces ``latest`` (write to a
+temporary file, then ``os.replace``). A process killed at any point leaves ``latest`` naming a complete
+checkpoint, so ``--resume`` always has one to load; stale ``*.tmp`` directories are removed by the next save.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+LATEST = "latest"
+# The distributed optimizer's state as one ShardedTensor per contiguous buffer: fully parallel save and load
+# with no gather (Megatron-LM's default). It can be resumed under another data-parallel size, not another
+# TP/PP/EP layout; convert the model alone (tools/) to change those.
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def rng_states() -> dict:
+    from megatron.core import tensor_parallel
+
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "megatron_tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+
+
+def set_rng_states(states: dict) -> None:
+    from megatron.core import tensor_parallel
+
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    torch.set_rng_state(states["torch"])
+    if states["cuda"]:
+        torch.cuda.set_rng_state_all(states["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(states["megatron_tracker"])
+
+
+def _rng_sharded_object(states: dict | None):
+    """Each rank's RNG states as one ShardedObject indexed by global rank (every rank restores its own)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return ShardedObject("rng_state", states, (world,), (_rank(),), replica_id=0)
+
+
+def _sharded_state(model, optimizer, scheduler, trainer_state: dict | None, rng: dict | None, is_loading: bool):
+    from gspo_megatron.model.hidden_output import unwrap
+
+    model_sd = unwrap(model).sharded_state_dict()
+    state = {"model": model_sd, "rng_state": _rng_sharded_object(rng)}
+    if optimizer is not None:
+        state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=OPTIMIZER_METADATA)
+    if scheduler is not None:
+        state["scheduler"] = scheduler.state_dict() if not is_loading else {}
+    if trainer_state is not None:
+        state["trainer"] = trainer_state
+    return state
+
+
+def save(directory: str | Path, step: int, model, optimizer, scheduler, trainer_state: dict, keep: int = 2) -> Path:
+    """Save a complete checkpoint for ``step``; returns its directory. Collective: call on every rank."""
+    from megatron.core import dist_checkpointing
+
+    root = Path(directory)
+    final = root / f"step_{step:06d}"
+    tmp = root / f"step_{step:06d}.tmp"
+    if _rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob("*.tmp"):
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir()
+    _barrier()
+    # Before the first optimizer step there is no optimizer state to save (and megatron cannot write an empty
+    # one); the checkpoint says so, and loading it leaves the fresh optimizer as it is.
+    has_optimizer_state = _has_optimizer_state(optimizer)
+    trainer_state = dict(trainer_state, step=step, has_optimizer_state=has_optimizer_state)
+    state = _sharded_state(model, optimizer if has_optimizer_state else None, scheduler, trainer_state, rng_states(),
+                           is_loading=False)
+    dist_checkpointing.save(state, str(tmp))
+    _barrier()
+    if _rank() == 0:
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        pointer = root / f"{LATEST}.tmp"
+        pointer.write_text(final.name)
+        os.replace(pointer, root / LATEST)
+        _prune(root, keep)
+    _barrier()
+    return final
+
+
+def _prune(root: Path, keep: int) -> None:
+    if keep <= 0:
+        return
+    steps = sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
+    for old in steps[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def latest(directory: str | Path) -> Path | None:
+    """The newest complete checkpoint under ``directory``, or None."""
+    pointer = Path(directory) / LATEST
+    if not pointer.is_file():
+        return None
+    path = Path(directory) / pointer.read_text().strip()
+    if not path.is_dir():
+        raise FileNotFoundError(f"{pointer} names {path.name}, which does not exist: the checkpoint dir was edited")
+    return path
+
+
+def _has_optimizer_state(optimizer) -> bool:
+    return any(
+        len(opt.optimizer.state[p])
+        for opt in getattr(optimizer, "chained_optimizers", [optimizer])
+        for g in opt.optimizer.param_groups
+        for p in g["params"]
+    )
+
+
+def _init_optimizer_state(optimizer) -> None:
+    """Give a fresh optimizer zero state (Adam moments and step) so its sharded state dict has a template.
+
+    megatron-core's non-distributed optimizer does this itself when loading; its DistributedOptimizer does
+    not, and without apex/TE its ``state_dict`` asserts one common ``step`` across parameters.
+    """
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = opt.optimizer
+        if _has_optimizer_state(opt):
+            continue
+        opt.init_state_fn(inner, opt.config)
+        for group in inner.param_groups:
+            for p in group["params"]:
+                inner.state[p].setdefault("step", torch.zeros((), dtype=torch.float32))
+
+
+def _restore_steps(node) -> None:
+    """Put the saved Adam step into each parameter's state, replacing ``_init_optimizer_state``'s zero.
+
+    The distributed optimizer saves the step once, in its param groups; its parameter-state load then
+    copies every key of the per-parameter template (the zero placeholder included) over the live state.
+    """
+    if isinstance(node, dict):
+        groups = node.get("optimizer", {}).get("param_groups") if isinstance(node.get("optimizer"), dict) else None
+        if "param_state" in node and groups and "step" in groups[0]:
+            step = torch.tensor(float(groups[0]["step"]))
+            _set_key(node["param_state"], "step", step)
+        for value in node.values():
+            _restore_steps(value)
+    elif isinstance(node, list):
+        for value in node:
+            _restore_steps(value)
+
+
+def _set_key(node, key: str, value: torch.Tensor) -> None:
+    if isinstance(node, dict):
+        if key in node:
+            node[key] = value.clone()
+        for child in node.values():
+            _set_key(child, key, value)
+    elif isinstance(node, list):
+        for child in node:
+            _set_key(child, key, value)
+
+
+def _unshare_steps(optimizer) -> None:
+    """One ``step`` tensor per parameter again.
+
+    megatron-core's DistributedOptimizer.load_state_dict (without apex/TE) gives every parameter the same
+    step tensor object; torch's Adam increments ``state["step"]`` in place once per parameter, so the
+    shared counter would run ahead and the bias correction of the next step would be wrong.
+    """
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for state in opt.optimizer.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
+
+
+def load(path: str | Path, model, optimizer, scheduler) -> dict[str, Any]:
+    """Load a checkpoint into ``model``/``optimizer``/``scheduler`` and restore this rank's RNG states.
+
+    Returns the trainer state saved with it (``step``, data position, weight version, ...).
+    """
+    from megatron.core import dist_checkpointing
+
+    from gspo_megatron.model.hidden_output import unwrap
+
+    common = dist_checkpointing.load_common_state_dict(str(path))
+    with_optimizer = common.get("trainer", {}).get("has_optimizer_state", True)
+    if with_optimizer:
+        _init_optimizer_state(optimizer)
+    template = _sharded_state(model, optimizer if with_optimizer else None, scheduler, {}, None, is_loading=True)
+    loaded = dist_checkpointing.load(template, str(path))
+    unwrap(model).load_state_dict(loaded["model"])
+    if with_optimizer:
+        _restore_steps(loaded["optimizer"])
+        with torch.no_grad():  # the distributed optimizer copies into its fp32 main params (leaves)
+            optimizer.load_state_dict(loaded["optimizer"])
+        _unshare_steps(optimizer)
+    if scheduler is not None and loaded.get("scheduler"):
+        scheduler.load_state_dict(loaded["scheduler"])
+    set_rng_states(loaded["rng_state"])
+    return loaded["trainer"]
