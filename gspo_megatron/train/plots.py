@@ -1,0 +1,64 @@
+"""PNG plots of a run's metrics (and several runs side by side, for tools/compare_runs.py).
+
+Panels: reward (mean, and eval when present), clip fraction (low/high), sequence-ratio range (min/mean/max),
+KL between the old and the new policy, and the rollout-vs-trainer log-prob difference.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from gspo_megatron.train.metrics_log import read_metrics
+
+# (title, [(metric, label)], y scale)
+PANELS = [
+    ("reward", [("reward_mean", "train"), ("eval_reward_mean", "eval")], "linear"),
+    ("clip fraction", [("clip_frac", "total"), ("clip_frac_low", "low"), ("clip_frac_high", "high")], "linear"),
+    ("sequence ratio", [("seq_ratio_min", "min"), ("seq_ratio_mean", "mean"), ("seq_ratio_max", "max")], "linear"),
+    ("KL(old || new)", [("approx_kl", "approx kl")], "linear"),
+    ("rollout vs trainer log-prob |diff|", [("logprob_diff_mean", "mean per token"), ("logprob_diff_max", "max")], "log"),
+]
+
+
+def _series(records: list[dict], key: str):
+    points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+    return [p[0] for p in points], [p[1] for p in points]
+
+
+def plot_runs(runs: dict[str, str | Path], out: str | Path, title: str = "") -> Path:
+    """``runs``: label -> metrics.jsonl path. One figure, one panel per PANELS entry; returns the PNG path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = {label: read_metrics(path) for label, path in runs.items()}
+    fig, axes = plt.subplots(1, len(PANELS), figsize=(4.2 * len(PANELS), 3.4))
+    single = len(runs) == 1
+    for ax, (panel, metrics, scale) in zip(axes, PANELS):
+        drawn = False
+        for run, recs in records.items():
+            for key, label in metrics:
+                steps, values = _series(recs, key)
+                if not steps:
+                    continue
+                positive = [v for v in values if v > 0]
+                if scale == "log" and not positive:
+                    continue
+                ax.plot(steps, values, label=label if single else f"{run}: {label}", linewidth=1.4)
+                drawn = True
+        ax.set_title(panel)
+        ax.set_xlabel("step")
+        if drawn:
+            if scale == "log":
+                ax.set_yscale("log")
+            ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
