@@ -1,43 +1,41 @@
-"""The ``gspo-megatron`` command line."""
+"""The ``gspo-megatron`` command line: train, plan, score.
+
+    gspo-megatron train examples/tiny_moe_cpu.yaml [section.field=value ...] [--resume]
+    torchrun --nproc-per-node 8 --nnodes 2 ... $(which gspo-megatron) train examples/qwen3_30b_a3b.yaml
+    gspo-megatron plan examples/qwen3_30b_a3b.yaml --nodes 2 --gpus-per-node 8
+    gspo-megatron score --model DIR --input records.jsonl [--tp N --pp N --ep N]
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-from pathlib import Path
-
-NOT_YET = {
-    "train": "the GSPO trainer (rollout -> rewards -> log-probs -> advantages -> update -> weight sync)",
-    "plan": "the layout and memory planner",
-    "score": "response log-likelihood scoring of HF or Megatron checkpoints",
-}
 
 
-def _read_config(path: str) -> dict:
-    import yaml
+def _train(args) -> int:
+    from gspo_megatron.train.config import load_config
+    from gspo_megatron.train.validate import validate
 
-    file = Path(path)
-    if not file.is_file():
-        raise SystemExit(f"gspo-megatron: config file {path} does not exist")
-    with file.open() as f:
-        config = yaml.safe_load(f) or {}
-    if not isinstance(config, dict):
-        raise SystemExit(f"gspo-megatron: {path} must hold a mapping of sections, got {type(config).__name__}")
-    return config
+    cfg = load_config(args.config, args.overrides)
+    validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    from gspo_megatron.train.loop import train
+
+    metrics = train(cfg, resume=args.resume)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"gspo-megatron train: finished {cfg.train.steps} steps; metrics in {cfg.logging.dir}/metrics.jsonl, "
+              f"plots in {cfg.logging.dir}/metrics.png; last reward {metrics.get('reward_mean')}")
+    return 0
 
 
-def _not_implemented(command: str, args: argparse.Namespace) -> int:
-    if getattr(args, "config", None):
-        config = _read_config(args.config)
-        print(f"gspo-megatron {command}: {args.config}")
-        for section, values in config.items():
-            print(f"  {section}: {values}")
-    print(
-        f"gspo-megatron {command}: {NOT_YET[command]} is not implemented in this version yet; "
-        "the config above is what it will run.",
-        file=sys.stderr,
-    )
-    return 2
+def _plan(args) -> int:
+    from gspo_megatron.train.config import load_config
+    from gspo_megatron.train.plan import format_plan
+
+    cfg = load_config(args.config, args.overrides)
+    world = args.nodes * args.gpus_per_node if args.gpus_per_node else int(os.environ.get("WORLD_SIZE", "1"))
+    print(format_plan(cfg, world, args.gpu_memory_gb))
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,24 +43,48 @@ def build_parser() -> argparse.ArgumentParser:
         prog="gspo-megatron",
         description="GSPO reinforcement learning for Mixture-of-Experts models on Megatron-Core, "
         "with rollouts from SGLang.",
+        epilog="Run `gspo-megatron COMMAND --help` for each command's options.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="run GSPO/GRPO training from a YAML config")
-    train.add_argument("config", help="YAML config, e.g. examples/tiny_moe_cpu.yaml")
-    train.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
-    train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
-    plan = sub.add_parser("plan", help="print the resolved parallel layout and per-GPU memory estimate")
+    train = sub.add_parser(
+        "train", help="run GSPO/GRPO training from a YAML config",
+        description="Run the RL loop: rollout from SGLang -> rewards -> log-probs -> advantages -> minibatch "
+        "updates -> weight sync -> eval -> checkpoint. One process on CPU, or under torchrun with the parallel "
+        "layout of the config. Every incompatibility is checked before any process group starts.",
+    )
+    train.add_argument("config", help="YAML config, e.g. examples/tiny_moe_cpu.yaml (sections: model, parallel, "
+                       "rollout, algo, optimizer, data, train, checkpoint, logging)")
+    train.add_argument("overrides", nargs="*", help="section.field=value overrides, e.g. parallel.tensor=2 algo.name=grpo")
+    train.add_argument("--resume", action="store_true", help="continue from checkpoint.dir's latest checkpoint")
+    plan = sub.add_parser(
+        "plan", help="print the resolved parallel layout and per-GPU memory estimate",
+        description="The ranks of every TP/PP/EP/CP/DP group (as megatron-core builds them) and an estimate of "
+        "per-GPU memory for parameters, gradients, optimizer state and activations.",
+    )
     plan.add_argument("config")
-    plan.add_argument("overrides", nargs="*")
-    score = sub.add_parser("score", help="log-likelihood of responses under a model")
-    score.add_argument("--model", required=True, help="HF directory or Megatron checkpoint")
-    score.add_argument("--input", required=True, help="JSONL with prompt_ids and response_ids")
+    plan.add_argument("overrides", nargs="*", help="section.field=value overrides")
+    plan.add_argument("--nodes", type=int, default=1)
+    plan.add_argument("--gpus-per-node", type=int, default=0, help="default: $WORLD_SIZE (or 1) ranks in all")
+    plan.add_argument("--gpu-memory-gb", type=float, default=80.0, help="per-GPU memory (H100: 80)")
+    from gspo_megatron import score
+
+    score.add_arguments(sub.add_parser("score", help="log-likelihood of responses under a model (JSONL in, JSONL out)"))
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return _not_implemented(args.command, args)
+    from gspo_megatron.train.config import ConfigError
+
+    try:
+        if args.command == "score":
+            from gspo_megatron import score
+
+            return score.run(args)
+        return _train(args) if args.command == "train" else _plan(args)
+    except ConfigError as error:
+        print(f"gspo-megatron {args.command}: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -28,6 +28,10 @@ class ModelConfig:
     """Hugging Face model directory (config.json, safetensors, tokenizer). Required unless ``tiny`` builds it."""
     tiny: dict = field(default_factory=dict)
     """If set and ``hf_dir`` does not exist yet: build a random model there from these HF config fields."""
+    warm_start_steps: int = 0
+    """With ``tiny`` and ``data.task``: this many supervised steps on task examples before RL (the CPU
+    example's brief warm start, so the random model has seen the answer format)."""
+    warm_start_lr: float = 3e-3
     megatron_checkpoint: str = ""
     """Start from this Megatron dist checkpoint (tools/convert_hf_to_megatron.py) instead of hf_dir's weights."""
     dtype: str = "float32"
@@ -123,7 +127,9 @@ class DataConfig:
     skip_malformed: bool = False
     """Skip (and count) malformed JSONL lines instead of stopping at the first with its line number."""
     reward: str = "math"
-    """math, exact_match, the task's own, or module:function."""
+    """math, exact_match, synthetic (the built-in tasks' partial-credit score), or module:function."""
+    on_reward_error: str = "raise"
+    """raise: a reward that raises or is not finite stops the step naming the sample; mask: drop the sample."""
     seed: int = 1234
 
 

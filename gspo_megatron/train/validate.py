@@ -78,6 +78,7 @@ def validate(cfg: Config, world_size: int, hf: dict | None = None) -> None:
     _one_of(r.engine, ENGINES, "rollout.engine")
     _one_of(r.weight_sync, WEIGHT_SYNCS, "rollout.weight_sync")
     _one_of(o.lr_decay, LR_DECAYS, "optimizer.lr_decay")
+    _one_of(cfg.data.on_reward_error, ("raise", "mask"), "data.on_reward_error")
     if a.routing_replay and a.name != "grpo":
         raise ConfigError(f"algo.routing_replay=true is the GRPO baseline's fix; GSPO does not need it "
                           f"(algo.name={a.name!r}): set algo.name=grpo or algo.routing_replay=false")

@@ -1,0 +1,106 @@
+"""What the loop needs before its first step: the model directory, tokenizer, prompts, reward, loss config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from gspo_megatron.train.config import Config, ConfigError
+from gspo_megatron.train.data import PromptStream, load_jsonl, task_prompts
+from gspo_megatron.train.policy_step import AlgoConfig
+
+# The GSPO paper's clip ranges, and its GRPO baseline's.
+DEFAULT_CLIP = {"gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4), "grpo": (0.2, 0.27)}
+
+
+def algo_config(cfg: Config) -> AlgoConfig:
+    a = cfg.algo
+    low, high = DEFAULT_CLIP[a.name]
+    return AlgoConfig(
+        name=a.name, eps_low=low if a.eps_low is None else a.eps_low, eps_high=high if a.eps_high is None else a.eps_high,
+        max_log_ratio=a.max_log_ratio, grpo_aggregation=a.grpo_aggregation, kl_coef=a.kl_coef,
+        kl_estimator=a.kl_estimator, temperature=cfg.rollout.temperature,
+    )
+
+
+def reward_function(cfg: Config):
+    from gspo_megatron.rollout.rewards import load_reward_fn
+
+    return load_reward_fn(cfg.data.reward)
+
+
+def prepare_model_dir(cfg: Config) -> Path:
+    """``model.hf_dir``, built first (on rank 0) from ``model.tiny`` when it does not exist yet."""
+    hf_dir = Path(cfg.model.hf_dir)
+    if not cfg.model.hf_dir:
+        raise ConfigError("model.hf_dir must be set (a Hugging Face model directory, or where to build model.tiny)")
+    if not (hf_dir / "config.json").is_file():
+        if not cfg.model.tiny:
+            raise ConfigError(f"model.hf_dir={cfg.model.hf_dir!r} has no config.json and model.tiny is empty")
+        if dist.get_rank() == 0:
+            build_tiny_model(cfg, hf_dir)
+        dist.barrier()
+    return hf_dir
+
+
+def build_tiny_model(cfg: Config, hf_dir: Path) -> None:
+    """A random Qwen3-MoE of ``model.tiny``'s sizes with the character tokenizer, optionally warm-started."""
+    from gspo_megatron.rollout.synthetic import save_tiny_model
+
+    tmp = hf_dir.with_name(hf_dir.name + ".tmp")
+    save_tiny_model(tmp, seed=cfg.train.seed, **cfg.model.tiny)
+    if cfg.model.warm_start_steps:
+        if not cfg.data.task:
+            raise ConfigError("model.warm_start_steps needs data.task (it trains on the task's examples)")
+        warm_start(tmp, cfg)
+    tmp.rename(hf_dir)
+
+
+def warm_start(hf_dir: Path, cfg: Config) -> None:
+    """Supervised steps on (prompt, answer<eos>) examples of the task, with transformers, in place."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from gspo_megatron.rollout.synthetic import make_problems
+
+    tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.model.warm_start_lr)
+    # Examples disjoint from the RL prompts' seed, so the warm start does not see the training prompts.
+    problems = make_problems(cfg.data.task, 32 * cfg.model.warm_start_steps, seed=cfg.data.seed + 10_007)
+    model.train()
+    for step in range(cfg.model.warm_start_steps):
+        chunk = problems[step * 32:(step + 1) * 32]
+        rows = [tokenizer(p.prompt + p.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+                for p in chunk]
+        prompt_lengths = [len(tokenizer(p.prompt, add_special_tokens=False)["input_ids"]) for p in chunk]
+        width = max(map(len, rows))
+        ids = torch.full((len(rows), width), tokenizer.eos_token_id)
+        labels = torch.full((len(rows), width), -100)
+        for i, (row, plen) in enumerate(zip(rows, prompt_lengths)):
+            ids[i, :len(row)] = torch.tensor(row)
+            labels[i, plen:len(row)] = torch.tensor(row[plen:])  # learn the answer, not the prompt
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.eval()
+    model.save_pretrained(str(hf_dir))
+
+
+def load_prompts(cfg: Config, hf_dir: Path):
+    """(tokenizer, training PromptStream, eval prompts)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
+    d = cfg.data
+    if d.task:
+        train = task_prompts(d.task, tokenizer, 4096, seed=d.seed)
+        evals = task_prompts(d.task, tokenizer, 64, seed=d.seed + 1) if cfg.train.eval_every else []
+    else:
+        train, skipped = load_jsonl(d.prompts, tokenizer, d.skip_malformed, cfg.rollout.max_prompt_tokens)
+        if skipped and dist.get_rank() == 0:
+            print(f"data.prompts: skipped {skipped} malformed lines (data.skip_malformed=true)")
+        evals = load_jsonl(d.eval_prompts, tokenizer, d.skip_malformed, cfg.rollout.max_prompt_tokens)[0] if d.eval_prompts else []
+    return tokenizer, PromptStream(train, seed=d.seed), evals

@@ -1,0 +1,82 @@
+"""The trainable policy: Megatron GPTModel built from a Hugging Face directory, DDP, optimizer, LR schedule."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from gspo_megatron.parallel.groups import Layout
+from gspo_megatron.train.config import Config
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def layout_of(cfg: Config) -> Layout:
+    p = cfg.parallel
+    return Layout(tensor=p.tensor, pipeline=p.pipeline, expert=p.expert, context=p.context,
+                  expert_tensor=p.expert_tensor, sequence_parallel=p.sequence_parallel and p.tensor > 1)
+
+
+@dataclass
+class Policy:
+    model: torch.nn.Module  # DistributedDataParallel(GPTModel)
+    optimizer: object  # megatron MegatronOptimizer (Chained)
+    scheduler: object  # megatron OptimizerParamScheduler
+    bridge: object  # gspo_megatron.model.bridge.Bridge
+    spec: object  # gspo_megatron.model.hf_config.ModelSpec
+
+
+def build_policy(cfg: Config, hf_dir: str | Path) -> Policy:
+    """This rank's policy, with the weights of ``hf_dir`` (or of ``model.megatron_checkpoint``).
+
+    Megatron's process groups must already be up for ``layout_of(cfg)``.
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from gspo_megatron.model.bridge import Bridge
+    from gspo_megatron.model.hf_config import read_hf_config
+    from gspo_megatron.model.provider import build_gpt_model
+
+    spec = read_hf_config(Path(hf_dir) / "config.json")
+    dtype = DTYPES[cfg.model.dtype]
+    model = build_gpt_model(
+        spec, layout_of(cfg), dtype=dtype,
+        # Sequences are the unit of normalisation (train.policy_step): megatron's per-token-loss mode.
+        calculate_per_token_loss=True,
+        moe_enable_routing_replay=cfg.algo.routing_replay,
+    )
+    bridge = Bridge(spec)
+    if cfg.model.megatron_checkpoint:
+        from gspo_megatron.model.checkpoint import load_weights
+
+        load_weights(model, cfg.model.megatron_checkpoint)
+    else:
+        bridge.load_hf_weights(model, hf_dir)
+    model.config.finalize_model_grads_func = finalize_model_grads
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=cfg.parallel.distributed_optimizer
+    )
+    ddp = DistributedDataParallel(model.config, ddp_config, model)
+    o = cfg.optimizer
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
+            adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad,
+            bf16=dtype == torch.bfloat16, params_dtype=dtype,
+            use_distributed_optimizer=cfg.parallel.distributed_optimizer,
+        ),
+        [ddp],
+    )
+    updates = cfg.train.steps * cfg.algo.minibatches
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if o.warmup_steps else o.lr, max_lr=o.lr, min_lr=o.min_lr,
+        lr_warmup_steps=o.warmup_steps * cfg.algo.minibatches, lr_decay_steps=max(updates, 1),
+        lr_decay_style=o.lr_decay, start_wd=o.weight_decay, end_wd=o.weight_decay, wd_incr_steps=max(updates, 1),
+        wd_incr_style="constant",
+    )
+    return Policy(ddp, optimizer, scheduler, bridge, spec)

@@ -1,0 +1,156 @@
+"""The rollout side of a step: the engine (on global rank 0), rewards, and the batch every rank trains on.
+
+Rank 0 owns the rollout engine (SGLang servers or the local engine). It samples G responses per prompt,
+scores them and broadcasts the samples and rewards; every rank then builds the same token-aligned batch.
+Weight sync is collective: every rank walks the bridge's export (it gathers over TP/EP), rank 0 sends.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from gspo_megatron.train.config import Config
+from gspo_megatron.train.data import Prompt
+
+
+def make_engine(cfg: Config, hf_dir: str | Path, tokenizer):
+    """The configured engine; only global rank 0 calls this."""
+    from gspo_megatron.rollout import LocalEngine, SGLangConfig, SGLangEngine, WeightSyncConfig
+
+    if cfg.rollout.engine == "local":
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
+        return LocalEngine(model, tokenizer, seed=cfg.train.seed, version="0")
+    server_args = dict(cfg.rollout.server_args)
+    server_args.setdefault("seed", cfg.train.seed)
+    return SGLangEngine(SGLangConfig(
+        model_path=str(hf_dir),
+        urls=tuple(cfg.rollout.urls),
+        request_timeout_s=cfg.rollout.timeout_s,
+        weight_sync=WeightSyncConfig(method=cfg.rollout.weight_sync),
+        **server_args,
+    ))
+
+
+@dataclass
+class Rollout:
+    """One step's rollout, identical on every rank. Samples are prompt-major: G per prompt."""
+
+    samples: list
+    rewards: torch.Tensor  # [N] float32
+    reward_valid: torch.Tensor  # [N] bool (False: the reward failed and was masked)
+    batch: dict  # samples_to_batch(...): input_ids, labels, loss_mask, rollout_logprobs [N, S]
+    metrics: dict
+
+
+def _sampling(cfg: Config, step: int, eos_ids):
+    from gspo_megatron.rollout import SamplingParams
+
+    r = cfg.rollout
+    return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                          stop_token_ids=tuple(eos_ids), seed=cfg.train.seed * 100_003 + step)
+
+
+def _generate_and_score(engine, prompts: list[Prompt], cfg: Config, step: int, tokenizer, reward_fn, n: int):
+    from gspo_megatron.rollout import score
+
+    start = time.perf_counter()
+    groups = engine.generate([p.ids for p in prompts], n, _sampling(cfg, step, [tokenizer.eos_token_id]))
+    seconds = time.perf_counter() - start
+    samples = [s for g in groups for s in g.samples]
+    labels = [prompts[s.prompt_index].label for s in samples]
+    prompt_texts = [prompts[s.prompt_index].text for s in samples]
+    responses = [s.text if s.text is not None else tokenizer.decode(s.response_ids, skip_special_tokens=True)
+                 for s in samples]
+    rewards = score(reward_fn, samples, labels, prompt_texts, responses, on_error=cfg.data.on_reward_error)
+    return samples, rewards, seconds, responses
+
+
+def collect(engine, prompts: list[Prompt], cfg: Config, step: int, tokenizer, reward_fn, pad_multiple: int) -> Rollout:
+    """Rank 0 generates and scores, everyone receives: a collective."""
+    from gspo_megatron.rollout import samples_to_batch
+
+    payload = [None]
+    if dist.get_rank() == 0:
+        samples, rewards, seconds, responses = _generate_and_score(
+            engine, prompts, cfg, step, tokenizer, reward_fn, cfg.rollout.group_size)
+        lengths = [len(s.response_ids) for s in samples]
+        metrics = {
+            "reward_mean": float(rewards.values[rewards.valid].mean()) if rewards.valid.any() else float("nan"),
+            "reward_masked": float((~rewards.valid).sum()),
+            "response_length_mean": sum(lengths) / len(lengths),
+            "truncated_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
+            "time/rollout": seconds,
+            "example": f"{prompts[0].text!r} -> {responses[0]!r}",
+        }
+        payload = [(samples, rewards.values, rewards.valid, metrics)]
+    dist.broadcast_object_list(payload, src=0)
+    samples, values, valid, metrics = payload[0]
+    batch = samples_to_batch(samples, pad_id=0, pad_to_multiple=pad_multiple)
+    return Rollout(samples, values, valid, batch, metrics)
+
+
+def evaluate(engine, prompts: list[Prompt], cfg: Config, step: int, tokenizer, reward_fn) -> dict:
+    """Mean reward of one response per held-out prompt (rank 0; others get the numbers by broadcast)."""
+    payload = [None]
+    if dist.get_rank() == 0:
+        _, rewards, seconds, _ = _generate_and_score(engine, prompts, cfg, -step, tokenizer, reward_fn, 1)
+        payload = [{"eval_reward_mean": float(rewards.values[rewards.valid].mean()), "time/eval": seconds}]
+    dist.broadcast_object_list(payload, src=0)
+    return payload[0]
+
+
+def pipeline_gathered(bridge, model):
+    """The bridge's export, with every pipeline stage's tensors delivered to the first stage (collective).
+
+    Stage by stage: the stage's tensor names travel first (a small object broadcast over the PP group), then
+    each tensor as the stage exports it. First-stage ranks yield all of them, in stage order; other stages
+    yield nothing. Peak extra memory is one tensor.
+    """
+    from megatron.core import parallel_state as ps
+
+    pp_group = ps.get_pipeline_model_parallel_group()
+    pp_size, pp_rank = dist.get_world_size(pp_group), dist.get_rank(pp_group)
+    if pp_size == 1:
+        yield from bridge.export_hf_weights(model)
+        return
+    shapes = bridge.hf_tensor_shapes()
+    dtype = next(model.parameters()).dtype
+    device = next(model.parameters()).device
+    for stage in range(pp_size):
+        src = dist.get_global_rank(pp_group, stage)
+        names = [bridge.export_names(model) if pp_rank == stage else None]
+        dist.broadcast_object_list(names, src=src, group=pp_group)
+        if pp_rank == stage:
+            for name, tensor in bridge.export_hf_weights(model):
+                if stage != 0:
+                    dist.broadcast(tensor.contiguous(), src=src, group=pp_group)
+                else:
+                    yield name, tensor
+        else:
+            for name in names[0]:
+                received = torch.empty(shapes[name], dtype=dtype, device=device)
+                dist.broadcast(received, src=src, group=pp_group)
+                if pp_rank == 0:
+                    yield name, received
+
+
+def sync_weights(policy, engine, version: int) -> dict:
+    """Send the policy's weights to the engine as ``version`` (collective over all ranks)."""
+    start = time.perf_counter()
+    tensors = pipeline_gathered(policy.bridge, policy.model)
+    if dist.get_rank() == 0:
+        stats = engine.update_weights(tensors, str(version))
+        metrics = {f"weight_sync/{k.split('/')[-1]}": v for k, v in stats.metrics().items()}
+    else:
+        for _ in tensors:  # the export gathers over TP/EP (and PP): every rank walks it in step
+            pass
+        metrics = {}
+    metrics["time/weight_sync"] = time.perf_counter() - start
+    return metrics
