@@ -20,13 +20,16 @@ def test_help_lists_subcommands():
         assert command in out.stdout
 
 
-def test_train_says_what_it_will_run_and_exits_nonzero():
-    out = run("train", "examples/tiny_moe_cpu.yaml")
-    assert out.returncode == 2
-    assert "qwen3_moe" in out.stdout and "sglang" in out.stdout
-    assert "not implemented" in out.stderr
+def test_train_checks_the_config_before_starting():
+    out = run("train", "examples/tiny_moe_cpu.yaml", "algo.name=ppo")
+    assert out.returncode == 2 and "algo.name='ppo' is not one of" in out.stderr
 
 
 def test_missing_config_is_named():
     out = run("train", "nope.yaml")
-    assert out.returncode != 0 and "nope.yaml does not exist" in out.stderr
+    assert out.returncode == 2 and "config file nope.yaml does not exist" in out.stderr
+
+
+def test_stray_arguments_are_refused():
+    out = run("plan", "examples/tiny_moe_cpu.yaml", "--bogus")
+    assert out.returncode == 2 and "unrecognized arguments: --bogus" in out.stderr

@@ -19,7 +19,7 @@ import os
 import random
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -73,9 +73,11 @@ def _rng_sharded_object(states: dict | None):
 
 
 def _sharded_state(model, optimizer, scheduler, trainer_state: dict | None, rng: dict | None, is_loading: bool):
-    from gspo_megatron.model.hidden_output import unwrap
+    # The model part is exactly a converted model checkpoint's (tensors only, per-layer keys), so
+    # tools/convert_megatron_to_hf.py reads a training checkpoint as it is.
+    from gspo_megatron.model.checkpoint import tensors_state_dict
 
-    model_sd = unwrap(model).sharded_state_dict()
+    model_sd = tensors_state_dict(model)
     state = {"model": model_sd, "rng_state": _rng_sharded_object(rng)}
     if optimizer is not None:
         state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=OPTIMIZER_METADATA)
@@ -86,8 +88,13 @@ def _sharded_state(model, optimizer, scheduler, trainer_state: dict | None, rng:
     return state
 
 
-def save(directory: str | Path, step: int, model, optimizer, scheduler, trainer_state: dict, keep: int = 2) -> Path:
-    """Save a complete checkpoint for ``step``; returns its directory. Collective: call on every rank."""
+def save(directory: str | Path, step: int, model, optimizer, scheduler, trainer_state: dict, keep: int = 2,
+         model_info: Callable[[Path], None] | None = None) -> Path:
+    """Save a complete checkpoint for ``step``; returns its directory. Collective: call on every rank.
+
+    ``model_info(tmp_dir)``, called on rank 0 before the rename, writes what rebuilds the model (the
+    conversion tool's ``gspo_megatron.json`` and ``hf/``), so the checkpoint converts to HF directly.
+    """
     from megatron.core import dist_checkpointing
 
     root = Path(directory)
@@ -108,6 +115,8 @@ def save(directory: str | Path, step: int, model, optimizer, scheduler, trainer_
     dist_checkpointing.save(state, str(tmp))
     _barrier()
     if _rank() == 0:
+        if model_info is not None:
+            model_info(tmp)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -220,7 +229,10 @@ def load(path: str | Path, model, optimizer, scheduler) -> dict[str, Any]:
         _init_optimizer_state(optimizer)
     template = _sharded_state(model, optimizer if with_optimizer else None, scheduler, {}, None, is_loading=True)
     loaded = dist_checkpointing.load(template, str(path))
-    unwrap(model).load_state_dict(loaded["model"])
+    missing, unexpected = unwrap(model).load_state_dict(loaded["model"], strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]  # tensors-only checkpoints
+    if missing or unexpected:
+        raise RuntimeError(f"checkpoint {path} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
     if with_optimizer:
         _restore_steps(loaded["optimizer"])
         with torch.no_grad():  # the distributed optimizer copies into its fp32 main params (leaves)

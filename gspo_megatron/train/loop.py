@@ -82,7 +82,7 @@ def train(cfg: Config, resume: bool = False) -> dict:
                 t = time.perf_counter()
                 checkpoint.save(cfg.checkpoint.dir, step, policy.model, policy.optimizer, policy.scheduler,
                                 {"weight_version": version, "data_position": prompts.state_dict()},
-                                keep=cfg.checkpoint.keep)
+                                keep=cfg.checkpoint.keep, model_info=policy.write_model_info)
                 metrics["time/checkpoint"] = time.perf_counter() - t
             metrics["time/step"] = time.perf_counter() - start
             tokens = int(batch["loss_mask"].sum()) + int(sum(len(s.prompt_ids) for s in rollout.samples))

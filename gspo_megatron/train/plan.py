@@ -195,7 +195,10 @@ def format_plan(cfg: Config, world_size: int, gpu_memory_gib: float = 80.0) -> s
         f"{world_size // ((p.expert_tensor or p.tensor) * p.expert * p.pipeline)}",
     ]
     for name, ranks in groups.items():
-        shown = ", ".join(str(r) for r in ranks[:4]) + (f", ... ({len(ranks)} groups)" if len(ranks) > 4 else "")
+        def fmt(group):
+            return str(group) if len(group) <= 8 else f"[{', '.join(map(str, group[:4]))}, ..., {group[-1]}] ({len(group)} ranks)"
+
+        shown = ", ".join(fmt(g) for g in ranks[:4]) + (f", ... ({len(ranks)} groups)" if len(ranks) > 4 else "")
         lines.append(f"  {name:<14} groups: {shown}")
     lines += [
         f"memory per GPU (most loaded rank; sequences up to {seq_len} tokens, micro batch {p.micro_batch_size}):",

@@ -26,6 +26,19 @@ class Policy:
     scheduler: object  # megatron OptimizerParamScheduler
     bridge: object  # gspo_megatron.model.bridge.Bridge
     spec: object  # gspo_megatron.model.hf_config.ModelSpec
+    hf_dir: Path
+    dtype: torch.dtype
+    layout: Layout
+
+    def write_model_info(self, directory: Path) -> None:
+        """What tools/convert_megatron_to_hf.py needs next to the weights: the spec and the HF metadata."""
+        from gspo_megatron.model import checkpoint, hf_files
+
+        info = checkpoint.CheckpointInfo(spec=self.spec, padded_vocab_size=self.bridge.padded_vocab_size,
+                                         dtype=checkpoint.dtype_name(self.dtype),
+                                         saved_layout=checkpoint.layout_dict(self.layout))
+        checkpoint.write_info(directory, info)
+        hf_files.copy_hf_metadata(self.hf_dir, Path(directory) / checkpoint.HF_DIR)
 
 
 def build_policy(cfg: Config, hf_dir: str | Path) -> Policy:
@@ -44,13 +57,13 @@ def build_policy(cfg: Config, hf_dir: str | Path) -> Policy:
 
     spec = read_hf_config(Path(hf_dir) / "config.json")
     dtype = DTYPES[cfg.model.dtype]
+    bridge = Bridge(spec)
     model = build_gpt_model(
-        spec, layout_of(cfg), dtype=dtype,
+        spec, layout_of(cfg), dtype=dtype, padded_vocab_size=bridge.padded_vocab_size,
         # Sequences are the unit of normalisation (train.policy_step): megatron's per-token-loss mode.
         calculate_per_token_loss=True,
         moe_enable_routing_replay=cfg.algo.routing_replay,
     )
-    bridge = Bridge(spec)
     if cfg.model.megatron_checkpoint:
         from gspo_megatron.model.checkpoint import load_weights
 
@@ -79,4 +92,4 @@ def build_policy(cfg: Config, hf_dir: str | Path) -> Policy:
         lr_decay_style=o.lr_decay, start_wd=o.weight_decay, end_wd=o.weight_decay, wd_incr_steps=max(updates, 1),
         wd_incr_style="constant",
     )
-    return Policy(ddp, optimizer, scheduler, bridge, spec)
+    return Policy(ddp, optimizer, scheduler, bridge, spec, Path(hf_dir), dtype, layout_of(cfg))
