@@ -1,6 +1,7 @@
 """The chunked vocab-parallel log-prob autograd Function (torch path; the reference for any kernel).
 
-Memory: forward and backward hold one or two [chunk, V_shard] logit buffers at a time, never [T, V].
+Memory: forward and backward hold one or two [chunk, V_shard] logit buffers at a time, never [T, V] (plus, for
+inputs below fp32, fp32 copies of the hidden [T, H] and weight shard [V_shard, H] while they run).
 Saved for backward: the (gathered) hidden [T, H], the weight shard, the targets and per-token lse/entropy [T];
 backward recomputes each chunk's logits instead of storing them (one extra matmul, the price of O(chunk x V)).
 
@@ -86,6 +87,7 @@ class VocabParallelLogprob(torch.autograd.Function):
                 torch.mm(g, w, out=grad_h[rows])
             if need_weight:
                 grad_w[:shard_rows].addmm_(g.T, h[rows])
+            del g  # free this chunk's buffer before the next matmul allocates one
         if need_hidden:
             # Every TP rank holds part of the vocabulary: the hidden gradient is the sum of the shards' parts.
             if sequence_parallel:

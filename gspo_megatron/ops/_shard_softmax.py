@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["STAT_MAX", "STAT_SUMEXP", "STAT_TARGET", "STAT_ENTROPY", "combine_shard_stats", "logits_grad_", "shard_stats_"]
+__all__ = [
+    "STAT_ENTROPY", "STAT_MAX", "STAT_SUMEXP", "STAT_TARGET", "combine_shard_stats", "logits_grad_", "shard_stats_"
+]
 
 # Columns of the per-token statistics tensor [T, 4].
 STAT_MAX, STAT_SUMEXP, STAT_TARGET, STAT_ENTROPY = range(4)

@@ -6,7 +6,7 @@
 W is split by rows (vocabulary) over the tensor-parallel group, as in Megatron's output layer. Temperature
 divides the logits before the softmax, as SGLang does for the log-probs of sampled tokens, so train-side log-probs
 match the rollout's. Only ``vocab_size`` real ids take part: the rows Megatron pads the vocabulary with are
-excluded, as inference engines drop them before the softmax.
+excluded, as inference engines slice them off the logits before the softmax (e.g. vLLM's LogitsProcessor).
 """
 
 from __future__ import annotations
@@ -19,12 +19,18 @@ import torch.distributed as dist
 from . import _tp_comm as comm
 from ._logprob_function import VocabParallelLogprob
 
-__all__ = ["DEFAULT_CHUNK_ELEMENTS", "vocab_parallel_logprobs"]
+__all__ = ["CHUNK_ELEMENTS", "MIN_CHUNK_TOKENS", "auto_chunk_size", "vocab_parallel_logprobs"]
 
-# Auto chunk size: rows such that one [rows, V_shard] fp32 logit buffer holds about this many elements
-# (128 MiB). Tuned with bench/logprob.py: large enough that the matmuls run at full speed, small enough that the
-# one or two live buffers stay a few percent of the [T, V] the naive path holds.
-DEFAULT_CHUNK_ELEMENTS = 1 << 25
+# Auto chunk size (bench/logprob.py, bench/RESULTS.md): a [chunk, V/tp] fp32 buffer of at most 64 MiB, but never
+# fewer than 256 tokens, below which the chunk matmuls lose speed (on CPU: ~25% more time at 110 tokens). For
+# V=151936 that is 256 tokens at TP=1 and 2 (155 / 78 MB per buffer), 883 at TP=8.
+CHUNK_ELEMENTS = 1 << 24
+MIN_CHUNK_TOKENS = 256
+
+
+def auto_chunk_size(shard_rows: int) -> int:
+    """Tokens per chunk for a vocabulary shard of ``shard_rows`` rows."""
+    return max(MIN_CHUNK_TOKENS, CHUNK_ELEMENTS // max(1, shard_rows))
 
 
 def vocab_parallel_logprobs(
@@ -48,16 +54,19 @@ def vocab_parallel_logprobs(
     targets: [T] or [s, b] global token ids in [0, vocab_size), for all tokens (also under sequence parallel).
     tp_group: the tensor-parallel group the vocabulary is split over; None (or a group of one): no collectives.
     temperature: logits are divided by it before the softmax.
-    chunk_size: tokens per chunk; peak extra memory is ~2 x chunk x V/tp fp32. None: DEFAULT_CHUNK_ELEMENTS / (V/tp).
+    chunk_size: tokens per chunk. The op's temporaries are one (log-prob only) or two (with entropy)
+        [chunk, V/tp] fp32 buffers. None: ``auto_chunk_size(V/tp)``.
     vocab_size: real vocabulary size when ``weight`` holds Megatron's padding rows (default: all V rows are real).
 
     Returns fp32 (float64 for float64 inputs) tensors of ``targets``' shape, identical on every TP rank:
     logp, or (logp, entropy) if ``return_entropy``. Both are differentiable w.r.t. hidden and weight.
     """
     tp, rank = comm.group_size(tp_group), comm.group_rank(tp_group)
-    shard_rows = _check_inputs(hidden, weight, targets, tp, rank, temperature, chunk_size, sequence_parallel, vocab_size)
+    shard_rows = _check_inputs(
+        hidden, weight, targets, tp, rank, temperature, chunk_size, sequence_parallel, vocab_size
+    )
     if chunk_size is None:
-        chunk_size = max(1, DEFAULT_CHUNK_ELEMENTS // max(1, shard_rows))
+        chunk_size = auto_chunk_size(shard_rows)
     out = _implementation(hidden).apply(
         hidden.reshape(-1, hidden.shape[-1]),
         weight,
@@ -108,7 +117,9 @@ def _check_inputs(hidden, weight, targets, tp, rank, temperature, chunk_size, se
         tokens = (tokens[0] * tp, *tokens[1:])
     if tuple(targets.shape) != tokens:
         where = f" (hidden is this rank's 1/{tp} of the sequence)" if sequence_parallel and tp > 1 else ""
-        raise ValueError(f"targets has shape {tuple(targets.shape)} but hidden {tuple(hidden.shape)}{where} has tokens {tokens}")
+        raise ValueError(
+            f"targets has shape {tuple(targets.shape)} but hidden {tuple(hidden.shape)}{where} has tokens {tokens}"
+        )
     if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
         raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
