@@ -17,11 +17,14 @@ setup(
         "pyyaml",
         "safetensors",
         "transformers>=4.51",
+        "matplotlib",
+        "tqdm",
     ],
     extras_require={
         # GPU-only: TransformerEngine needs CUDA torch and NCCL at build and import time.
         "gpu": ["transformer-engine[pytorch]>=2.0", "triton"],
-        "sglang": ["sglang==0.5.23"],
+        # On GPUs: the normal install. On CPU use tools/install.sh (sglang --no-deps + patches/sglang_cpu).
+        "sglang": ["sglang==0.5.23", "sglang-router==0.3.2"],
         "test": ["pytest"],
     },
     entry_points={"console_scripts": ["gspo-megatron=gspo_megatron.cli:main"]},

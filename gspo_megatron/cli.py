@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 
@@ -20,6 +21,10 @@ def _train(args) -> int:
     cfg = load_config(args.config, args.overrides)
     validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     from gspo_megatron.train.loop import train
+
+    # SIGTERM (a scheduler's stop, `kill`) unwinds like Ctrl-C, so the loop's `finally` stops the SGLang
+    # servers it launched instead of leaving them orphaned.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
     metrics = train(cfg, resume=args.resume)
     if int(os.environ.get("RANK", "0")) == 0:

@@ -1,0 +1,134 @@
+#!/usr/bin/env python
+"""Wall time of one full RL step: gspo-megatron (SGLang rollout + Megatron) vs TRL's GRPOTrainer, same run.
+
+Both sides get the same Hugging Face Qwen3-MoE model, the same prompts (the CPU example's synthetic task),
+the same group size, completion length, minibatching and router auxiliary-loss coefficient (0), and GSPO's
+sequence-level importance ratio (TRL: ``importance_sampling_level="sequence"``, eps 3e-4 / 4e-4, beta 0).
+A step is: rollout -> old log-probs -> ``minibatches`` optimizer steps (-> weight sync, ours only: TRL
+generates with the training model itself). Start-up and the first (warm-up) step are excluded.
+
+    .venv/bin/pip install trl==1.16.0          # bench-only dependency
+    .venv/bin/python bench/rl_step.py --size tiny
+    .venv/bin/python bench/rl_step.py --size 100m
+
+Sizes: ``tiny`` is the CPU example's model (2 layers, hidden 64, 4 experts) at 32 samples x 16 tokens;
+``100m`` is a ~115M-parameter Qwen3-MoE (8 layers, hidden 512, 16 experts top-2, vocab 8192) at
+64 samples x 128 new tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SIZES = {
+    "tiny": dict(model=dict(vocab_size=128, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                            num_experts=4, top_k=2, moe_intermediate_size=32),
+                 prompts=4, group=8, new_tokens=16, minibatches=2),
+    "100m": dict(model=dict(vocab_size=8192, hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, head_dim=64,
+                            num_experts=16, top_k=2, moe_intermediate_size=512, initializer_range=0.02),
+                 prompts=8, group=8, new_tokens=128, minibatches=4),
+}
+STEPS = 3  # the first is warm-up
+
+
+def build_model(size: str, directory: Path) -> Path:
+    from gspo_megatron.rollout.synthetic import save_tiny_model
+
+    path = directory / f"model-{size}"
+    if not (path / "config.json").is_file():
+        save_tiny_model(path, seed=0, **SIZES[size]["model"])
+        config = json.loads((path / "config.json").read_text())
+        config["router_aux_loss_coef"] = 0.0  # the same (zero) auxiliary loss on both sides
+        (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
+def run_ours(size: str, model_dir: Path, out: Path) -> dict:
+    s = SIZES[size]
+    run = out / "ours"
+    cmd = [sys.executable, "-m", "gspo_megatron.cli", "train", str(ROOT / "examples/tiny_moe_cpu.yaml"),
+           f"model.hf_dir={model_dir}", "model.warm_start_steps=0", f"train.steps={STEPS}", "train.eval_every=0",
+           f"rollout.prompts_per_step={s['prompts']}", f"rollout.group_size={s['group']}",
+           f"rollout.max_new_tokens={s['new_tokens']}", f"algo.minibatches={s['minibatches']}",
+           f"parallel.micro_batch_size={s['prompts'] * s['group'] // s['minibatches']}",
+           "rollout.max_prompt_tokens=32", f"rollout.server_args={{dtype: float32, max_total_tokens: {16384 * 4}}}",
+           f"logging.dir={run}", "checkpoint.dir=", "logging.plot_every=0", "logging.tensorboard=false"]
+    subprocess.run(cmd, check=True, cwd=ROOT, env=dict(os.environ, WORLD_SIZE="1"))
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][1:]
+    phases = ["time/rollout", "time/old_logprobs", "time/update", "time/weight_sync"]
+    mean = lambda key: sum(r[key] for r in records) / len(records)  # noqa: E731
+    return {"step": mean("time/step"), **{p.split("/")[1]: mean(p) for p in phases}}
+
+
+def run_trl(size: str, model_dir: Path, out: Path) -> dict:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from gspo_megatron.rollout.rewards import synthetic_reward
+    from gspo_megatron.rollout.synthetic import make_problems
+
+    s = SIZES[size]
+    samples = s["prompts"] * s["group"]
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    problems = make_problems("reverse", s["prompts"] * STEPS, seed=0)
+    dataset = Dataset.from_list([{"prompt": p.prompt, "answer": p.answer} for p in problems])
+
+    def reward(prompts, completions, answer, **kwargs):
+        return [synthetic_reward(p, c, a) for p, c, a in zip(prompts, completions, answer)]
+
+    args = GRPOConfig(
+        output_dir=str(out / "trl"), importance_sampling_level="sequence", epsilon=3e-4, epsilon_high=4e-4, beta=0.0,
+        loss_type="grpo", num_generations=s["group"], max_completion_length=s["new_tokens"],
+        per_device_train_batch_size=samples // s["minibatches"], gradient_accumulation_steps=1,
+        steps_per_generation=s["minibatches"], num_iterations=1, learning_rate=3e-3, max_steps=STEPS * s["minibatches"],
+        temperature=1.0, router_aux_loss_coef=0.0, use_vllm=False, report_to=[], logging_steps=1, save_strategy="no",
+        use_cpu=True, bf16=False, dataloader_num_workers=0, seed=0,
+    )
+    marks = []
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, *a, **k):
+            marks.append(time.perf_counter())
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=dataset,
+                          processing_class=tokenizer, callbacks=[Clock()])
+    trainer.train()
+    # One RL step = ``minibatches`` optimizer steps (generation happens at the first of them).
+    ends = marks[s["minibatches"] - 1 :: s["minibatches"]]
+    per_step = [b - a for a, b in zip(ends, ends[1:])]
+    return {"step": sum(per_step) / len(per_step)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    parser.add_argument("--work-dir", default=None)
+    args = parser.parse_args()
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench_rl_step_"))
+    model_dir = build_model(args.size, work)
+    ours = run_ours(args.size, model_dir, work)
+    trl = run_trl(args.size, model_dir, work)
+    s = SIZES[args.size]
+    print(f"\nRL step, {args.size}: {s['prompts']} prompts x {s['group']} samples x {s['new_tokens']} new tokens, "
+          f"{s['minibatches']} minibatches (mean of {STEPS - 1} steps after a warm-up)")
+    print(f"  gspo-megatron: {ours['step']:.2f} s  (rollout {ours['rollout']:.2f}, old log-probs "
+          f"{ours['old_logprobs']:.2f}, update {ours['update']:.2f}, weight sync {ours['weight_sync']:.2f})")
+    print(f"  TRL GRPOTrainer (sequence-level IS): {trl['step']:.2f} s")
+    print(f"  ratio TRL / gspo-megatron: {trl['step'] / ours['step']:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

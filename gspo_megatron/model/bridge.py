@@ -1,0 +1,250 @@
+"""The Hugging Face <-> Megatron bridge: one mapping (``mapping``), three users.
+
+Conversion (``convert``), SGLang weight sync (``rollout``) and the local engine all go through ``Bridge``:
+
+``Bridge(spec).load_hf_weights(model, source)``
+    HF -> Megatron in memory. ``source`` is an HF directory (safetensors, sharded or not), a
+    ``{hf_name: tensor}`` dict or a ``hf_files.TensorSource``. Every rank reads only its own slices: its TP
+    rows/columns, its EP ranks' experts, its pipeline stage's layers. The whole tensor set is checked first
+    (``check_hf_tensors``): a missing, unexpected or mis-shaped tensor raises ``MappingError`` naming it.
+
+``Bridge(spec).export_hf_weights(model, dtype=None)`` -> iterator of ``(hf_name, tensor)``
+    Megatron -> HF, for weight sync and conversion. Call it on **every rank** of the model (it all-gathers
+    over the TP, expert-TP and EP groups, so all ranks must iterate it to the end, in step). Each rank gets
+    full, HF-shaped tensors (TP/EP gathered, vocabulary padding removed) on the parameters' device, in
+    ``dtype`` if given, else in each parameter's dtype (megatron's torch norms stay fp32 in a bf16 model:
+    pass ``dtype`` to get the engine's dtype throughout). Under pipeline parallelism each stage yields its
+    own layers (global HF layer indices), the first stage the embedding, the last stage the final norm and
+    ``lm_head`` (not for tied embeddings: their one copy comes from the first stage); data-parallel replicas
+    yield the same tensors.
+    Order: embedding, then layer by layer (within a MoE layer, experts in (local index, EP rank) order),
+    then the head. Tensors may be views of live parameters: copy before modifying or keeping across an
+    optimizer step. ``buckets(named_tensors, bucket_bytes)`` groups the stream for bucketed transfer.
+
+``Bridge.hf_tensor_shapes()``: every HF tensor name of the model and its shape (layout independent).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+import torch
+
+from . import mapping, sharding
+from .errors import MappingError, listing
+from .hf_config import ModelSpec
+from .hf_files import TensorSource, open_hf_tensors
+from .hidden_output import unwrap
+
+
+@dataclass
+class _Group:
+    group: object
+    size: int
+    rank: int
+
+
+@dataclass
+class Placement:
+    """One rule applied to one parameter of this rank's model."""
+
+    rule: mapping.Rule
+    megatron_name: str  # the parameter's name in this rank's model
+    param: torch.nn.Parameter
+    hf_names: tuple[str, ...]  # global HF names of this rank's parameter
+    layer: int | None = None  # global layer index
+    local_expert: int | None = None
+    num_local_experts: int = 0
+
+
+def _groups():
+    from megatron.core import parallel_state as ps
+
+    return {
+        "tp": _Group(ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size(),
+                     ps.get_tensor_model_parallel_rank()),
+        "etp": _Group(ps.get_expert_tensor_parallel_group(), ps.get_expert_tensor_parallel_world_size(),
+                      ps.get_expert_tensor_parallel_rank()),
+        "ep": _Group(ps.get_expert_model_parallel_group(), ps.get_expert_model_parallel_world_size(),
+                     ps.get_expert_model_parallel_rank()),
+    }
+
+
+class Bridge:
+    def __init__(self, spec: ModelSpec, padded_vocab_size: int | None = None):
+        self.spec = spec
+        self.padded_vocab_size = padded_vocab_size or spec.padded_vocab_size()
+        self.rules = mapping.rules_for(spec)
+        self._heads_per_group = spec.num_attention_heads // spec.num_key_value_heads
+
+    # ---- names and shapes -------------------------------------------------------------------------
+
+    def hf_tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        return mapping.hf_tensor_shapes(self.spec)
+
+    def check_hf_tensors(self, shapes: dict[str, tuple[int, ...]]) -> None:
+        """Raise ``MappingError`` naming missing, unexpected and mis-shaped tensors (all of them at once)."""
+        expected = self.hf_tensor_shapes()
+        present = {k: tuple(v) for k, v in shapes.items() if not mapping.is_ignored(k)}
+        problems = []
+        missing = set(expected) - set(present)
+        unexpected = set(present) - set(expected)
+        if missing:
+            problems.append(listing("missing tensors", missing))
+        if unexpected:
+            problems.append(listing("unexpected tensors", unexpected))
+        wrong = [f"{k} has shape {list(present[k])}, the config needs {list(expected[k])}"
+                 for k in sorted(set(expected) & set(present)) if present[k] != expected[k]]
+        if wrong:
+            more = " ..." if len(wrong) > 8 else ""
+            problems.append(f"shape mismatches ({len(wrong)}): " + "; ".join(wrong[:8]) + more)
+        if problems:
+            raise MappingError(f"the checkpoint does not match the {self.spec.family} config:\n  - "
+                               + "\n  - ".join(problems))
+
+    # ---- this rank's parameters -------------------------------------------------------------------
+
+    def placements(self, model) -> list[Placement]:
+        """Every parameter of this rank's model with its rule, in export order. Checks the table covers all."""
+        gpt = unwrap(model)
+        params = dict(gpt.named_parameters())
+        out: list[Placement] = []
+
+        def resolve(rule: mapping.Rule, **where):
+            for pattern in (rule.megatron, rule.te_name):
+                if pattern and pattern.format(**where) in params:
+                    name = pattern.format(**where)
+                    return name, params[name]
+            return None, None
+
+        def add(rule, megatron_where, hf_where, **extra):
+            name, param = resolve(rule, **megatron_where)
+            if param is None:
+                if rule.tied_copy:  # only a last stage without the embedding holds the copy
+                    return
+                raise MappingError(f"the Megatron model has no parameter {rule.megatron.format(**megatron_where)}"
+                                   f"{' (nor ' + rule.te_name.format(**megatron_where) + ')' if rule.te_name else ''} "
+                                   f"for HF {rule.hf[0].name.format(**hf_where)}")
+            out.append(Placement(rule, name, param, tuple(p.name.format(**hf_where) for p in rule.hf), **extra))
+
+        def model_rules(stage):
+            for rule in self.rules:
+                if rule.scope == mapping.MODEL and rule.stage == stage:
+                    add(rule, {}, {})
+
+        if gpt.pre_process:
+            model_rules(mapping.FIRST)
+        for local, layer in enumerate(gpt.decoder.layers):
+            global_layer = layer.layer_number - 1
+            is_moe = self.spec.is_moe_layer(global_layer)
+            if is_moe != hasattr(layer.mlp, "router"):
+                raise MappingError(f"decoder layer {global_layer}: the config says {'MoE' if is_moe else 'dense'}, "
+                                   "the Megatron model disagrees")
+            for rule in self.rules:
+                if rule.scope == mapping.MODEL or (rule.scope == mapping.DENSE and is_moe) or (
+                        rule.scope in (mapping.MOE, mapping.EXPERT) and not is_moe):
+                    continue
+                if rule.scope != mapping.EXPERT:
+                    add(rule, {"layer": local}, {"layer": global_layer}, layer=global_layer)
+                    continue
+                experts = list(layer.mlp.local_expert_indices)
+                for local_expert, global_expert in enumerate(experts):
+                    add(rule, {"layer": local, "expert": local_expert},
+                        {"layer": global_layer, "expert": global_expert},
+                        layer=global_layer, local_expert=local_expert, num_local_experts=len(experts))
+        if gpt.post_process:
+            model_rules(mapping.LAST)
+
+        covered = {id(p.param) for p in out}
+        unmapped = [name for name, param in params.items() if id(param) not in covered]
+        if unmapped:
+            title = f"Megatron parameters without a rule in the {self.spec.family} mapping"
+            raise MappingError(listing(title, unmapped))
+        return out
+
+    def _tp(self, placement: Placement, groups) -> _Group:
+        return groups["etp"] if placement.rule.scope == mapping.EXPERT else groups["tp"]
+
+    # ---- HF -> Megatron ---------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def load_hf_weights(self, model, source) -> None:
+        """Fill this rank's parameters from HF tensors (a directory, a dict or a TensorSource)."""
+        source: TensorSource = open_hf_tensors(source)
+        self.check_hf_tensors(source.shapes())
+        shapes = source.shapes()
+        groups = _groups()
+        for placement in self.placements(model):
+            tp = self._tp(placement, groups)
+            rule = placement.rule
+            parts = []
+            for name in placement.hf_names:
+                index, pad = sharding.local_index(rule.split, shapes[name], tp.size, tp.rank, self.padded_vocab_size)
+                parts.append(sharding.pad_rows(source.read(name, index), pad))
+            local = sharding.join(rule.join, parts, self._heads_per_group, self.spec.head_dim)
+            if tuple(local.shape) != tuple(placement.param.shape):
+                raise MappingError(f"{', '.join(placement.hf_names)} give a {list(local.shape)} shard for Megatron "
+                                   f"{placement.megatron_name} of shape {list(placement.param.shape)}")
+            placement.param.data.copy_(local)
+
+    # ---- Megatron -> HF ---------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def export_hf_weights(self, model, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full HF tensors of this rank's pipeline stage; see the module docstring (call on every rank)."""
+        groups = _groups()
+        ep = groups["ep"]
+        for placement in self.placements(model):
+            rule = placement.rule
+            if rule.tied_copy:
+                continue
+            tp = self._tp(placement, groups)
+            parts = sharding.unjoin(rule.join, placement.param.detach(), self._heads_per_group, self.spec.head_dim)
+            parts = [sharding.gather(p, rule.split, tp.group, tp.size) for p in parts]
+            if rule.split == mapping.VOCAB:
+                parts = [p[: self.spec.vocab_size] for p in parts]
+            if rule.scope == mapping.EXPERT and ep.size > 1:
+                for part, hf in zip(parts, rule.hf):
+                    for ep_rank, tensor in enumerate(sharding.all_gather(part, ep.group, ep.size)):
+                        expert = ep_rank * placement.num_local_experts + placement.local_expert
+                        yield hf.name.format(layer=placement.layer, expert=expert), _cast(tensor, dtype)
+                continue
+            for name, part in zip(placement.hf_names, parts):
+                yield name, _cast(part, dtype)
+
+    def export_names(self, model) -> list[str]:
+        """The HF names ``export_hf_weights`` yields on this rank, without moving any data."""
+        from megatron.core import parallel_state as ps
+
+        ep_size = ps.get_expert_model_parallel_world_size()
+        names = []
+        for placement in self.placements(model):
+            rule = placement.rule
+            if rule.tied_copy:
+                continue
+            if rule.scope == mapping.EXPERT and ep_size > 1:
+                experts = [r * placement.num_local_experts + placement.local_expert for r in range(ep_size)]
+                names += [hf.name.format(layer=placement.layer, expert=e) for hf in rule.hf for e in experts]
+            else:
+                names += list(placement.hf_names)
+        return names
+
+
+def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return tensor if dtype is None or tensor.dtype == dtype else tensor.to(dtype)
+
+
+def buckets(named_tensors: Iterable[tuple[str, torch.Tensor]],
+            bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group a (name, tensor) stream into lists of at most ``bucket_bytes`` (a larger tensor goes alone)."""
+    bucket, size = [], 0
+    for name, tensor in named_tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket

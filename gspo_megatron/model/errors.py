@@ -1,0 +1,23 @@
+"""The model package's errors. Each names the config field, tensor or layout setting at fault."""
+
+from __future__ import annotations
+
+
+class UnsupportedModel(ValueError):
+    """A Hugging Face config asks for an architecture or feature the Megatron policy does not map."""
+
+
+class LayoutError(ValueError):
+    """A parallel layout does not fit the model (checked before any process group starts)."""
+
+
+class MappingError(ValueError):
+    """Tensors do not match the architecture's mapping: missing, unexpected, or of the wrong shape."""
+
+
+def listing(title: str, names, limit: int = 8) -> str:
+    """'title: a, b, c (and 5 more)' for error messages naming many tensors."""
+    names = sorted(names)
+    shown = ", ".join(names[:limit])
+    more = f" (and {len(names) - limit} more)" if len(names) > limit else ""
+    return f"{title} ({len(names)}): {shown}{more}"

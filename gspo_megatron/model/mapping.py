@@ -1,0 +1,171 @@
+"""The Hugging Face <-> Megatron tensor mapping, one declarative table per architecture.
+
+Each ``Rule`` says which Megatron parameter is made of which HF tensors, how the HF tensors are joined into
+it (``join``), and how the joined tensor is split over tensor-parallel ranks (``split``):
+
+    join  "copy"  one HF tensor is the Megatron tensor
+          "qkv"   q, k, v projections fused per query group: for each KV group g,
+                  [q rows of g's heads (heads/groups * head_dim), k rows of g (head_dim), v rows of g (head_dim)]
+          "glu"   gate and up projections concatenated: [gate; up] (Megatron's fc1 for a gated MLP)
+    split "none"    replicated on every TP rank (norms, router)
+          "column"  dim 0 over TP (ColumnParallelLinear); every HF part is split, then the parts are joined,
+                    so a rank holds [q_r|k_r|v_r per local group] or [gate_r; up_r], as megatron-core does
+          "row"     dim 1 over TP (RowParallelLinear)
+          "vocab"   dim 0 over TP after padding the vocabulary rows to ``padded_vocab_size`` with zeros
+
+Scopes say where a rule applies: once per model (``model``, on the first or last pipeline stage), per
+decoder layer (``layer``), per layer with a dense MLP (``dense``) or routed experts (``moe``), or per expert
+(``expert``; split over the expert-tensor-parallel group, experts spread over expert-parallel ranks).
+Names carry ``{layer}`` and ``{expert}``: global indices in HF names, this rank's local indices in Megatron
+names (the bridge translates). ``te_name`` is the parameter's name under TransformerEngine's layer spec, where
+the norm before a linear is fused into it. ``dims`` give each HF tensor's shape in ``ModelSpec.dims()`` terms,
+so a checkpoint is checked (missing / unexpected / mis-shaped tensors) before any model is built.
+
+Conversion, SGLang weight sync and the local engine all use these tables through ``bridge.Bridge``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from .errors import UnsupportedModel
+from .hf_config import ModelSpec
+
+COPY, QKV, GLU = "copy", "qkv", "glu"
+NONE, COLUMN, ROW, VOCAB = "none", "column", "row", "vocab"
+MODEL, LAYER, DENSE, MOE, EXPERT = "model", "layer", "dense", "moe", "expert"
+FIRST, LAST = "first", "last"
+
+
+@dataclass(frozen=True)
+class Part:
+    """One HF tensor: its name pattern and its shape as ModelSpec dims."""
+
+    name: str
+    dims: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Rule:
+    megatron: str
+    hf: tuple[Part, ...]
+    join: str = COPY
+    split: str = NONE
+    scope: str = LAYER
+    stage: str | None = None  # model scope: the pipeline stage holding it
+    te_name: str | None = None
+    when: str | None = None  # "tied" / "untied": only for models with (un)tied embeddings
+    # The last pipeline stage's copy of a tied embedding: filled on load where the model has it, never exported
+    # (the first stage exports the embedding once).
+    tied_copy: bool = False
+
+
+def P(name: str, *dims: str) -> Part:
+    return Part(name, dims)
+
+
+_L = "model.layers.{layer}"
+_M = "decoder.layers.{layer}"
+
+EMBEDDING = (
+    Rule("embedding.word_embeddings.weight", (P("model.embed_tokens.weight", "vocab", "hidden"),),
+         split=VOCAB, scope=MODEL, stage=FIRST),
+)
+OUTPUT = (
+    Rule("decoder.final_layernorm.weight", (P("model.norm.weight", "hidden"),), scope=MODEL, stage=LAST),
+    Rule("output_layer.weight", (P("lm_head.weight", "vocab", "hidden"),), split=VOCAB, scope=MODEL, stage=LAST,
+         when="untied"),
+    Rule("output_layer.weight", (P("model.embed_tokens.weight", "vocab", "hidden"),), split=VOCAB, scope=MODEL,
+         stage=LAST, when="tied", tied_copy=True),
+)
+ATTENTION = (
+    Rule(f"{_M}.input_layernorm.weight", (P(f"{_L}.input_layernorm.weight", "hidden"),),
+         te_name=f"{_M}.self_attention.linear_qkv.layer_norm_weight"),
+    Rule(f"{_M}.self_attention.linear_qkv.weight",
+         (P(f"{_L}.self_attn.q_proj.weight", "q", "hidden"), P(f"{_L}.self_attn.k_proj.weight", "kv", "hidden"),
+          P(f"{_L}.self_attn.v_proj.weight", "kv", "hidden")), join=QKV, split=COLUMN),
+    Rule(f"{_M}.self_attention.linear_proj.weight", (P(f"{_L}.self_attn.o_proj.weight", "hidden", "q"),), split=ROW),
+)
+QKV_BIAS = (
+    Rule(f"{_M}.self_attention.linear_qkv.bias",
+         (P(f"{_L}.self_attn.q_proj.bias", "q"), P(f"{_L}.self_attn.k_proj.bias", "kv"),
+          P(f"{_L}.self_attn.v_proj.bias", "kv")), join=QKV, split=COLUMN),
+)
+QK_NORM = (
+    Rule(f"{_M}.self_attention.q_layernorm.weight", (P(f"{_L}.self_attn.q_norm.weight", "head_dim"),)),
+    Rule(f"{_M}.self_attention.k_layernorm.weight", (P(f"{_L}.self_attn.k_norm.weight", "head_dim"),)),
+)
+DENSE_MLP = (
+    Rule(f"{_M}.pre_mlp_layernorm.weight", (P(f"{_L}.post_attention_layernorm.weight", "hidden"),), scope=DENSE,
+         te_name=f"{_M}.mlp.linear_fc1.layer_norm_weight"),
+    Rule(f"{_M}.mlp.linear_fc1.weight",
+         (P(f"{_L}.mlp.gate_proj.weight", "ffn", "hidden"), P(f"{_L}.mlp.up_proj.weight", "ffn", "hidden")),
+         join=GLU, split=COLUMN, scope=DENSE),
+    Rule(f"{_M}.mlp.linear_fc2.weight", (P(f"{_L}.mlp.down_proj.weight", "hidden", "ffn"),), split=ROW, scope=DENSE),
+)
+_E = f"{_M}.mlp.experts.local_experts.{{expert}}"
+_HE = f"{_L}.mlp.experts.{{expert}}"
+MOE_MLP = (
+    # TE's MoE layers keep a separate pre-MLP norm, so its name is the same under both specs.
+    Rule(f"{_M}.pre_mlp_layernorm.weight", (P(f"{_L}.post_attention_layernorm.weight", "hidden"),), scope=MOE),
+    Rule(f"{_M}.mlp.router.weight", (P(f"{_L}.mlp.gate.weight", "experts", "hidden"),), scope=MOE),
+    Rule(f"{_E}.linear_fc1.weight",
+         (P(f"{_HE}.gate_proj.weight", "moe_ffn", "hidden"), P(f"{_HE}.up_proj.weight", "moe_ffn", "hidden")),
+         join=GLU, split=COLUMN, scope=EXPERT),
+    Rule(f"{_E}.linear_fc2.weight", (P(f"{_HE}.down_proj.weight", "hidden", "moe_ffn"),), split=ROW, scope=EXPERT),
+)
+
+ARCHITECTURES: dict[str, tuple[Rule, ...]] = {
+    "qwen3_moe": EMBEDDING + ATTENTION + QK_NORM + DENSE_MLP + MOE_MLP + OUTPUT,
+    "qwen3": EMBEDDING + ATTENTION + QK_NORM + DENSE_MLP + OUTPUT,
+    "qwen2": EMBEDDING + ATTENTION + QKV_BIAS + DENSE_MLP + OUTPUT,
+    "llama": EMBEDDING + ATTENTION + DENSE_MLP + OUTPUT,
+}
+
+# HF tensors that hold no weights (old checkpoints saved RoPE tables): accepted and dropped.
+IGNORED_HF_TENSORS = (re.compile(r"\.rotary_emb\.inv_freq$"),)
+
+
+def rules_for(spec: ModelSpec) -> tuple[Rule, ...]:
+    """The rules that apply to this model (the family's table, filtered by tied / untied embeddings)."""
+    table = ARCHITECTURES.get(spec.family)
+    if table is None:
+        raise UnsupportedModel(f"no tensor mapping for family {spec.family!r}; mapped: {', '.join(ARCHITECTURES)}")
+    tied = "tied" if spec.tie_embeddings else "untied"
+    return tuple(rule for rule in table if rule.when in (None, tied))
+
+
+def layers_in_scope(spec: ModelSpec, scope: str) -> list[int]:
+    """Global layer indices a per-layer rule applies to."""
+    if scope == LAYER:
+        return list(range(spec.num_layers))
+    if scope == DENSE:
+        return [i for i in range(spec.num_layers) if not spec.is_moe_layer(i)]
+    if scope in (MOE, EXPERT):
+        return [i for i in range(spec.num_layers) if spec.is_moe_layer(i)]
+    raise ValueError(f"scope {scope!r} is not per layer")
+
+
+def hf_tensor_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor of the model and its shape: what a checkpoint must hold, no more, no less."""
+    dims = spec.dims()
+    shapes: dict[str, tuple[int, ...]] = {}
+    for rule in rules_for(spec):
+        if rule.tied_copy:
+            continue
+        if rule.scope == MODEL:
+            instances = [{}]
+        elif rule.scope == EXPERT:
+            instances = [dict(layer=i, expert=e)
+                         for i in layers_in_scope(spec, EXPERT) for e in range(spec.num_experts)]
+        else:
+            instances = [dict(layer=i) for i in layers_in_scope(spec, rule.scope)]
+        for where in instances:
+            for part in rule.hf:
+                shapes[part.name.format(**where)] = tuple(dims[d] for d in part.dims)
+    return shapes
+
+
+def is_ignored(name: str) -> bool:
+    return any(pattern.search(name) for pattern in IGNORED_HF_TENSORS)

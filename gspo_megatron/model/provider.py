@@ -1,0 +1,161 @@
+"""The Megatron policy for a ``ModelSpec``: its ``TransformerConfig`` and ``GPTModel``.
+
+``build_gpt_model(spec, layout)`` builds this rank's part of the model after Megatron's process groups are
+up (``parallel.groups.init_model_parallel(layout)``). What each family means in megatron-core terms:
+
+- RMSNorm everywhere, gated SiLU MLPs without biases, RoPE (theta and Llama-3 scaling from the config).
+- Grouped-query attention with ``kv_channels = head_dim`` (which may differ from hidden / heads);
+  Qwen3 adds ``qk_layernorm``, Qwen2 ``add_qkv_bias``.
+- Qwen3-MoE routing: softmax -> top-k -> renormalise (``norm_topk_prob``) is megatron's softmax over the
+  top-k logits (``moe_router_pre_softmax=False``); without renormalisation it is softmax -> top-k
+  (``moe_router_pre_softmax=True``). Which layers are MoE (``mlp_only_layers`` / ``decoder_sparse_step``)
+  is ``moe_layer_freq`` as a 0/1 list, through megatron's decoder block spec. Experts are a SequentialMLP
+  (``moe_grouped_gemm=False``): the same parameter names on CPU and GPU.
+- The vocabulary is padded to ``ModelSpec.padded_vocab_size()`` rows (the bridge zero-fills the padding).
+
+Layer specs: megatron-core's local spec on CPU, TransformerEngine's where ``transformer_engine`` imports.
+With the local spec, a MoE layer's pre-MLP norm is saved under its own name, as TE's spec does (megatron's
+local spec would save it as the dense ``mlp.linear_fc1.layer_norm_weight``), so a checkpoint written on CPU
+loads into a TE model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from gspo_megatron.parallel.groups import Layout
+
+from .hf_config import ModelSpec
+from .layout_check import check_layout, transformer_engine_available
+
+
+def transformer_config(spec: ModelSpec, layout: Layout, dtype: torch.dtype = torch.float32, init: bool = False,
+                       **overrides):
+    """Megatron's ``TransformerConfig`` for ``spec`` under ``layout``. ``overrides`` win over the defaults.
+
+    Defaults suit RL training and scoring: no dropout, per-token-loss mode (``train.policy_step`` needs it),
+    no router auxiliary loss, the alltoall token dispatcher, no weight initialisation unless ``init`` (the
+    weights come from a checkpoint).
+    """
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.transformer import TransformerConfig
+
+    tp = layout.tensor
+    moe = {}
+    if spec.is_moe:
+        moe = dict(
+            num_moe_experts=spec.num_experts,
+            moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
+            moe_router_topk=spec.moe_topk,
+            moe_router_score_function="softmax",
+            moe_router_pre_softmax=not spec.norm_topk_prob,
+            moe_layer_freq=[int(m) for m in spec.moe_layers],
+            moe_grouped_gemm=False,
+            moe_token_dispatcher_type="alltoall",
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+        )
+    kwargs = dict(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_attention_heads,
+        num_query_groups=spec.num_key_value_heads,
+        kv_channels=spec.head_dim,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=spec.norm_eps,
+        add_bias_linear=False,
+        add_qkv_bias=spec.qkv_bias,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        qk_layernorm=spec.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        perform_initialization=init,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=layout.pipeline,
+        context_parallel_size=layout.context,
+        expert_model_parallel_size=layout.expert,
+        expert_tensor_parallel_size=layout.expert_tensor or tp,
+        sequence_parallel=layout.sequence_parallel and tp > 1,
+        calculate_per_token_loss=True,
+        **moe,
+    )
+    kwargs.update(overrides)
+    config = TransformerConfig(**kwargs)
+    config.finalize_model_grads_func = finalize_model_grads
+    return config
+
+
+def _moe_norm_keeps_its_name(layer_spec):
+    """Drop the local spec's ``pre_mlp_layernorm. -> mlp.linear_fc1.layer_norm_`` key map on MoE layers."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    submodules = layer_spec.submodules
+    if getattr(submodules.mlp, "module", None) is not MoELayer:
+        return layer_spec
+    keys_map = {k: v for k, v in submodules.sharded_state_dict_keys_map.items() if k != "pre_mlp_layernorm."}
+    submodules = dataclasses.replace(submodules, sharded_state_dict_keys_map=keys_map)
+    return dataclasses.replace(layer_spec, submodules=submodules)
+
+
+def decoder_block_spec(config, use_te: bool):
+    """This pipeline stage's layer specs (dense or MoE per ``moe_layer_freq``)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm")
+    if not use_te:
+        block = dataclasses.replace(block, layer_specs=[_moe_norm_keeps_its_name(s) for s in block.layer_specs])
+    return block
+
+
+def _check_groups_match(layout: Layout) -> None:
+    from megatron.core import parallel_state as ps
+
+    actual = dict(tensor=ps.get_tensor_model_parallel_world_size(),
+                  pipeline=ps.get_pipeline_model_parallel_world_size(),
+                  expert=ps.get_expert_model_parallel_world_size(), context=ps.get_context_parallel_world_size())
+    wanted = dict(tensor=layout.tensor, pipeline=layout.pipeline, expert=layout.expert, context=layout.context)
+    if actual != wanted:
+        raise ValueError(f"the model's layout {wanted} differs from Megatron's process groups {actual}: "
+                         "call parallel.groups.init_model_parallel(layout) with the same layout first")
+
+
+def build_gpt_model(spec: ModelSpec, layout: Layout = Layout(), dtype: torch.dtype = torch.float32,
+                    padded_vocab_size: int | None = None, use_te: bool | None = None, init: bool = False,
+                    **config_overrides):
+    """This rank's ``GPTModel`` for ``spec`` under ``layout`` (Megatron's groups must already match it).
+
+    ``padded_vocab_size`` defaults to ``spec.padded_vocab_size()``; a checkpoint records the value it was
+    converted with. ``use_te`` defaults to whether TransformerEngine imports.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    import torch.distributed as dist
+
+    vocab = padded_vocab_size or spec.padded_vocab_size()
+    use_te = transformer_engine_available() if use_te is None else use_te
+    check_layout(spec, layout, dist.get_world_size(), padded_vocab_size=vocab, transformer_engine=use_te)
+    _check_groups_match(layout)
+    config = transformer_config(spec, layout, dtype=dtype, init=init, **config_overrides)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=decoder_block_spec(config, use_te),
+        vocab_size=vocab,
+        max_sequence_length=spec.max_position_embeddings,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=spec.tie_embeddings,
+        position_embedding_type="rope",
+        rotary_base=spec.rope_theta,
+        rope_scaling=spec.rope_scaling_factor is not None,
+        rope_scaling_factor=spec.rope_scaling_factor or 8.0,
+    )

@@ -1,0 +1,95 @@
+"""The joins and splits of ``mapping`` as tensor functions (no process groups except in ``gather``).
+
+A rank's Megatron tensor is ``join([shard(part) for part in hf_parts])``: each HF part is split over the
+TP group first, then joined. ``unjoin`` is the inverse on a rank's tensor, and the full HF tensors are the
+TP ranks' unjoined parts concatenated along the split dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .mapping import COLUMN, COPY, GLU, NONE, QKV, ROW, VOCAB
+
+
+def split_dim(split: str) -> int | None:
+    return {NONE: None, COLUMN: 0, VOCAB: 0, ROW: 1}[split]
+
+
+def local_index(split: str, shape: tuple[int, ...], size: int, rank: int,
+                padded_rows: int | None = None) -> tuple[tuple[slice, ...], int]:
+    """(index into the full HF tensor for TP rank ``rank`` of ``size``, zero rows to append after it).
+
+    For ``vocab`` the tensor's rows are first padded to ``padded_rows``; a rank whose block lies (partly)
+    beyond the real rows gets zero rows for the rest.
+    """
+    index = [slice(None)] * len(shape)
+    dim = split_dim(split)
+    if dim is None or size == 1 and split != VOCAB:
+        return tuple(index), 0
+    rows = padded_rows if split == VOCAB else shape[dim]
+    if rows % size:
+        raise ValueError(f"dim {dim} of size {rows} does not split over {size} ranks")
+    block = rows // size
+    start, end = rank * block, (rank + 1) * block
+    real_end = min(end, shape[dim])
+    real_start = min(start, real_end)
+    index[dim] = slice(real_start, real_end)
+    return tuple(index), (end - start) - (real_end - real_start)
+
+
+def pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    if rows == 0:
+        return tensor
+    return torch.cat([tensor, tensor.new_zeros((rows,) + tuple(tensor.shape[1:]))])
+
+
+def join(kind: str, parts: list[torch.Tensor], heads_per_group: int, head_dim: int) -> torch.Tensor:
+    """HF parts (already this rank's shards) -> this rank's Megatron tensor."""
+    if kind == COPY:
+        (tensor,) = parts
+        return tensor
+    if kind == GLU:
+        return torch.cat(parts, dim=0)
+    if kind == QKV:
+        q, k, v = parts
+        groups = k.shape[0] // head_dim
+        rest = tuple(q.shape[1:])
+        q = q.reshape((groups, heads_per_group * head_dim) + rest)
+        k = k.reshape((groups, head_dim) + rest)
+        v = v.reshape((groups, head_dim) + rest)
+        return torch.cat([q, k, v], dim=1).reshape((-1,) + rest)
+    raise ValueError(f"unknown join {kind!r}")
+
+
+def unjoin(kind: str, tensor: torch.Tensor, heads_per_group: int, head_dim: int) -> list[torch.Tensor]:
+    """This rank's Megatron tensor -> its HF parts (views where possible)."""
+    if kind == COPY:
+        return [tensor]
+    if kind == GLU:
+        return list(tensor.chunk(2, dim=0))
+    if kind == QKV:
+        rest = tuple(tensor.shape[1:])
+        per_group = (heads_per_group + 2) * head_dim
+        grouped = tensor.reshape((tensor.shape[0] // per_group, per_group) + rest)
+        q, k, v = grouped.split([heads_per_group * head_dim, head_dim, head_dim], dim=1)
+        return [p.reshape((-1,) + rest) for p in (q, k, v)]
+    raise ValueError(f"unknown join {kind!r}")
+
+
+def gather(tensor: torch.Tensor, split: str, group, size: int) -> torch.Tensor:
+    """The full tensor from every rank's shard along the split dim (all-gather over ``group``)."""
+    dim = split_dim(split)
+    if dim is None or size == 1:
+        return tensor
+    shards = all_gather(tensor, group, size)
+    return torch.cat(shards, dim=dim)
+
+
+def all_gather(tensor: torch.Tensor, group, size: int) -> list[torch.Tensor]:
+    """Every rank's equally shaped ``tensor``, in group-rank order."""
+    tensor = tensor.contiguous()
+    out = [torch.empty_like(tensor) for _ in range(size)]
+    dist.all_gather(out, tensor, group=group)
+    return out

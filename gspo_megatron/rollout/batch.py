@@ -1,0 +1,49 @@
+"""Rollout samples -> the trainer's token-aligned tensors (``train.policy_step``'s micro-batch layout).
+
+For a sample with prompt p (P tokens) and response r (R tokens), row b holds input_ids = p + r, right-padded, and
+    labels[b, t]       = input_ids[b, t + 1]            (the next token)
+    loss_mask[b, t]    = P - 1 <= t <= P + R - 2         (labels[b, t] is a response token)
+    rollout_logprobs   = the engine's log-prob of labels[b, t] where loss_mask, else 0
+so the log-prob the trainer computes at position t is comparable with the engine's, token for token.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .types import Sample
+
+
+def samples_to_batch(samples: Sequence[Sample], pad_id: int = 0, pad_to_multiple: int = 1,
+                     min_length: int = 0) -> dict[str, torch.Tensor]:
+    """input_ids / labels [B, S] long, loss_mask [B, S] bool, rollout_logprobs [B, S] float32,
+    prompt_lengths / response_lengths [B] long. S = the longest prompt + response, padded up to a multiple of
+    ``pad_to_multiple`` (e.g. the TP size under sequence parallelism) and at least ``min_length``."""
+    if not samples:
+        raise ValueError("samples_to_batch got no samples")
+    longest = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    S = max(longest, min_length)
+    S = -(-S // pad_to_multiple) * pad_to_multiple
+    B = len(samples)
+    input_ids = torch.full((B, S), pad_id, dtype=torch.long)
+    labels = torch.full((B, S), pad_id, dtype=torch.long)
+    loss_mask = torch.zeros(B, S, dtype=torch.bool)
+    logprobs = torch.zeros(B, S, dtype=torch.float32)
+    for b, s in enumerate(samples):
+        P, R = len(s.prompt_ids), len(s.response_ids)
+        ids = torch.tensor(s.prompt_ids + s.response_ids, dtype=torch.long)
+        input_ids[b, :P + R] = ids
+        labels[b, :P + R - 1] = ids[1:]
+        if R:
+            loss_mask[b, P - 1:P + R - 1] = True
+            logprobs[b, P - 1:P + R - 1] = s.logprobs_tensor()
+    return {
+        "input_ids": input_ids,
+        "labels": labels,
+        "loss_mask": loss_mask,
+        "rollout_logprobs": logprobs,
+        "prompt_lengths": torch.tensor([len(s.prompt_ids) for s in samples], dtype=torch.long),
+        "response_lengths": torch.tensor([len(s.response_ids) for s in samples], dtype=torch.long),
+    }

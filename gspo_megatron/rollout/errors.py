@@ -1,0 +1,34 @@
+"""What can go wrong in a rollout, as exceptions a trainer can tell apart. Every message names the server,
+request or sample concerned; none of these is ever turned into a partial batch."""
+
+
+class RolloutError(RuntimeError):
+    """A rollout could not be completed."""
+
+
+class ServerStartError(RolloutError):
+    """An SGLang server did not become healthy in time, or exited while starting (the message has its log tail)."""
+
+
+class ServerDied(RolloutError):
+    """An SGLang server process exited, or stopped accepting connections, while it was needed."""
+
+
+class ServerUnresponsive(RolloutError):
+    """An SGLang server stopped answering (health probes or a request timed out): hung or overloaded."""
+
+
+class RequestFailed(RolloutError):
+    """The server rejected a request (4xx), or kept failing it (5xx) after every retry."""
+
+
+class BadResponse(RolloutError):
+    """The server answered with something that does not match the request (count, order, lengths, abort)."""
+
+
+class WeightSyncError(RolloutError):
+    """A weight update failed or the server does not report the new weight version afterwards."""
+
+
+class RewardError(RuntimeError):
+    """A reward function raised or returned a non-finite value (the message names the sample)."""

@@ -1,0 +1,164 @@
+"""Rewards: verifiers of a response against its label, user functions, and scoring a batch safely.
+
+A reward function is ``fn(prompt: str, response: str, label) -> float`` (``label``: the answer, or whatever the
+data set attaches to the prompt). Built in (``load_reward_fn`` by name):
+
+    math          1.0 if the final \\boxed{...} (else the last number) equals the label after normalisation
+    exact_match   1.0 if the stripped response equals the stripped label
+    synthetic     the CPU example's tasks (``synthetic.prefix_credit``): partial credit in [0, 1]
+
+User functions are given as ``"package.module:function"``. ``score`` never lets a bad reward through: a function
+that raises or returns a non-finite (or non-numeric) value is a ``RewardError`` naming the sample, or, with
+``on_error="mask"``, that sample's reward is 0 and its ``valid`` flag False, for the trainer to drop it from the
+loss (so no NaN ever reaches it).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import numbers
+import re
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .errors import RewardError
+from .synthetic import prefix_credit
+from .types import Sample
+
+RewardFn = Callable[[str, str, Any], float]
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``), braces balanced; None if there is none."""
+    start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
+    if start < 0:
+        return None
+    i = text.index("{", start) + 1
+    depth, j = 1, i
+    while j < len(text) and depth:
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        j += 1
+    return text[i:j - 1] if depth == 0 else None
+
+
+def extract_answer(text: str) -> str | None:
+    """The final answer of a solution: the last \\boxed{} content, else the last number in the text."""
+    boxed = last_boxed(text)
+    if boxed is not None:
+        return boxed
+    numbers = _NUMBER.findall(text)
+    return numbers[-1] if numbers else None
+
+
+def normalize_answer(answer: str) -> str:
+    """Canonical form for comparison: LaTeX wrappers, spaces, $, thousands separators and a trailing period go;
+    numbers (integers, decimals, a/b, \\frac{a}{b}) become an exact reduced fraction, so 0.50 == 1/2 == \\frac12."""
+    s = answer.strip()
+    s = re.sub(r"\\text\{([^{}]*)\}", r"\1", s)
+    s = re.sub(r"\\(?:d|t)?frac\{([^{}]*)\}\{([^{}]*)\}", r"(\1)/(\2)", s)
+    s = re.sub(r"\\(?:d|t)?frac(\d)(\d)", r"\1/\2", s)
+    s = s.replace("\\left", "").replace("\\right", "").replace("\\!", "").replace("\\,", "")
+    s = s.replace("$", "").replace(" ", "").rstrip(".")
+    number = re.fullmatch(r"\(?(-?[\d,]*\.?\d+)\)?(?:/\(?(-?\d+)\)?)?", s)
+    if number:
+        try:
+            value = Fraction(number.group(1).replace(",", ""))
+            if number.group(2):
+                value /= Fraction(number.group(2))
+            return str(value)
+        except (ValueError, ZeroDivisionError):
+            pass
+    return s.lower()
+
+
+def math_reward(prompt: str, response: str, label) -> float:
+    predicted = extract_answer(response)
+    if predicted is None:
+        return 0.0
+    return float(normalize_answer(predicted) == normalize_answer(str(label)))
+
+
+def exact_match(prompt: str, response: str, label) -> float:
+    return float(response.strip() == str(label).strip())
+
+
+def synthetic_reward(prompt: str, response: str, label) -> float:
+    return prefix_credit(response, str(label))
+
+
+BUILTIN: dict[str, RewardFn] = {"math": math_reward, "exact_match": exact_match, "synthetic": synthetic_reward}
+
+
+def load_reward_fn(spec: str) -> RewardFn:
+    """A built-in name (``math``, ``exact_match``, ``synthetic``) or ``"module:function"``."""
+    if spec in BUILTIN:
+        return BUILTIN[spec]
+    if ":" not in spec:
+        raise ValueError(f"reward={spec!r} is neither a built-in ({sorted(BUILTIN)}) nor 'module:function'")
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"reward={spec!r}: cannot import module {module_name!r}: {e}") from e
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(f"reward={spec!r}: {module_name} has no callable {attr!r}")
+    return fn
+
+
+@dataclass
+class Rewards:
+    values: torch.Tensor  # [N] float32, finite
+    valid: torch.Tensor  # [N] bool: False where the reward failed and was masked
+    errors: list[str] = field(default_factory=list)  # one line per masked sample
+
+    def metrics(self, prefix: str = "reward/") -> dict[str, float]:
+        v = self.values[self.valid]
+        return {f"{prefix}mean": float(v.mean()) if v.numel() else float("nan"),
+                f"{prefix}max": float(v.max()) if v.numel() else float("nan"),
+                f"{prefix}masked": float((~self.valid).sum())}
+
+
+def _name(fn) -> str:
+    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def score(fn: RewardFn, samples: Sequence[Sample], labels: Sequence[Any], prompt_texts: Sequence[str],
+          response_texts: Sequence[str], on_error: str = "raise") -> Rewards:
+    """Reward of every sample (``labels``/texts aligned with ``samples``). ``on_error``: "raise" or "mask"."""
+    if on_error not in ("raise", "mask"):
+        raise ValueError(f"reward on_error={on_error!r} must be 'raise' or 'mask'")
+    if not len(samples) == len(labels) == len(prompt_texts) == len(response_texts):
+        raise ValueError(f"score: {len(samples)} samples but {len(labels)} labels, {len(prompt_texts)} prompts, "
+                         f"{len(response_texts)} responses")
+    values, valid, errors = [], [], []
+    for sample, label, prompt, response in zip(samples, labels, prompt_texts, response_texts):
+        problem = None
+        try:
+            value = fn(prompt, response, label)
+            if not isinstance(value, numbers.Real) and not (isinstance(value, torch.Tensor) and value.numel() == 1):
+                problem = f"returned {value!r} ({type(value).__name__}), not a number"
+            else:
+                value = float(value)
+                if not math.isfinite(value):
+                    problem = f"returned {value}"
+        except Exception as e:  # a user function may raise anything: report it with the sample
+            problem = f"raised {type(e).__name__}: {e}"
+        if problem is not None:
+            message = (f"reward {_name(fn)} {problem} for sample {sample.name} "
+                       f"(response {response[:80]!r}, label {str(label)[:80]!r})")
+            if on_error == "raise":
+                raise RewardError(message + "; set on_error='mask' to drop such samples from the loss instead")
+            values.append(0.0)
+            valid.append(False)
+            errors.append(message)
+        else:
+            values.append(value)
+            valid.append(True)
+    return Rewards(torch.tensor(values, dtype=torch.float32), torch.tensor(valid, dtype=torch.bool), errors)

@@ -1,0 +1,219 @@
+"""Launch and own SGLang server processes: one per rollout GPU group, or one CPU server on the loopback.
+
+Each server runs ``python -m sglang.launch_server`` in its own session (so a Ctrl-C in the trainer's terminal
+does not reach it half-way; the trainer shuts it down in order instead), with the kernel told to SIGTERM it if
+the trainer dies (PR_SET_PDEATHSIG), and an ``atexit`` hook that stops every server still running. On CPU the
+stand-ins of ``patches.sglang_cpu`` lead its PYTHONPATH.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from gspo_megatron.parallel.launch import free_port
+
+from .client import HttpClient, RetryPolicy
+from .config import SGLangConfig
+from .errors import RolloutError, ServerStartError
+
+log = logging.getLogger(__name__)
+
+_LIVE: set["ServerProcess"] = set()
+_LIVE_LOCK = threading.Lock()
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM me when the thread that started me exits (Linux)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def launch_command(config: SGLangConfig, port: int, gpus: list[int]) -> list[str]:
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", config.model_path,
+           "--host", config.host, "--port", str(port), "--dtype", config.dtype,
+           "--random-seed", str(config.seed), "--device", config.device]
+    if config.device == "cuda":
+        cmd += ["--tp-size", str(len(gpus)), "--nccl-port", str(free_port())]
+    if config.sleep_on_idle if config.sleep_on_idle is not None else config.device == "cpu":
+        cmd.append("--sleep-on-idle")
+    for flag, value in (("--max-total-tokens", config.max_total_tokens),
+                        ("--max-running-requests", config.max_running_requests),
+                        ("--mem-fraction-static", config.mem_fraction_static),
+                        ("--context-length", config.context_length)):
+        if value is not None:
+            cmd += [flag, str(value)]
+    return cmd + list(config.extra_args)
+
+
+def server_env(config: SGLangConfig, gpus: list[int]) -> dict[str, str]:
+    from patches import sglang_cpu
+
+    env = sglang_cpu.server_env(os.environ, config.device)
+    if gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
+    if config.device == "cpu" and config.cpu_threads is not None:
+        env["OMP_NUM_THREADS"] = str(config.cpu_threads)
+    return env
+
+
+class ServerProcess:
+    """One launched server: its URL, process, log file; ``wait_ready``, ``alive``, ``shutdown``."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str], url: str, log_path: Path, name: str):
+        self.url, self.log_path, self.name = url, log_path, name
+        self._log_file = open(log_path, "ab")
+        self.process = subprocess.Popen(cmd, env=env, stdout=self._log_file, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, start_new_session=True,
+                                        preexec_fn=_die_with_parent)
+        with _LIVE_LOCK:
+            _LIVE.add(self)
+        log.info("%s: started pid %d at %s, log %s", name, self.process.pid, url, log_path)
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        return "\n".join(text[-lines:])
+
+    def describe_exit(self) -> str:
+        code = self.process.poll()
+        how = f"killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+        return f"{self.name} (pid {self.process.pid}, {self.url}) {how}; last lines of {self.log_path}:\n{self.log_tail()}"
+
+    def wait_ready(self, timeout: float) -> None:
+        """Until GET /health_generate answers 200 (a real one-token generation), or raise ServerStartError."""
+        client = HttpClient(self.url, RetryPolicy(max_retries=0), timeout=10.0)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise ServerStartError(f"SGLang server did not start: {self.describe_exit()}")
+            try:
+                client.get("/health_generate")
+                log.info("%s: ready", self.name)
+                return
+            except RolloutError:
+                time.sleep(1.0)
+        self.shutdown()
+        raise ServerStartError(f"{self.name} at {self.url} was not healthy after {timeout:.0f} s (shut down); "
+                               f"last lines of {self.log_path}:\n{self.log_tail()}")
+
+    def shutdown(self, grace_s: float = 15.0) -> None:
+        """SIGTERM the server's process group, SIGKILL whatever is left after ``grace_s``. Idempotent."""
+        with _LIVE_LOCK:
+            _LIVE.discard(self)
+        if self.alive():
+            children = _descendants(self.process.pid)
+            _signal_group(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                log.warning("%s: still running %.0f s after SIGTERM; killing it", self.name, grace_s)
+            _signal_group(self.process.pid, signal.SIGKILL)
+            for child in children:  # a child that left the process group
+                try:
+                    child.kill()
+                except Exception:  # psutil.NoSuchProcess and friends: already gone
+                    pass
+            self.process.wait(timeout=grace_s)
+            log.info("%s: shut down", self.name)
+        self._log_file.close()
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _descendants(pid: int) -> list:
+    try:
+        import psutil
+
+        return psutil.Process(pid).children(recursive=True)
+    except Exception:
+        return []
+
+
+def start_servers(config: SGLangConfig) -> list[ServerProcess]:
+    """Start every server of ``config`` without waiting for them (``ServerProcess.wait_ready`` does).
+
+    Call from the thread that will outlive the servers: PR_SET_PDEATHSIG fires when the *starting thread* exits.
+    """
+    log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix="gspo_sglang_"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    servers: list[ServerProcess] = []
+    try:
+        for i, gpus in enumerate(config.gpu_groups):
+            port = free_port()
+            url = f"http://{config.host}:{port}"
+            servers.append(ServerProcess(launch_command(config, port, gpus), server_env(config, gpus), url,
+                                         log_dir / f"sglang_server_{i}.log", name=f"sglang server {i}"))
+    except BaseException:
+        for server in servers:
+            server.shutdown()
+        raise
+    return servers
+
+
+def wait_all_ready(servers: list[ServerProcess], timeout: float) -> None:
+    """Wait for each server in turn (they start in parallel); on any failure stop them all."""
+    try:
+        for server in servers:
+            server.wait_ready(timeout)
+    except BaseException:
+        for server in servers:
+            server.shutdown()
+        raise
+
+
+def launch_servers(config: SGLangConfig) -> list[ServerProcess]:
+    """Start every server of ``config`` and wait until all are healthy."""
+    servers = start_servers(config)
+    wait_all_ready(servers, config.startup_timeout_s)
+    return servers
+
+
+def launch_router(config: SGLangConfig, worker_urls: list[str]) -> ServerProcess:
+    port = free_port()
+    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", config.host, "--port", str(port),
+           "--worker-urls", *worker_urls]
+    log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix="gspo_sglang_"))
+    router = ServerProcess(cmd, dict(os.environ), f"http://{config.host}:{port}", log_dir / "sglang_router.log",
+                           name="sglang-router")
+    client = HttpClient(router.url, RetryPolicy(max_retries=0), timeout=5.0)
+    deadline = time.monotonic() + config.startup_timeout_s
+    while time.monotonic() < deadline:
+        if not router.alive():
+            raise ServerStartError(f"sglang-router did not start: {router.describe_exit()}")
+        try:
+            client.get("/health")
+            return router
+        except RolloutError:
+            time.sleep(0.5)
+    router.shutdown()
+    raise ServerStartError(f"sglang-router at {router.url} not healthy after {config.startup_timeout_s:.0f} s")
+
+
+@atexit.register
+def _shutdown_all() -> None:
+    with _LIVE_LOCK:
+        live = list(_LIVE)
+    for server in live:
+        server.shutdown(grace_s=5.0)

@@ -1,0 +1,269 @@
+"""The SGLang rollout engine: groups of n sampled responses per prompt with their log-probs, and weight sync.
+
+    with SGLangEngine(SGLangConfig(model_path=..., device="cpu", dtype="float32")) as engine:
+        groups = engine.generate(prompt_ids, n=8, sampling=SamplingParams(max_new_tokens=64))
+        ...update the policy...
+        engine.update_weights(export_hf_weights(model), version="step-1")   # checks the served version
+
+Prompts are split into requests of ``prompts_per_request`` prompts (each asks for n samples: SGLang answers
+prompt-major) spread over the servers, or sent to the router, ``concurrency`` at a time. While they run, the
+engine watches its own server processes (a dead one fails the rollout at once, with its log tail) and probes
+every server's /health (a hung one fails it after ``health_failures`` missed probes); a request that takes longer
+than ``request_timeout_s`` or a rollout longer than ``rollout_timeout_s`` fails too. A failure aborts the other
+requests on the servers still alive and raises: there is never a partial batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import threading
+import time
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from gspo_megatron.parallel.launch import free_port
+
+from . import weight_sync
+from .client import HttpClient, RetryPolicy
+from .config import SGLangConfig
+from .errors import BadResponse, RolloutError, ServerDied, ServerUnresponsive, WeightSyncError
+from .server import ServerProcess, launch_router, launch_servers, wait_all_ready
+from .types import Group, NamedTensors, Sample, SamplingParams, SyncStats, check_prompts
+
+log = logging.getLogger(__name__)
+
+
+class SGLangEngine:
+    """See the module docstring. ``servers``: processes already started with ``server.start_servers(config)``
+    for this engine to wait for and own (to overlap server start-up with other work)."""
+
+    def __init__(self, config: SGLangConfig, servers: list[ServerProcess] | None = None):
+        self.config = config
+        self._servers: list[ServerProcess] = []
+        self._router: ServerProcess | None = None
+        self._sender: weight_sync.DistributedSender | None = None
+        self._disk_dir: Path | None = None
+        if config.urls:
+            self.worker_urls = [u.rstrip("/") for u in config.urls]
+            self.generate_urls = [config.router_url.rstrip("/")] if config.router_url else list(self.worker_urls)
+        else:
+            if servers is None:
+                self._servers = launch_servers(config)
+            else:
+                wait_all_ready(servers, config.startup_timeout_s)
+                self._servers = list(servers)
+            self.worker_urls = [s.url for s in self._servers]
+            self.generate_urls = list(self.worker_urls)
+            if config.launch_router:
+                try:
+                    self._router = launch_router(config, self.worker_urls)
+                except BaseException:
+                    self.close()
+                    raise
+                self.generate_urls = [self._router.url]
+        retry = RetryPolicy(config.max_retries, config.backoff_s, config.backoff_max_s)
+        self._clients = {u: HttpClient(u, retry, config.request_timeout_s) for u in self.worker_urls + self.generate_urls}
+        try:
+            if config.urls:  # attached: check each can generate before use (launched ones were checked)
+                for url in dict.fromkeys(self.worker_urls + self.generate_urls):
+                    self._clients[url].get("/health_generate", timeout=config.startup_timeout_s)
+            info = [self._clients[u].get("/model_info", timeout=config.health_timeout_s * 4) for u in self.worker_urls]
+        except BaseException:
+            self.close()
+            raise
+        self.model_path = config.model_path or info[0]["model_path"]
+        self._version = self._agreed_version(info)
+
+    # ---- lifecycle ------------------------------------------------------------------------------------------
+
+    def __enter__(self) -> "SGLangEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Tear down the weight-sync group and stop the servers this engine launched (attached ones keep
+        running). Idempotent; also runs at interpreter exit for launched servers (``server.py``)."""
+        if self._sender is not None:
+            self._sender.close()
+            self._sender = None
+        for process in ([self._router] if self._router else []) + self._servers:
+            process.shutdown()
+        self._router, self._servers = None, []
+
+    @property
+    def servers(self) -> list[ServerProcess]:
+        """The launched server processes (empty when attached)."""
+        return list(self._servers)
+
+    # ---- generation -----------------------------------------------------------------------------------------
+
+    def generate(self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingParams) -> list[Group]:
+        """n samples for every prompt: one Group per prompt, in order, each with its n Samples (prompt-major)."""
+        prompts = check_prompts(prompts, n)
+        k = self.config.prompts_per_request
+        chunks = [(start, prompts[start:start + k]) for start in range(0, len(prompts), k)]
+        results: dict[int, list[Sample]] = {}
+        pool = ThreadPoolExecutor(max_workers=min(self.config.concurrency, len(chunks)), thread_name_prefix="rollout")
+        cancelled = threading.Event()  # set on failure: requests still in flight stop retrying
+        try:
+            futures = {pool.submit(self._generate_chunk, self.generate_urls[i % len(self.generate_urls)], start,
+                                   chunk, n, sampling, cancelled): start
+                       for i, (start, chunk) in enumerate(chunks)}
+            self._watch(futures, results)
+        except BaseException:
+            cancelled.set()
+            self._abort_all()
+            raise
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+        samples = [s for start in sorted(results) for s in results[start]]
+        return [Group(i, p, samples[i * n:(i + 1) * n]) for i, p in enumerate(prompts)]
+
+    def _watch(self, futures: dict, results: dict) -> None:
+        """Wait for every request while checking the servers; raise on the first failure of any kind."""
+        cfg = self.config
+        deadline = time.monotonic() + cfg.rollout_timeout_s
+        next_probe = time.monotonic() + cfg.health_interval_s
+        missed = {u: 0 for u in self.generate_urls + self.worker_urls}
+        pending = set(futures)
+        while pending:
+            done, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
+            self._check_alive()  # first: a dead server explains a failed request best (exit code, log tail)
+            for future in done:
+                results[futures[future]] = future.result()  # re-raises the request's error
+            now = time.monotonic()
+            if pending and now >= next_probe:
+                self._probe(missed)
+                next_probe = time.monotonic() + cfg.health_interval_s
+            if pending and now > deadline:
+                raise ServerUnresponsive(f"rollout not finished after rollout_timeout_s={cfg.rollout_timeout_s:.0f} s "
+                                         f"({len(pending)} of {len(futures)} requests pending)")
+
+    def _check_alive(self) -> None:
+        for server in self._servers + ([self._router] if self._router else []):
+            if not server.alive():
+                raise ServerDied(f"rollout failed: {server.describe_exit()}")
+
+    def _probe(self, missed: dict[str, int]) -> None:
+        for url in missed:
+            try:
+                self._clients[url].get("/health", timeout=self.config.health_timeout_s, retry=RetryPolicy(0))
+                missed[url] = 0
+            except RolloutError as e:
+                missed[url] += 1
+                log.warning("%s: health probe %d failed: %s", url, missed[url], e)
+                if missed[url] >= self.config.health_failures:
+                    raise ServerUnresponsive(
+                        f"{url} missed {missed[url]} health probes in a row ({self.config.health_timeout_s:.0f} s "
+                        f"each) during a rollout: hung or overloaded. Last error: {e}") from e
+
+    def _abort_all(self) -> None:
+        """Best effort: stop what the servers still generate for requests nobody will read."""
+        for url in self.worker_urls:
+            try:
+                self._clients[url].post("/abort_request", {"abort_all": True}, timeout=2.0, retry=RetryPolicy(0))
+            except RolloutError:
+                pass
+
+    def _generate_chunk(self, url: str, start: int, prompts: list[list[int]], n: int, sampling: SamplingParams,
+                        cancelled: threading.Event) -> list[Sample]:
+        body = {"input_ids": prompts, "sampling_params": sampling.to_sglang(n), "return_logprob": True}
+        answer = self._clients[url].post("/generate", body, cancelled=cancelled)
+        return parse_generate(answer, prompts, n, start, url)
+
+    # ---- weights --------------------------------------------------------------------------------------------
+
+    def weight_version(self) -> str:
+        """The weight version every worker reports (they must agree)."""
+        info = [self._clients[u].get("/model_info", timeout=self.config.health_timeout_s * 4) for u in self.worker_urls]
+        self._version = self._agreed_version(info)
+        return self._version
+
+    def _agreed_version(self, info: list[dict]) -> str:
+        versions = {u: i.get("weight_version") for u, i in zip(self.worker_urls, info)}
+        if len(set(versions.values())) != 1:
+            raise WeightSyncError(f"the servers serve different weight versions: {versions}")
+        return next(iter(versions.values()))
+
+    def update_weights(self, named_tensors: NamedTensors, version: str, method: str | None = None) -> SyncStats:
+        """Load the trainer's weights (``(hf_name, full tensor)`` pairs) into every worker as ``version``, by
+        distributed broadcast (default) or from disk, then check each worker reports ``version``."""
+        method = method or self.config.weight_sync.method
+        version = str(version)
+        if version == self._version:
+            raise WeightSyncError(f"weight version {version!r} is already served: give each update a new version")
+        sync_clients = [HttpClient(u, RetryPolicy(0), self.config.weight_sync.timeout_s) for u in self.worker_urls]
+        if method == "distributed":
+            if self._sender is not None and self._sender.broken:
+                self._sender.close()
+                self._sender = None
+            if self._sender is None:
+                self._sender = weight_sync.DistributedSender(
+                    sync_clients, self._server_ranks(), self.config.weight_sync, self.config.sync_backend,
+                    torch.device(self.config.device), master_port=free_port())
+            stats = self._sender.send(named_tensors, version, self.config.weight_sync)
+        elif method == "disk":
+            stats = weight_sync.disk_update(sync_clients, named_tensors, version, self.model_path,
+                                            self._disk_directory(), self.config.weight_sync)
+        else:
+            raise ValueError(f"weight sync method={method!r} is not 'distributed' or 'disk'")
+        served = self.weight_version()
+        if served != version:
+            raise WeightSyncError(f"after a {method} weight update to {version!r} the servers report {served!r}")
+        log.info("weight sync (%s) to version %s: %.2f s, %.3f GB in %d tensors / %d buckets (%.2f GB/s)",
+                 method, version, stats.seconds, stats.num_bytes / 1e9, stats.num_tensors, stats.num_buckets,
+                 stats.gb_per_s)
+        return stats
+
+    def _server_ranks(self) -> list[int]:
+        """Ranks each worker brings to the weight-sync group: its tensor-parallel size."""
+        ranks = []
+        for url in self.worker_urls:
+            info = self._clients[url].get("/server_info", timeout=self.config.health_timeout_s * 4)
+            ranks.append(int(info.get("tp_size", 1)) * int(info.get("pp_size", 1) or 1))
+        return ranks
+
+    def _disk_directory(self) -> Path:
+        if self._disk_dir is None:
+            root = self.config.weight_sync.disk_dir
+            self._disk_dir = Path(root) if root else Path(tempfile.mkdtemp(prefix="gspo_weights_"))
+            self._disk_dir.mkdir(parents=True, exist_ok=True)
+        return self._disk_dir
+
+
+def parse_generate(answer, prompts: list[list[int]], n: int, start: int, url: str) -> list[Sample]:
+    """SGLang's /generate answer for ``prompts`` x n samples (prompt-major) as Samples; every count, order and
+    length is checked, and an aborted sample is an error, never a silently short group."""
+    items = answer if isinstance(answer, list) else [answer]
+    if len(items) != len(prompts) * n:
+        raise BadResponse(f"{url}: /generate returned {len(items)} samples for {len(prompts)} prompts x n={n}")
+    samples = []
+    for j, item in enumerate(items):
+        p, s = divmod(j, n)
+        where = f"{url}: prompt {start + p}, sample {s}"
+        try:
+            meta = item["meta_info"]
+            output_ids = [int(t) for t in item["output_ids"]]
+            token_logprobs = meta["output_token_logprobs"]
+            finish = meta["finish_reason"] or {}
+        except (KeyError, TypeError) as e:
+            raise BadResponse(f"{where}: /generate answer lacks {e} (return_logprob unsupported?)") from e
+        if meta.get("prompt_tokens") not in (None, len(prompts[p])):
+            raise BadResponse(f"{where}: answer is for a prompt of {meta['prompt_tokens']} tokens, expected "
+                              f"{len(prompts[p])}: SGLang's prompt-major order did not hold")
+        kind = finish.get("type")
+        if kind not in ("stop", "length"):
+            raise BadResponse(f"{where}: finished with {finish!r} (aborted by the server?)")
+        if len(token_logprobs) != len(output_ids) or any(int(t[1]) != i for t, i in zip(token_logprobs, output_ids)):
+            raise BadResponse(f"{where}: output_token_logprobs ({len(token_logprobs)}) do not match output_ids "
+                              f"({len(output_ids)})")
+        logprobs = [float(t[0]) for t in token_logprobs]
+        samples.append(Sample(prompts[p], output_ids, logprobs, kind, str(meta.get("weight_version")), start + p, s,
+                              item.get("text")))
+    return samples

@@ -1,0 +1,119 @@
+"""The CPU example's synthetic, verifiable tasks, and the character tokenizer and tiny random Qwen3-MoE model
+they are served with (built offline: no model hub).
+
+Each task makes prompts with a known answer; ``task_reward(name)`` scores a response against it in [0, 1] with
+partial credit per leading character right, so a tiny random policy gets a learning signal from the first step.
+
+    reverse    "rev abc="  -> "cba"        copy   "copy abc=" -> "abc"
+    add        "12+7="     -> "19"         count  "count aab=" -> "2a1b" ... (see TASKS)
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+EOS = "<|endoftext|>"
+CHARS = "\n" + "".join(chr(c) for c in range(32, 127))
+
+
+def char_tokenizer(vocab_size: int = 128):
+    """A transformers fast tokenizer: the special tokens, newline and printable ASCII one id each, then filler
+    tokens up to ``vocab_size`` (so every id a random model can sample decodes). EOS (and pad) is id 0."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tokens = list(SPECIAL_TOKENS) + list(CHARS)
+    if vocab_size < len(tokens):
+        raise ValueError(f"vocab_size={vocab_size} is below the {len(tokens)} tokens of the character tokenizer")
+    tokens += [f"<|extra_{i}|>" for i in range(len(tokens), vocab_size)]
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(tokens)}, unk_token=EOS))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")  # one token per character
+    tok.decoder = decoders.Fuse()  # join without spaces
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS)
+
+
+def tiny_qwen3_moe_config(vocab_size: int = 128, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
+                          num_kv_heads: int = 2, head_dim: int = 16, num_experts: int = 4, top_k: int = 2,
+                          moe_intermediate_size: int = 32, max_position_embeddings: int = 512,
+                          initializer_range: float = 0.1):
+    """A Qwen3-MoE config of the CPU example's shape (fp32; initializer_range 0.1 gives peaked, not uniform,
+    next-token distributions, a harder test of log-prob agreement)."""
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=4 * hidden_size,
+        moe_intermediate_size=moe_intermediate_size, num_hidden_layers=num_layers, num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads, head_dim=head_dim, num_experts=num_experts, num_experts_per_tok=top_k,
+        norm_topk_prob=True, tie_word_embeddings=False, max_position_embeddings=max_position_embeddings,
+        initializer_range=initializer_range, eos_token_id=0, pad_token_id=0, bos_token_id=None, dtype="float32",
+    )
+
+
+def save_tiny_model(path: str | Path, seed: int = 0, **sizes) -> Path:
+    """Write a random tiny Qwen3-MoE model + the character tokenizer as a Hugging Face directory."""
+    import torch
+    from transformers import Qwen3MoeForCausalLM
+
+    path = Path(path)
+    config = tiny_qwen3_moe_config(**sizes)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = Qwen3MoeForCausalLM(config).to(torch.float32)
+    model.save_pretrained(path)
+    char_tokenizer(config.vocab_size).save_pretrained(path)
+    return path
+
+
+@dataclass(frozen=True)
+class Problem:
+    prompt: str
+    answer: str
+
+
+def _word(rng: random.Random, lo: int = 2, hi: int = 5) -> str:
+    return "".join(rng.choice("abcdefgh") for _ in range(rng.randint(lo, hi)))
+
+
+def _count(word: str) -> str:
+    out, i = [], 0
+    while i < len(word):
+        j = i
+        while j < len(word) and word[j] == word[i]:
+            j += 1
+        out.append(f"{j - i}{word[i]}")
+        i = j
+    return "".join(out)
+
+
+TASKS: dict[str, Callable[[random.Random], Problem]] = {
+    "reverse": lambda rng: (lambda w: Problem(f"rev {w}=", w[::-1]))(_word(rng)),
+    "copy": lambda rng: (lambda w: Problem(f"copy {w}=", w))(_word(rng)),
+    "add": lambda rng: (lambda a, b: Problem(f"{a}+{b}=", str(a + b)))(rng.randint(0, 49), rng.randint(0, 49)),
+    "count": lambda rng: (lambda w: Problem(f"count {w}=", _count(w)))(_word(rng)),
+}
+
+
+def make_problems(task: str, count: int, seed: int = 0) -> list[Problem]:
+    if task not in TASKS:
+        raise ValueError(f"task={task!r} is not one of {sorted(TASKS)}")
+    rng = random.Random(seed)
+    return [TASKS[task](rng) for _ in range(count)]
+
+
+def prefix_credit(response: str, answer: str) -> float:
+    """Fraction of the answer's characters the response gets right before its first mistake, with an extra
+    character after the answer (other than the end) costing the full-match bonus: 1.0 only for an exact answer."""
+    response = response.split(EOS, 1)[0].strip()
+    right = 0
+    for a, b in zip(response, answer):
+        if a != b:
+            break
+        right += 1
+    if response == answer:
+        return 1.0
+    return 0.9 * right / max(1, len(answer))

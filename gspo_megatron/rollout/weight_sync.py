@@ -1,0 +1,292 @@
+"""Put the trainer's current weights into running SGLang servers, from an iterator of (HF name, full tensor).
+
+The source is any iterable of ``(hf_checkpoint_name, tensor)`` pairs: the bridge's export of a Megatron model
+(TP/EP shards gathered into full Hugging Face tensors, lazily), or ``hf_weights.checkpoint_tensors(hf_model)``.
+Names are Hugging Face *checkpoint* names (``...mlp.experts.3.gate_proj.weight``), what SGLang's ``load_weights``
+reads.
+
+Distributed (``DistributedSender``), the default: the trainer's rank 0 and every server's ranks form one process
+group (``/init_weights_update_group``, once); each update is
+
+    POST /begin_weight_update
+    for each bucket:  POST /update_weights_from_distributed (names, dtypes, shapes)  ||  broadcast(bucket) from 0
+    POST /end_weight_update, /update_weight_version, /flush_cache
+
+Tensors are packed into one reused byte buffer per bucket (SGLang's ``flattened_bucket`` load format: one
+broadcast per bucket, not per tensor), one dtype per bucket so every tensor stays aligned in it. Peak extra
+trainer memory is one bucket, plus the tensor the source is producing; a tensor larger than a bucket is broadcast
+on its own, without a copy.
+
+Disk (``save_checkpoint`` + ``/update_weights_from_disk``), the fallback: safetensors shards of at most one
+bucket each in a full HF model directory; the servers must see the same file system.
+
+Every step checks the servers' answers and fails with ``WeightSyncError`` naming the server and the step; the
+caller then checks that each server reports the new weight version.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+
+from .client import HttpClient
+from .config import WeightSyncConfig
+from .errors import RolloutError, WeightSyncError
+from .process_group import destroy, init_custom_process_group
+from .types import NamedTensors, SyncStats
+
+log = logging.getLogger(__name__)
+
+# Files of a Hugging Face model directory that are not weights: copied next to the new shards for disk sync.
+MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+               "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja")
+
+
+def buckets(named_tensors: NamedTensors, bucket_bytes: int, dtype: torch.dtype | None = None
+            ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Consecutive tensors grouped into buckets of at most ``bucket_bytes`` (counted in the *sent* dtype), each
+    of one dtype. A tensor alone larger than a bucket forms its own bucket. Lazy: holds one bucket at a time."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size, bucket_dtype = 0, None
+    for name, tensor in named_tensors:
+        if not isinstance(tensor, torch.Tensor):
+            raise WeightSyncError(f"weight {name!r} is a {type(tensor).__name__}, not a tensor")
+        send_dtype = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+        nbytes = tensor.numel() * send_dtype.itemsize
+        if bucket and (size + nbytes > bucket_bytes or send_dtype != bucket_dtype):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size, bucket_dtype = size + nbytes, send_dtype
+    if bucket:
+        yield bucket
+
+
+def _post(client: HttpClient, path: str, body: dict | None, timeout: float, step: str | None = None):
+    """POST and check SGLang's ``{"success": ..., "message": ...}`` answer; any failure is a WeightSyncError."""
+    try:
+        answer = client.post(path, body or {}, timeout=timeout)
+    except RolloutError as e:
+        raise WeightSyncError(f"{client.url}: {step or path} failed: {e}") from e
+    if isinstance(answer, dict) and answer.get("success") is False:
+        raise WeightSyncError(f"{client.url}: {step or path} failed: {answer.get('message')}")
+    return answer
+
+
+@dataclass
+class _Bucket:
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    payload: list[torch.Tensor]  # what is broadcast: the packed bytes, or the tensors themselves
+    flattened: bool
+    num_bytes: int
+
+
+class DistributedSender:
+    """The trainer's end of broadcast weight sync to a set of servers (one process group for all of them)."""
+
+    def __init__(self, clients: list[HttpClient], server_ranks: list[int], config: WeightSyncConfig, backend: str,
+                 device: torch.device, master_port: int, master_address: str = "127.0.0.1"):
+        self.clients, self.config, self.backend, self.device = clients, config, backend, device
+        self.world_size = 1 + sum(server_ranks)
+        self.group_name = f"{config.group_name}_{master_port}"
+        self._pool = ThreadPoolExecutor(max_workers=max(1, len(clients)), thread_name_prefix="weight_sync")
+        self._dtype = getattr(torch, config.dtype) if config.dtype else None
+        offsets = [1 + sum(server_ranks[:i]) for i in range(len(clients))]
+        body = lambda offset: {"master_address": master_address, "master_port": master_port,  # noqa: E731
+                               "rank_offset": offset, "world_size": self.world_size,
+                               "group_name": self.group_name, "backend": backend}
+        # Each server joins inside its HTTP call, so the calls run while this rank joins as rank 0.
+        calls = [self._pool.submit(_post, c, "/init_weights_update_group", body(o), config.timeout_s)
+                 for c, o in zip(clients, offsets)]
+        try:
+            self.group = init_custom_process_group(backend, f"tcp://{master_address}:{master_port}",
+                                                   self.world_size, 0, self.group_name, config.timeout_s)
+        except Exception as e:
+            failures = [str(c.exception()) for c in calls if c.done() and c.exception()]
+            raise WeightSyncError(f"could not form the weight-sync group ({backend}, world {self.world_size}, "
+                                  f"port {master_port}) with {[c.url for c in clients]}: {e} {failures}") from e
+        for call in calls:
+            call.result(timeout=config.timeout_s)
+        self.broken = False
+        log.info("weight sync: %s group %s of %d ranks with %d server(s)", backend, self.group_name,
+                 self.world_size, len(clients))
+
+    def _all(self, path: str, body: dict | None = None) -> None:
+        calls = [self._pool.submit(_post, c, path, body, self.config.timeout_s) for c in self.clients]
+        for call in calls:
+            call.result(timeout=self.config.timeout_s)
+
+    def _broadcast(self, payload: list[torch.Tensor], calls: list, what: str) -> None:
+        """Broadcast while watching the servers' HTTP calls: a server that refuses the update never joins the
+        broadcast, so waiting on the broadcast alone would hang until the group timeout."""
+        works = [torch.distributed.broadcast(t, src=0, group=self.group, async_op=True) for t in payload]
+        deadline = time.monotonic() + self.config.timeout_s
+        while not all(work.is_completed() for work in works):
+            done, _ = wait(calls, timeout=0.005, return_when=FIRST_EXCEPTION)
+            failed = [c for c in done if c.exception() is not None]
+            if failed:
+                self.broken = True  # a broadcast is left pending in the group: it cannot be used again
+                raise WeightSyncError(f"{what}: {failed[0].exception()}") from failed[0].exception()
+            if time.monotonic() > deadline:
+                self.broken = True
+                raise WeightSyncError(f"{what}: broadcast not received within {self.config.timeout_s:.0f} s")
+        try:
+            for work in works:
+                work.wait()
+        except Exception as e:
+            self.broken = True
+            raise WeightSyncError(f"{what}: broadcast failed: {e}") from e
+        for call in calls:
+            call.result(timeout=self.config.timeout_s)
+
+    def _pack(self, bucket: list[tuple[str, torch.Tensor]], buffer: torch.Tensor | None) -> tuple[_Bucket, torch.Tensor | None]:
+        send_dtype = lambda t: self._dtype if self._dtype is not None and t.is_floating_point() else t.dtype  # noqa: E731
+        names = [n for n, _ in bucket]
+        dtypes = [str(send_dtype(t)).removeprefix("torch.") for _, t in bucket]
+        shapes = [list(t.shape) for _, t in bucket]
+        total = sum(t.numel() * send_dtype(t).itemsize for _, t in bucket)
+        if not self.config.flatten or total > self.config.bucket_bytes:
+            # One broadcast per tensor, no copy unless the dtype, device or layout must change (a tensor larger
+            # than a bucket always goes this way: it is alone in its bucket).
+            payload = [t.detach().to(self.device, send_dtype(t)).contiguous() for _, t in bucket]
+            return _Bucket(names, dtypes, shapes, payload, False, total), buffer
+        if buffer is None:
+            buffer = torch.empty(self.config.bucket_bytes, dtype=torch.uint8, device=self.device)
+        offset = 0
+        for _, tensor in bucket:
+            dt = send_dtype(tensor)
+            nbytes = tensor.numel() * dt.itemsize
+            buffer[offset:offset + nbytes].view(dt).copy_(tensor.detach().reshape(-1))
+            offset += nbytes
+        return _Bucket(names, dtypes, shapes, [buffer[:offset]], True, total), buffer
+
+    def send(self, named_tensors: NamedTensors, version: str, config: WeightSyncConfig | None = None) -> SyncStats:
+        """One full update to ``version``; ``config`` (bucket size, dtype, timeout) may differ per call."""
+        if config is not None:
+            self.config = config
+            self._dtype = getattr(torch, config.dtype) if config.dtype else None
+        start = time.perf_counter()
+        num_tensors = num_bytes = num_buckets = 0
+        buffer = None
+        # export: the source producing tensors (the bridge's gathers); pack: copies into the bucket buffer;
+        # transfer: from the broadcast's start to every server's answer (receive + load_weights there).
+        phases = dict.fromkeys(("begin", "export", "pack", "transfer", "end"), 0.0)
+        self._all("/begin_weight_update")
+        phases["begin"] = time.perf_counter() - start
+        source = iter(buckets(named_tensors, self.config.bucket_bytes, self._dtype))
+        while True:
+            t0 = time.perf_counter()
+            bucket = next(source, None)
+            t1 = time.perf_counter()
+            phases["export"] += t1 - t0
+            if bucket is None:
+                break
+            packed, buffer = self._pack(bucket, buffer)
+            t2 = time.perf_counter()
+            phases["pack"] += t2 - t1
+            body = {"names": packed.names, "dtypes": packed.dtypes, "shapes": packed.shapes,
+                    "group_name": self.group_name, "flush_cache": False,
+                    "load_format": "flattened_bucket" if packed.flattened else None}
+            what = f"update_weights_from_distributed (bucket {num_buckets}: {packed.names[0]} ... {packed.names[-1]})"
+            calls = [self._pool.submit(_post, c, "/update_weights_from_distributed", body, self.config.timeout_s, what)
+                     for c in self.clients]
+            self._broadcast(packed.payload, calls, what)
+            phases["transfer"] += time.perf_counter() - t2
+            num_tensors += len(packed.names)
+            num_bytes += packed.num_bytes
+            num_buckets += 1
+        del buffer
+        t3 = time.perf_counter()
+        self._all("/end_weight_update")
+        finish(self.clients, version, self.config.timeout_s)
+        phases["end"] = time.perf_counter() - t3
+        return SyncStats("distributed", version, time.perf_counter() - start, num_tensors, num_bytes, num_buckets,
+                         phases)
+
+    def close(self) -> None:
+        for client in self.clients:
+            try:
+                client.post("/destroy_weights_update_group", {"group_name": self.group_name}, timeout=10.0)
+            except RolloutError:
+                pass  # the server is gone: nothing to tear down there
+        destroy(self.group)
+        self.group = None
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def finish(clients: list[HttpClient], version: str, timeout: float) -> None:
+    """After the last tensor: set the served weight version and drop the KV cache built with the old weights."""
+    for client in clients:
+        _post(client, "/update_weight_version", {"new_version": version, "abort_all_requests": False}, timeout)
+        _post(client, "/flush_cache", None, timeout)
+
+
+def save_checkpoint(named_tensors: NamedTensors, out_dir: Path, base_model_dir: str | Path,
+                    shard_bytes: int, dtype: torch.dtype | None = None) -> tuple[int, int, int]:
+    """Write a complete HF model directory: safetensors shards (one bucket each) + index + the base model's
+    config and tokenizer files. Returns (tensors, bytes, shards)."""
+    from safetensors.torch import save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    weight_map, num_tensors, num_bytes, shards = {}, 0, 0, []
+    for i, bucket in enumerate(buckets(named_tensors, shard_bytes, dtype)):
+        file = f"model-{i + 1:05d}.safetensors"
+        tensors = {}
+        for name, tensor in bucket:
+            if name in weight_map or name in tensors:
+                raise WeightSyncError(f"weight {name!r} appears twice in the exported weights")
+            t = tensor.detach()
+            if dtype is not None and t.is_floating_point():
+                t = t.to(dtype)
+            tensors[name] = t.to("cpu").contiguous()
+            num_bytes += t.numel() * t.element_size()
+        save_file(tensors, str(out_dir / file), metadata={"format": "pt"})
+        weight_map.update({name: file for name in tensors})
+        num_tensors += len(tensors)
+        shards.append(file)
+    index = {"metadata": {"total_size": num_bytes}, "weight_map": weight_map}
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    for name in MODEL_FILES:
+        source = Path(base_model_dir) / name
+        if source.is_file():
+            shutil.copy2(source, out_dir / name)
+    return num_tensors, num_bytes, len(shards)
+
+
+def disk_update(clients: list[HttpClient], named_tensors: NamedTensors, version: str, base_model_dir: str,
+                disk_dir: Path, config: WeightSyncConfig) -> SyncStats:
+    """Save the weights under ``disk_dir/<version>`` and have every server load them; older versions there are
+    deleted once the servers have the new one."""
+    start = time.perf_counter()
+    out = disk_dir / f"weights_{version}"
+    if out.exists():
+        shutil.rmtree(out)
+    dtype = getattr(torch, config.dtype) if config.dtype else None
+    num_tensors, num_bytes, shards = save_checkpoint(named_tensors, out, base_model_dir, config.bucket_bytes, dtype)
+    saved = time.perf_counter()
+    for client in clients:
+        _post(client, "/update_weights_from_disk", {"model_path": str(out), "weight_version": version,
+                                                    "flush_cache": True, "abort_all_requests": False},
+              config.timeout_s, f"update_weights_from_disk({out})")
+    for old in disk_dir.glob("weights_*"):
+        if old != out and old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
+    loaded = time.perf_counter()
+    return SyncStats("disk", version, loaded - start, num_tensors, num_bytes, shards,
+                     {"save": saved - start, "load": loaded - saved})
+
+
+def consume(named_tensors: Iterable) -> None:
+    """On trainer ranks other than the sender: run the export (it may gather over TP/EP) and drop the tensors."""
+    for _ in named_tensors:
+        pass

@@ -1,0 +1,66 @@
+"""sglang 0.5.23 serving on CPU: two stand-in modules on the *server's* PYTHONPATH (never the trainer's).
+
+Measured in shared/notes/sglang-on-cpu.md. ``python -m sglang.launch_server --device cpu`` (torch_native attention,
+pytorch sampling) needs, in the CPU environment ``tools/install.sh`` builds:
+
+- ``vllm._custom_ops.rotary_embedding``: SGLang's rotary embedding takes it from vLLM when neither CUDA nor its own
+  CPU engine (``SGLANG_USE_CPU_ENGINE=1``, whose sgl-kernel CPU build is not on PyPI) is in use. The stand-in is a
+  pure-torch version of the same in-place op (``site/vllm/_custom_ops.py``).
+- ``torchvision``: imported at start-up by SGLang's multimodal configs even for text models, and PyPI's wheels do
+  not load beside CPU torch 2.13. The stand-in binds the imported names and raises if any is called.
+
+Both refuse any sglang other than 0.5.23 when imported. ``server_env`` adds them only when no CUDA device is
+present; on GPUs SGLang is installed normally with its real dependencies and nothing here applies.
+"""
+
+from __future__ import annotations
+
+import os
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+SUPPORTED_VERSION = "0.5.23"
+SITE = Path(__file__).resolve().parent / "site"
+
+
+class UnsupportedSGLang(RuntimeError):
+    """The installed sglang is not the version these stand-ins were written and tested for."""
+
+
+def installed_version() -> str | None:
+    try:
+        return version("sglang")
+    except PackageNotFoundError:
+        return None
+
+
+def check_version() -> str:
+    """The installed sglang version; raises ``UnsupportedSGLang`` unless it is 0.5.23."""
+    found = installed_version()
+    if found is None:
+        raise UnsupportedSGLang(
+            "sglang is not installed in this environment: run `bash tools/install.sh` (CPU) or "
+            "`pip install -e .[sglang]` (GPU)"
+        )
+    if found != SUPPORTED_VERSION:
+        raise UnsupportedSGLang(
+            f"patches.sglang_cpu supports sglang=={SUPPORTED_VERSION} on CPU, found {found}: install "
+            f"sglang=={SUPPORTED_VERSION} (tools/install.sh) or check and update the stand-ins in {SITE}"
+        )
+    return found
+
+
+def needed(device: str) -> bool:
+    """True when a server on ``device`` needs the stand-ins: CPU serving in the CPU environment."""
+    return device == "cpu"
+
+
+def server_env(env: dict[str, str], device: str) -> dict[str, str]:
+    """A copy of ``env`` for launching an SGLang server on ``device``: on CPU, the stand-ins lead PYTHONPATH."""
+    env = dict(env)
+    if not needed(device):
+        return env
+    check_version()
+    parts = [str(SITE)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(parts)
+    return env

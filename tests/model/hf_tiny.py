@@ -1,0 +1,136 @@
+"""Tiny random Hugging Face models of every supported family, built locally with ``transformers`` (fp32).
+
+Each variant exercises something the bridge must get right: GQA with head_dim != hidden / heads, q/k norm,
+qkv bias, tied and untied embeddings, a vocabulary that Megatron pads (100 -> 128 rows), Qwen3-MoE with
+``mlp_only_layers`` and with ``decoder_sparse_step``, renormalised and plain top-k routing, Llama-3 RoPE
+scaling. Weights are drawn at unit-ish scale (not transformers' 0.02) so logits and routing are far from
+degenerate; norms are perturbed away from 1. A word-level tokenizer is built offline with ``tokenizers``
+so the directories carry tokenizer files like a real checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+SEQ, BATCH = 12, 2
+
+_COMMON = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               intermediate_size=64, rms_norm_eps=1e-6, max_position_embeddings=64)
+
+VARIANTS: dict[str, tuple[str, dict]] = {
+    # MoE in layer 0, dense layer 1; softmax -> top-2 -> renormalise
+    "qwen3_moe": ("Qwen3MoeConfig", dict(_COMMON, vocab_size=128, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                         moe_intermediate_size=16, norm_topk_prob=True, mlp_only_layers=[1],
+                                         tie_word_embeddings=False)),
+    # dense layer 0, MoE layer 1 (decoder_sparse_step=2); softmax -> top-2, no renormalisation; tied; padded vocab
+    "qwen3_moe_step2": ("Qwen3MoeConfig", dict(_COMMON, vocab_size=100, head_dim=8, num_experts=4,
+                                               num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=False,
+                                               decoder_sparse_step=2, tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", dict(_COMMON, vocab_size=128, head_dim=16, tie_word_embeddings=True,
+                                  rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+    "qwen2": ("Qwen2Config", dict(_COMMON, vocab_size=100, tie_word_embeddings=False)),
+    "llama": ("LlamaConfig", dict(_COMMON, vocab_size=128, tie_word_embeddings=False, max_position_embeddings=16384,
+                                  rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                   "original_max_position_embeddings": 8192})),
+}
+MOE_VARIANTS = [name for name, (cls, _) in VARIANTS.items() if cls.startswith("Qwen3Moe")]
+UNPADDED_VARIANTS = [name for name, (_, kw) in VARIANTS.items() if kw["vocab_size"] % 128 == 0]
+
+
+@torch.no_grad()
+def randomize(model: torch.nn.Module, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for name, param in sorted(model.named_parameters()):
+        noise = torch.randn(param.shape, generator=g)
+        if param.ndim == 1 and "norm" in name:
+            param.copy_(1.0 + 0.2 * noise)
+        elif param.ndim == 1:  # biases
+            param.copy_(0.1 * noise)
+        else:
+            param.copy_(noise / math.sqrt(param.shape[-1]))
+
+
+def build_tokenizer(vocab_size: int):
+    """A word-level tokenizer t0 .. t{V-1} (t0 is <unk>), as a transformers fast tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0", eos_token=f"t{vocab_size - 1}")
+
+
+def build_hf_model(variant: str, seed: int = 0):
+    import transformers
+
+    cls_name, kwargs = VARIANTS[variant]
+    config = getattr(transformers, cls_name)(**kwargs)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    randomize(model, seed)
+    return model.eval()
+
+
+def input_tokens(vocab_size: int, seed: int = 5) -> torch.Tensor:
+    return torch.randint(0, vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+def save_variant(variant: str, directory: Path, seed: int = 0) -> Path:
+    """Save the model (safetensors + config + tokenizer) and its reference logits for ``input_tokens``.
+
+    ``directory/reference.pt`` (outside the model dir) holds {"tokens", "logits"} from transformers.
+    """
+    model = build_hf_model(variant, seed)
+    model_dir = directory / variant
+    model.save_pretrained(model_dir)
+    build_tokenizer(model.config.vocab_size).save_pretrained(model_dir)
+    tokens = input_tokens(model.config.vocab_size)
+    with torch.no_grad():
+        logits = model(tokens).logits
+    torch.save({"tokens": tokens, "logits": logits}, directory / f"{variant}.reference.pt")
+    return model_dir
+
+
+def save_bf16_copy(source: Path, target: Path) -> Path:
+    """The checkpoint cast to bf16, as real ones are (conversion must keep dtypes, bit for bit)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, target)
+    tensors = {name: t.to(torch.bfloat16) for name, t in load_file(target / "model.safetensors").items()}
+    save_file(tensors, target / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}, indent=2))
+    return target
+
+
+BF16 = "qwen3_moe_bf16"  # for conversion only: not in VARIANTS (its logits are not compared at 1e-4)
+
+
+def build_all(directory: Path) -> dict[str, Path]:
+    """Every variant under ``directory`` (and ``BF16``), built once: another test folder's fixture reuses them."""
+    done = directory / "complete"
+    if not done.exists():
+        directory.mkdir(parents=True, exist_ok=True)
+        for i, variant in enumerate(VARIANTS):
+            save_variant(variant, directory, seed=i)
+        save_bf16_copy(directory / "qwen3_moe", directory / BF16)
+        done.touch()
+    return {variant: directory / variant for variant in VARIANTS}
+
+
+def bf16_model(hf_models: dict[str, Path]) -> Path:
+    return hf_models["qwen3_moe"].parent / BF16
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal dtype, shape and bytes (stricter than torch.equal: -0.0 != 0.0, NaN payloads compared)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))

@@ -1,0 +1,112 @@
+"""Rank functions for test_bridge_sync (module level: ``run_on_ranks`` spawns them).
+
+Each rank builds the Megatron policy through the bridge from an HF directory (what the server serves), and
+rank 0 attaches an SGLangEngine to the server. Rank 0's rollouts are broadcast to every rank, each data-parallel
+rank scores its share with ``logprob_pass`` (the fused op inside Megatron's schedule), then one GSPO
+``update_step``, a distributed weight sync from ``Bridge.export_hf_weights`` (every rank iterates it: it
+all-gathers the experts over EP; rank 0 sends), and the same comparison on a fresh rollout; then the same for a ``LocalEngine`` fed the export.
+"""
+
+from __future__ import annotations
+
+import torch
+
+N_PROMPTS, GROUP = 4, 4
+
+
+def _rollout(engine, seed):
+    from gspo_megatron.rollout import SamplingParams, flatten, samples_to_batch
+
+    from .helpers import prompts
+
+    samples = None
+    if engine is not None:
+        samples = flatten(engine.generate(prompts(N_PROMPTS, seed=seed), n=GROUP,
+                                          sampling=SamplingParams(max_new_tokens=10)))
+    box = [samples]
+    torch.distributed.broadcast_object_list(box, src=0)
+    samples = box[0]
+    return samples, samples_to_batch(samples, min_length=16)
+
+
+def _my_share(batch: dict) -> dict:
+    from megatron.core import parallel_state as ps
+
+    dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    per = next(iter(batch.values())).shape[0] // dp
+    return {k: v[rank * per:(rank + 1) * per] for k, v in batch.items()}
+
+
+def _mismatch(model, share):
+    from gspo_megatron.rollout import logprob_mismatch
+    from gspo_megatron.train.policy_step import logprob_pass
+
+    mb = {k: share[k] for k in ("input_ids", "labels", "loss_mask")}
+    ours = logprob_pass(model, [mb])["logprobs"]
+    return logprob_mismatch(ours, share["rollout_logprobs"], share["loss_mask"]), ours
+
+
+def bridge_sync(model_dir: str, server_url: str, version: str) -> dict:
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from gspo_megatron.algo import group_advantages
+    from gspo_megatron.model.bridge import Bridge
+    from gspo_megatron.model.hf_config import read_hf_config
+    from gspo_megatron.model.provider import build_gpt_model
+    from gspo_megatron.parallel.groups import Layout
+    from gspo_megatron.rollout import SGLangConfig, SGLangEngine
+    from gspo_megatron.rollout.weight_sync import consume
+    from gspo_megatron.train.policy_step import AlgoConfig, update_step
+
+    rank = torch.distributed.get_rank()
+    spec = read_hf_config(model_dir)
+    bridge = Bridge(spec)
+    model = build_gpt_model(spec, Layout(expert=torch.distributed.get_world_size()), calculate_per_token_loss=True)
+    bridge.load_hf_weights(model, model_dir)
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=2e-2, weight_decay=0.0), [ddp])
+    engine = None
+    if rank == 0:
+        engine = SGLangEngine(SGLangConfig(urls=(server_url,), device="cpu", request_timeout_s=120))
+    out = {}
+    try:
+        samples, batch = _rollout(engine, seed=20)
+        share = _my_share(batch)
+        out["before"], old = _mismatch(ddp, share)
+        rewards = torch.rand(len(samples), generator=torch.Generator().manual_seed(0))
+        advantages = group_advantages(rewards, GROUP)
+        share_adv = _my_share({"a": advantages})["a"]
+        micro = {k: share[k] for k in ("input_ids", "labels", "loss_mask")}
+        # Old log-probs from the rollout (GSPO tolerates the engine's); wide clip so the step moves the weights.
+        micro.update(old_logprobs=share["rollout_logprobs"], advantages=share_adv)
+        step = update_step(ddp, optimizer, [micro], AlgoConfig(eps_low=0.2, eps_high=0.2))
+        out["update_successful"] = step["update_successful"]
+        out["stale"], _ = _mismatch(ddp, share)  # new weights vs the old rollout
+        exported = bridge.export_hf_weights(model)
+        if engine is not None:
+            stats = engine.update_weights(exported, version)
+            out["sync"] = {"seconds": stats.seconds, "tensors": stats.num_tensors, "version": engine.weight_version()}
+        else:
+            consume(exported)
+        samples, batch = _rollout(engine, seed=21)
+        out["versions"] = sorted({s.weight_version for s in samples})
+        out["after"], _ = _mismatch(ddp, _my_share(batch))
+        # The local engine fed through the bridge: rank 0's transformers model gets the export too.
+        local = None
+        if rank == 0:
+            from transformers import AutoModelForCausalLM
+
+            from gspo_megatron.rollout import LocalEngine
+
+            local = LocalEngine(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), seed=1)
+            local.update_weights(bridge.export_hf_weights(model), version + "-local")
+        else:
+            consume(bridge.export_hf_weights(model))
+        samples, batch = _rollout(local, seed=22)
+        out["local_versions"] = sorted({s.weight_version for s in samples})
+        out["local"], _ = _mismatch(ddp, _my_share(batch))
+    finally:
+        if engine is not None:
+            engine.close()
+    return out

@@ -1,0 +1,106 @@
+"""Real SGLang servers on 127.0.0.1 for the rollout tests, started once per session.
+
+Two servers of the tiny random Qwen3-MoE model (fp32, so train/inference log-probs agree to ~1e-6) are started
+together on first use, so their start-ups (~40 CPU-seconds each) overlap: ``main`` serves the generation and
+weight-sync tests, and is then hung (SIGSTOP) and killed by the failure tests, which are marked
+``destroys_server`` and so run at the end of the session; ``interrupt`` is shut down by the Ctrl-C test.
+
+If sglang is not installed the server tests skip, except under CI=true, where they fail: CI must run them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass, replace
+
+import pytest
+import torch
+
+from gspo_megatron.rollout import SGLangConfig, SGLangEngine
+from gspo_megatron.rollout import server as server_mod
+from gspo_megatron.rollout import synthetic
+
+SGLANG_INSTALLED = importlib.util.find_spec("sglang") is not None
+
+
+def require_sglang() -> None:
+    if SGLANG_INSTALLED:
+        return
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        pytest.fail("sglang is not importable but CI=true: tools/install.sh must install it, the rollout tests "
+                    "need a real SGLang server", pytrace=False)
+    pytest.skip("sglang is not installed: run `bash tools/install.sh`")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "destroys_server: hangs or stops the shared server; runs last")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests that hang, kill or shut down a shared server run after every test that needs it (stable order)."""
+    items.sort(key=lambda item: item.get_closest_marker("destroys_server") is not None)
+
+
+def server_config(model_dir, log_dir, **overrides) -> SGLangConfig:
+    """A CPU server sized for the tests. Health probes are lenient (the machine's 2 cores may be shared and a
+    starved server answers late); the hung-server test tightens them for itself."""
+    base = SGLangConfig(model_path=str(model_dir), device="cpu", dtype="float32", max_total_tokens=16384,
+                        max_running_requests=128, context_length=512, log_dir=str(log_dir),
+                        startup_timeout_s=600, request_timeout_s=120, rollout_timeout_s=180,
+                        health_interval_s=2.0, health_timeout_s=10.0, health_failures=5,
+                        max_retries=3, backoff_s=0.2, backoff_max_s=1.0, prompts_per_request=4, concurrency=4,
+                        cpu_threads=1)
+    return replace(base, **overrides)
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """Tiny models run far faster on one thread than on two contended ones (the servers use one too)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    return synthetic.save_tiny_model(tmp_path_factory.mktemp("tiny_qwen3_moe"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def started_servers(tiny_model_dir, tmp_path_factory):
+    require_sglang()
+    log_dir = tmp_path_factory.mktemp("sglang_logs")
+    config = server_config(tiny_model_dir, log_dir)
+    started = {}
+    try:
+        for name in ("main", "interrupt"):
+            started[name] = server_mod.start_servers(replace(config, log_dir=str(log_dir / name)))
+        yield config, started
+    finally:
+        for servers in started.values():
+            for server in servers:
+                server.shutdown()
+
+
+@pytest.fixture(scope="session")
+def engine(started_servers):
+    config, started = started_servers
+    with SGLangEngine(config, servers=started["main"]) as engine:
+        yield engine
+
+
+@dataclass
+class Trainer:
+    """The in-process policy whose weights the main server serves (tests that sync weights update it)."""
+
+    model: torch.nn.Module
+
+
+@pytest.fixture(scope="session")
+def trainer(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+    return Trainer(model)

@@ -1,0 +1,29 @@
+"""Trainer-side log-probs for the rollout tests: the fused op fed with a transformers model's final hidden states."""
+
+from __future__ import annotations
+
+import torch
+
+from gspo_megatron.ops import vocab_parallel_logprobs
+
+TOLERANCE = 1e-3  # fp32 on CPU: max |trainer - SGLang| per token (measured ~1e-6)
+
+
+def fused_logprobs(model, batch: dict, temperature: float = 1.0) -> torch.Tensor:
+    """log pi(labels) [B, S] through ``ops.vocab_parallel_logprobs`` (post-norm hidden states, lm_head rows)."""
+    out = model(batch["input_ids"], output_hidden_states=True)
+    hidden = out.hidden_states[-1]  # after the final norm: the output layer's input
+    B, S, H = hidden.shape
+    lp = vocab_parallel_logprobs(hidden.reshape(B * S, H), model.lm_head.weight, batch["labels"].reshape(-1),
+                                 temperature=temperature)
+    return lp.view(B, S)
+
+
+def prompts(count: int, seed: int = 0, lo: int = 3, hi: int = 9) -> list[list[int]]:
+    """Prompts of distinct lengths where possible (so a wrong order shows up in the lengths too)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(count):
+        length = lo + (i % (hi - lo + 1))
+        out.append(torch.randint(3, 99, (length,), generator=g).tolist())
+    return out

@@ -1,0 +1,99 @@
+"""Samples -> trainer tensors alignment, the mismatch metric, and configuration checks naming the field."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gspo_megatron.rollout import Sample, SamplingParams, SGLangConfig, WeightSyncConfig, logprob_mismatch
+from gspo_megatron.rollout import samples_to_batch
+from gspo_megatron.rollout.sglang_engine import parse_generate
+from gspo_megatron.rollout.errors import BadResponse
+
+
+def test_samples_to_batch_aligns_logprobs_with_labels():
+    a = Sample([5, 6, 7], [8, 9], [-0.5, -0.25], "length", "v", 0, 0)
+    b = Sample([5], [4, 3, 2], [-1.0, -2.0, -3.0], "stop", "v", 0, 1)
+    batch = samples_to_batch([a, b], pad_id=0, pad_to_multiple=4)
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 8, 9, 0, 0, 0], [5, 4, 3, 2, 0, 0, 0, 0]]
+    assert batch["labels"].tolist() == [[6, 7, 8, 9, 0, 0, 0, 0], [4, 3, 2, 0, 0, 0, 0, 0]]
+    assert batch["loss_mask"].tolist() == [[False, False, True, True] + [False] * 4,
+                                           [True, True, True] + [False] * 5]
+    assert batch["rollout_logprobs"][0, 2:4].tolist() == [-0.5, -0.25]
+    assert batch["rollout_logprobs"][1, :3].tolist() == [-1.0, -2.0, -3.0]
+    # Every response token is a label exactly where the mask is set.
+    assert batch["labels"][batch["loss_mask"]].tolist() == [8, 9, 4, 3, 2]
+
+
+def test_mismatch_metric():
+    mask = torch.tensor([[True, True, False]])
+    rollout = torch.tensor([[-1.0, -2.0, 0.0]])
+    same = logprob_mismatch(rollout.clone(), rollout, mask)
+    assert all(v == 0.0 for v in same.values())
+    shifted = logprob_mismatch(rollout + torch.tensor([[0.1, -0.3, 5.0]]), rollout, mask)
+    assert shifted["mismatch/token_max_abs"] == pytest.approx(0.3)
+    assert shifted["mismatch/token_mean_abs"] == pytest.approx(0.2)
+    assert shifted["mismatch/seq_log_ratio_max_abs"] == pytest.approx(0.1)
+    assert shifted["mismatch/kl_k3"] > 0
+
+
+def _item(prompt_len, ids, finish="length"):
+    return {"output_ids": ids, "text": "", "meta_info": {
+        "prompt_tokens": prompt_len, "finish_reason": {"type": finish}, "weight_version": "v",
+        "output_token_logprobs": [[-1.0, t, None] for t in ids]}}
+
+
+def test_parse_generate_is_prompt_major_and_checked():
+    prompts = [[1, 2], [3, 4, 5]]
+    answer = [_item(2, [7]), _item(2, [8]), _item(3, [9]), _item(3, [10])]
+    samples = parse_generate(answer, prompts, 2, 0, "u")
+    assert [(s.prompt_index, s.sample_index, s.response_ids) for s in samples] == [
+        (0, 0, [7]), (0, 1, [8]), (1, 0, [9]), (1, 1, [10])]
+    with pytest.raises(BadResponse, match="returned 3 samples for 2 prompts x n=2"):
+        parse_generate(answer[:3], prompts, 2, 0, "u")
+    with pytest.raises(BadResponse, match="prompt-major order did not hold"):
+        parse_generate([answer[0], answer[2], answer[1], answer[3]], prompts, 2, 0, "u")
+    with pytest.raises(BadResponse, match="prompt 1, sample 1: finished with .*abort"):
+        parse_generate(answer[:3] + [_item(3, [10], "abort")], prompts, 2, 0, "u")
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(device="tpu"), "sglang.device='tpu'"),
+    (dict(model_path=""), "sglang.model_path is required"),
+    (dict(model_path="/no/such/dir"), "is not a directory"),
+    (dict(router_url="http://127.0.0.1:1"), "router_url needs sglang.urls"),
+    (dict(tp_size=2), "sglang.tp_size=2 on CPU"),
+    (dict(concurrency=0), "sglang.concurrency=0 must be >= 1"),
+    (dict(request_timeout_s=0), "sglang.request_timeout_s=0 must be > 0"),
+    (dict(host="0.0.0.0"), "loopback only"),
+])
+def test_config_errors_name_the_field(tmp_path, kwargs, match):
+    base = dict(model_path=str(tmp_path), device="cpu")
+    with pytest.raises(ValueError, match=match):
+        SGLangConfig(**{**base, **kwargs})
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(method="nfs"), "weight_sync.method='nfs'"),
+    (dict(bucket_bytes=10), "weight_sync.bucket_bytes=10"),
+    (dict(dtype="bf16"), "weight_sync.dtype='bf16'"),
+])
+def test_weight_sync_config_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        WeightSyncConfig(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(temperature=0.0), "sampling.temperature=0.0"),
+    (dict(top_p=0.0), "sampling.top_p=0.0"),
+    (dict(top_k=0), "sampling.top_k=0"),
+    (dict(max_new_tokens=0), "sampling.max_new_tokens=0"),
+])
+def test_sampling_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_gpu_groups():
+    config = SGLangConfig(urls=("http://127.0.0.1:1",), device="cuda", num_servers=2, tp_size=2, first_gpu=4)
+    assert config.gpu_groups == [[4, 5], [6, 7]] and config.sync_backend == "nccl"

@@ -1,0 +1,116 @@
+"""Failures against real SGLang servers: a transient 5xx is retried, a persistent one fails the request, a hung
+server or one killed mid-rollout gives a clear error within a bounded time (never a partial batch), and Ctrl-C
+shuts the servers down."""
+
+from __future__ import annotations
+
+import _thread
+import os
+import signal
+import threading
+import time
+from dataclasses import replace
+
+import psutil
+import pytest
+
+from gspo_megatron.parallel.launch import free_port
+from gspo_megatron.rollout import (RequestFailed, SamplingParams, ServerDied, ServerUnresponsive, SGLangConfig,
+                                   SGLangEngine)
+
+from .helpers import prompts
+from .proxy import FailingProxy
+
+LONG = SamplingParams(max_new_tokens=400, ignore_eos=True)  # a rollout that takes a few seconds on CPU
+
+
+def _attached(config, url, **overrides) -> SGLangConfig:
+    return replace(config, urls=(url,), model_path="", **overrides)
+
+
+def test_http_5xx_is_retried(started_servers, engine):
+    config, _ = started_servers
+    with FailingProxy(engine.worker_urls[0], failures=2, status=503) as proxy:
+        attached = SGLangEngine(_attached(config, proxy.url, prompts_per_request=8))
+        groups = attached.generate(prompts(4), n=2, sampling=SamplingParams(max_new_tokens=4))
+        attached.close()
+    assert proxy.failed == 2 and len(groups) == 4 and all(len(g.samples) == 2 for g in groups)
+
+
+def test_persistent_5xx_fails_after_bounded_retries(started_servers, engine):
+    config, _ = started_servers
+    with FailingProxy(engine.worker_urls[0], failures=-1, status=500) as proxy:
+        attached = SGLangEngine(_attached(config, proxy.url, prompts_per_request=8, max_retries=2))
+        start = time.monotonic()
+        with pytest.raises(RequestFailed, match="HTTP 500.*after 2 retries|after 2 retries.*HTTP 500"):
+            attached.generate(prompts(2), n=2, sampling=SamplingParams(max_new_tokens=4))
+        assert time.monotonic() - start < 10
+    assert proxy.failed == 3  # the first attempt and two retries
+
+
+def test_attached_server_that_is_not_there(started_servers):
+    config, _ = started_servers
+    start = time.monotonic()
+    with pytest.raises(ServerDied, match="refuses connections"):
+        SGLangEngine(_attached(config, f"http://127.0.0.1:{free_port()}", max_retries=1))
+    assert time.monotonic() - start < 10
+
+
+def _after(seconds, action):
+    timer = threading.Timer(seconds, action)
+    timer.start()
+    return timer
+
+
+@pytest.mark.destroys_server
+def test_hung_server_is_reported_within_bounded_time(engine, monkeypatch):
+    """SIGSTOP the whole server mid-rollout: health probes time out, the rollout fails (not hangs) in about
+    health_failures x (health_interval + health_timeout) seconds, and the server recovers after SIGCONT."""
+    monkeypatch.setattr(engine, "config", replace(engine.config, health_interval_s=1.0, health_timeout_s=2.0,
+                                                  health_failures=2))
+    server = engine.servers[0]
+    try:
+        timer = _after(1.0, lambda: os.killpg(server.process.pid, signal.SIGSTOP))
+        start = time.monotonic()
+        with pytest.raises(ServerUnresponsive, match="missed 2 health probes"):
+            engine.generate(prompts(8), n=4, sampling=LONG)
+        elapsed = time.monotonic() - start
+        timer.join()
+        assert elapsed < 30, elapsed
+    finally:
+        os.killpg(server.process.pid, signal.SIGCONT)
+    # Still usable afterwards (the aborted requests do not come back as samples).
+    groups = engine.generate(prompts(2), n=2, sampling=SamplingParams(max_new_tokens=4))
+    assert [len(g.samples) for g in groups] == [2, 2]
+
+
+@pytest.mark.destroys_server
+def test_killed_server_is_reported_with_its_log(engine):
+    server = engine.servers[0]
+    timer = _after(1.0, lambda: os.killpg(server.process.pid, signal.SIGKILL))
+    start = time.monotonic()
+    with pytest.raises(ServerDied, match=r"killed by signal 9.*last lines of .*sglang_server_0\.log"):
+        engine.generate(prompts(8), n=4, sampling=LONG)
+    timer.join()
+    assert time.monotonic() - start < 15
+
+
+@pytest.mark.destroys_server
+def test_ctrl_c_shuts_the_servers_down(started_servers):
+    config, started = started_servers
+    engine = SGLangEngine(config, servers=started["interrupt"])
+    server = engine.servers[0]
+    assert os.getpgid(server.process.pid) != os.getpgid(0)  # its own session: a terminal Ctrl-C reaches us only
+    tree = [server.process.pid] + [p.pid for p in psutil.Process(server.process.pid).children(recursive=True)]
+    assert len(tree) >= 3  # the HTTP server, its scheduler and detokenizer processes
+    timer = _after(1.0, _thread.interrupt_main)
+    with pytest.raises(KeyboardInterrupt):
+        with engine:
+            engine.generate(prompts(8), n=4, sampling=LONG)
+    timer.join()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
+                                              for p in tree):
+        time.sleep(0.1)
+    alive = [p for p in tree if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+    assert not alive, f"processes of the interrupted engine's server still running: {alive}"

@@ -1,0 +1,82 @@
+"""The in-process engine: same interface, log-probs of the temperature-scaled distribution, weight updates."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gspo_megatron.rollout import LocalEngine, SamplingParams, flatten, logprob_mismatch, samples_to_batch
+from gspo_megatron.rollout import hf_weights, synthetic
+from gspo_megatron.rollout.local_engine import _filter
+
+from .helpers import fused_logprobs, prompts
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    from transformers import Qwen3MoeForCausalLM
+
+    return Qwen3MoeForCausalLM(synthetic.tiny_qwen3_moe_config()).eval()
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_groups_and_logprobs(model, temperature):
+    engine = LocalEngine(model, tokenizer=synthetic.char_tokenizer(), seed=0)
+    groups = engine.generate(prompts(3), n=4, sampling=SamplingParams(max_new_tokens=10, temperature=temperature))
+    assert [len(g.samples) for g in groups] == [4, 4, 4]
+    samples = flatten(groups)
+    assert all(isinstance(s.text, str) and s.weight_version == "default" for s in samples)
+    batch = samples_to_batch(samples)
+    with torch.no_grad():
+        metrics = logprob_mismatch(fused_logprobs(model, batch, temperature), batch["rollout_logprobs"],
+                                   batch["loss_mask"])
+    assert metrics["mismatch/token_max_abs"] < 1e-4, metrics  # incremental KV-cache decoding vs one forward
+
+
+def test_same_seed_same_samples(model):
+    sampling = SamplingParams(max_new_tokens=8, seed=7)
+    a = flatten(LocalEngine(model).generate(prompts(2), 3, sampling))
+    b = flatten(LocalEngine(model).generate(prompts(2), 3, sampling))
+    assert [s.response_ids for s in a] == [s.response_ids for s in b]
+
+
+def test_update_weights_changes_the_policy(model):
+    engine = LocalEngine(model, version="v0")
+    perturbed = [(n, t + 0.05 * torch.randn_like(t)) for n, t in hf_weights.checkpoint_tensors(model)]
+    stats = engine.update_weights(iter(perturbed), "v1")
+    assert engine.weight_version() == "v1" and stats.num_tensors == len(perturbed)
+    assert dict(hf_weights.checkpoint_tensors(engine.model)).keys() == dict(perturbed).keys()
+    for name, tensor in hf_weights.checkpoint_tensors(engine.model):
+        torch.testing.assert_close(tensor, dict(perturbed)[name], rtol=0, atol=0)
+    samples = flatten(engine.generate(prompts(2), 2, SamplingParams(max_new_tokens=6)))
+    assert {s.weight_version for s in samples} == {"v1"}
+
+
+def test_missing_weight_is_refused(model):
+    tensors = list(hf_weights.checkpoint_tensors(model))[1:]
+    with pytest.raises(ValueError, match="missing"):
+        LocalEngine(model).update_weights(iter(tensors), "v1")
+
+
+def test_filters():
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]])
+    assert torch.isinf(_filter(logits, SamplingParams(top_k=2))).tolist() == [[False, False, True, True]]
+    p = logits.softmax(-1)[0]  # 0.644, 0.237, 0.087, 0.032
+    kept = ~torch.isinf(_filter(logits, SamplingParams(top_p=0.8)))
+    assert kept.tolist() == [[True, True, False, False]] and p[0] < 0.8 <= p[0] + p[1]
+    kept = ~torch.isinf(_filter(logits, SamplingParams(min_p=0.3)))  # keep p >= 0.3 * 0.644
+    assert kept.tolist() == [[True, True, False, False]]
+
+
+def test_checkpoint_tensors_match_saved_files(tmp_path, model):
+    """The in-memory -> checkpoint conversion is what save_pretrained writes (and SGLang loads)."""
+    from safetensors.torch import load_file
+
+    model.save_pretrained(tmp_path)
+    saved = load_file(str(tmp_path / "model.safetensors"))
+    ours = dict(hf_weights.checkpoint_tensors(model))
+    assert ours.keys() == saved.keys()
+    assert any(".experts.3.gate_proj.weight" in n for n in ours)
+    for name in saved:
+        torch.testing.assert_close(ours[name], saved[name], rtol=0, atol=0)

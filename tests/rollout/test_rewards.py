@@ -1,0 +1,95 @@
+"""Rewards: the math verifier, exact match, the synthetic tasks, user functions, and failures never reaching
+the loss as NaN."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gspo_megatron.rollout import RewardError, Sample, load_reward_fn, score
+from gspo_megatron.rollout.rewards import extract_answer, math_reward, normalize_answer
+from gspo_megatron.rollout.synthetic import TASKS, make_problems, prefix_credit
+
+
+@pytest.mark.parametrize("response, label, expected", [
+    ("so the answer is \\boxed{42}.", "42", 1.0),
+    ("\\boxed{\\frac{1}{2}}", "0.5", 1.0),
+    ("\\boxed{0.50}", "1/2", 1.0),
+    ("\\boxed{\\dfrac12}", "\\frac{1}{2}", 1.0),
+    ("first 3 then \\boxed{7} and later 9", "7", 1.0),  # the boxed answer wins over the last number
+    ("\\boxed{x^{2}+1}", "x^{2} + 1", 1.0),  # nested braces, spaces
+    ("\\boxed{1,000}", "1000", 1.0),
+    ("$\\boxed{\\text{B}}$", "b", 1.0),
+    ("we get 12, then 13.", "13", 1.0),  # no box: the last number
+    ("we get -3", "-3", 1.0),
+    ("\\boxed{41}", "42", 0.0),
+    ("no answer here", "42", 0.0),
+    ("\\boxed{5", "5", 1.0),  # unbalanced box: falls back to the last number
+])
+def test_math_reward(response, label, expected):
+    assert math_reward("", response, label) == expected
+
+
+def test_extract_and_normalize():
+    assert extract_answer("a \\boxed{1} b \\boxed{{2}}") == "{2}"
+    assert normalize_answer(" 3.0 ") == "3" and normalize_answer("6/4") == "3/2" and normalize_answer("1/0") == "1/0"
+
+
+def test_exact_match_and_synthetic():
+    assert load_reward_fn("exact_match")("", " abc\n", "abc") == 1.0
+    assert load_reward_fn("exact_match")("", "abd", "abc") == 0.0
+    assert prefix_credit("cba", "cba") == 1.0
+    assert prefix_credit("cbx", "cba") == pytest.approx(0.6)
+    assert prefix_credit("cbaa", "cba") == pytest.approx(0.9)  # right answer, then more: no full credit
+    assert prefix_credit("", "cba") == 0.0
+    for task in TASKS:
+        problems = make_problems(task, 5, seed=1)
+        assert problems == make_problems(task, 5, seed=1)
+        for p in problems:
+            assert load_reward_fn("synthetic")(p.prompt, p.answer, p.answer) == 1.0
+    assert make_problems("count", 1, seed=0)[0].answer.replace("a", "").replace("b", "") != ""
+
+
+def _samples(count):
+    return [Sample([1], [2], [-0.1], "stop", "v", i, 0) for i in range(count)]
+
+
+def test_user_function_by_module_path():
+    fn = load_reward_fn("tests.rollout.user_rewards:length_reward")
+    out = score(fn, _samples(2), [None, None], ["p", "p"], ["abcde", "ab"])
+    assert out.values.tolist() == pytest.approx([0.5, 0.2]) and out.valid.all()
+
+
+@pytest.mark.parametrize("spec, match", [
+    ("nope", "neither a built-in"),
+    ("tests.rollout.no_such_module:f", "cannot import"),
+    ("tests.rollout.user_rewards:missing", "no callable"),
+    ("tests.rollout.user_rewards:not_callable", "no callable"),
+])
+def test_bad_reward_specs(spec, match):
+    with pytest.raises(ValueError, match=match):
+        load_reward_fn(spec)
+
+
+@pytest.mark.parametrize("name, responses, match", [
+    ("raises", ["ok", "xx"], r"raised KeyError: 'no x allowed' for sample prompt 1, sample 0"),
+    ("nan_for_b", ["a", "b"], r"returned nan for sample prompt 1, sample 0"),
+    ("returns_text", ["a", "b"], r"returned '1.0' \(str\), not a number for sample prompt 0, sample 0"),
+])
+def test_bad_rewards_raise_naming_the_sample(name, responses, match):
+    fn = load_reward_fn(f"tests.rollout.user_rewards:{name}")
+    with pytest.raises(RewardError, match=match):
+        score(fn, _samples(2), ["l", "l"], ["p", "p"], responses)
+
+
+def test_bad_rewards_are_masked_when_configured():
+    fn = load_reward_fn("tests.rollout.user_rewards:nan_for_b")
+    out = score(fn, _samples(3), ["l"] * 3, ["p"] * 3, ["a", "b", "c"], on_error="mask")
+    assert out.values.tolist() == [0.5, 0.0, 0.5] and out.valid.tolist() == [True, False, True]
+    assert torch.isfinite(out.values).all() and len(out.errors) == 1 and "prompt 1" in out.errors[0]
+    assert out.metrics()["reward/masked"] == 1.0
+
+
+def test_score_checks_lengths():
+    with pytest.raises(ValueError, match="2 samples but 1 labels"):
+        score(load_reward_fn("exact_match"), _samples(2), ["a"], ["p", "p"], ["a", "b"])

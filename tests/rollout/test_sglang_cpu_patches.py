@@ -1,0 +1,94 @@
+"""patches.sglang_cpu: the pure-torch rotary stand-in equals SGLang's formula; versions other than 0.5.23 are
+refused; the stand-ins reach only a CPU server's PYTHONPATH."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import patches.sglang_cpu as sglang_cpu
+
+
+def _custom_ops():
+    sys.path.insert(0, str(sglang_cpu.SITE))
+    try:
+        return importlib.import_module("vllm._custom_ops")
+    finally:
+        sys.path.remove(str(sglang_cpu.SITE))
+
+
+def _reference(positions, x, head_size, cos_sin_cache, is_neox):
+    """SGLang's RotaryEmbedding.forward_native (apply_rotary_emb) on [T, heads * head_size]."""
+    T = x.shape[0]
+    rotary_dim = cos_sin_cache.shape[-1]
+    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
+    x = x.view(T, -1, head_size)
+    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    if is_neox:
+        x1, x2 = rot.chunk(2, dim=-1)
+    else:
+        x1, x2 = rot[..., ::2], rot[..., 1::2]
+    o1, o2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+    out = torch.cat((o1, o2), -1) if is_neox else torch.stack((o1, o2), -1).flatten(-2)
+    return torch.cat((out, rest), -1).reshape(T, -1)
+
+
+@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize("rotary_dim", [16, 8])  # full and partial rotary
+def test_rotary_stand_in_equals_sglang_formula(is_neox, rotary_dim):
+    pytest.importorskip("sglang")
+    ops = _custom_ops()
+    g = torch.Generator().manual_seed(0)
+    T, head_size = 7, 16
+    inv = 1.0 / 10000 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim)
+    freqs = torch.outer(torch.arange(64).float(), inv)
+    cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)  # [max_pos, rotary_dim]
+    positions = torch.randint(0, 64, (T,), generator=g)
+    q = torch.randn(T, 4 * head_size, generator=g)
+    k = torch.randn(T, 2 * head_size, generator=g)
+    q_ref, k_ref = _reference(positions, q, head_size, cache, is_neox), _reference(positions, k, head_size, cache, is_neox)
+    ops.rotary_embedding(positions, q, k, head_size, cache, is_neox)  # in place
+    torch.testing.assert_close(q, q_ref, rtol=0, atol=1e-6)
+    torch.testing.assert_close(k, k_ref, rtol=0, atol=1e-6)
+
+
+def test_other_sglang_versions_are_refused(monkeypatch):
+    monkeypatch.setattr(sglang_cpu, "installed_version", lambda: "0.5.99")
+    with pytest.raises(sglang_cpu.UnsupportedSGLang, match="supports sglang==0.5.23 on CPU, found 0.5.99"):
+        sglang_cpu.server_env({}, "cpu")
+    monkeypatch.setattr(sglang_cpu, "installed_version", lambda: None)
+    with pytest.raises(sglang_cpu.UnsupportedSGLang, match="not installed"):
+        sglang_cpu.check_version()
+
+
+def test_stand_ins_refuse_other_versions_when_imported():
+    """The stand-in modules check the version themselves, on the server's side of PYTHONPATH."""
+    code = ("import importlib.metadata as m; m.version = lambda name: '0.4.0'; import vllm._custom_ops")
+    env = {"PYTHONPATH": str(sglang_cpu.SITE), "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "written for sglang==0.5.23 on CPU, found sglang 0.4.0" in out.stderr
+
+
+def test_stand_ins_only_on_cpu(monkeypatch):
+    monkeypatch.setattr(sglang_cpu, "installed_version", lambda: "0.5.23")
+    env = sglang_cpu.server_env({"PYTHONPATH": "/x"}, "cpu")
+    assert env["PYTHONPATH"].split(":") == [str(sglang_cpu.SITE), "/x"]
+    assert sglang_cpu.server_env({"PYTHONPATH": "/x"}, "cuda") == {"PYTHONPATH": "/x"}
+
+
+def test_torchvision_stand_in_binds_names_and_refuses_calls():
+    pytest.importorskip("sglang")
+    code = ("from torchvision.transforms import InterpolationMode\n"
+            "from torchvision.io import decode_image\n"
+            "import torchvision.transforms.v2.functional as F\n"
+            "assert InterpolationMode.BICUBIC.value == 'bicubic'\n"
+            "try:\n    F.resize(1)\nexcept NotImplementedError as e:\n    print(e)\n")
+    env = {"PYTHONPATH": str(sglang_cpu.SITE), "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "torchvision.transforms.v2.functional.resize was called" in out.stdout

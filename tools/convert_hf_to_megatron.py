@@ -1,0 +1,54 @@
+#!/usr/bin/env python
+"""Hugging Face safetensors -> Megatron torch_dist checkpoint (loadable under any layout by resharding).
+
+    python tools/convert_hf_to_megatron.py --hf-dir Qwen3-30B-A3B --out qwen3-30b-megatron
+    torchrun --nproc-per-node 8 tools/convert_hf_to_megatron.py --hf-dir ... --out ... --tp 2 --ep 4
+
+A small model converts in one CPU process; a large one under torchrun, each rank reading only its shards.
+The output (torch_dist files, gspo_megatron.json, hf/ with config and tokenizer) is written to a temporary
+directory and renamed at the end. See gspo_megatron/model/convert.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from gspo_megatron.model.atomic import exit_on_sigterm
+from gspo_megatron.model.errors import LayoutError, MappingError, UnsupportedModel
+
+DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hf-dir", required=True, help="HF model directory (config.json + *.safetensors)")
+    parser.add_argument("--out", required=True, help="Megatron checkpoint directory to create (must not exist)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size to convert under")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size")
+    parser.add_argument("--etp", type=int, default=None, help="expert-tensor-parallel size (default: --tp)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), help="parameter dtype (default: the HF tensors')")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    exit_on_sigterm()
+    import torch
+
+    from gspo_megatron.model.convert import hf_to_megatron
+    from gspo_megatron.parallel.groups import Layout
+
+    layout = Layout(tensor=args.tp, pipeline=args.pp, expert=args.ep, expert_tensor=args.etp,
+                    sequence_parallel=args.tp > 1)
+    try:
+        hf_to_megatron(args.hf_dir, args.out, layout, dtype=getattr(torch, args.dtype) if args.dtype else None)
+    except (UnsupportedModel, LayoutError, MappingError, FileExistsError, FileNotFoundError) as e:
+        print(f"convert_hf_to_megatron: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":  # required: the torch_dist writer re-imports this script in a spawned process
+    sys.exit(main())

@@ -1,0 +1,55 @@
+#!/usr/bin/env python
+"""Megatron torch_dist checkpoint -> Hugging Face safetensors, config and tokenizer files.
+
+    python tools/convert_megatron_to_hf.py --megatron-dir qwen3-30b-megatron --out qwen3-30b-hf \
+        --hf-config Qwen3-30B-A3B
+
+--hf-config names the HF directory whose config.json and tokenizer files go with the weights (default: the
+copy the checkpoint stores); it must describe the converted model. Weights are sharded with an index file
+above --max-shard-size. Runs in one process (world of one) or under torchrun with --tp/--pp/--ep; one rank
+per pipeline stage writes. The output is written to a temporary directory and renamed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from gspo_megatron.model.atomic import exit_on_sigterm
+from gspo_megatron.model.errors import LayoutError, MappingError, UnsupportedModel
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--megatron-dir", required=True, help="checkpoint written by convert_hf_to_megatron.py")
+    parser.add_argument("--out", required=True, help="HF directory to create (must not exist)")
+    parser.add_argument("--hf-config", help="HF directory with config.json and tokenizer files "
+                                            "(default: the checkpoint's stored copy)")
+    parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (e.g. 5GB, 500MB)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size to load under")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size")
+    parser.add_argument("--etp", type=int, default=None, help="expert-tensor-parallel size (default: --tp)")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    exit_on_sigterm()
+    from gspo_megatron.model.convert import megatron_to_hf
+    from gspo_megatron.model.hf_files import parse_size
+    from gspo_megatron.parallel.groups import Layout
+
+    layout = Layout(tensor=args.tp, pipeline=args.pp, expert=args.ep, expert_tensor=args.etp,
+                    sequence_parallel=args.tp > 1)
+    try:
+        megatron_to_hf(args.megatron_dir, args.out, args.hf_config, layout,
+                       max_shard_bytes=parse_size(args.max_shard_size))
+    except (UnsupportedModel, LayoutError, MappingError, FileExistsError, FileNotFoundError, ValueError) as e:
+        print(f"convert_megatron_to_hf: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":  # required: the torch_dist reader/writer may re-import this script
+    sys.exit(main())
