@@ -169,14 +169,6 @@ def score_records(model, records: list[Record], micro_batch_size: int = 4) -> li
     return [mine[i] for i in range(len(records))]
 
 
-def _check_vocab_padding(spec, padded_vocab_size: int) -> None:
-    if padded_vocab_size != spec.vocab_size:
-        raise NotImplementedError(
-            f"vocab_size={spec.vocab_size} is padded to {padded_vocab_size} rows: train.policy_step.logprob_pass does "
-            "not pass the real vocab size to the log-prob op yet, so padded rows would enter the softmax"
-        )
-
-
 def score_on_this_rank(model_dir: str, records: list[Record], layout, micro_batch_size: int,
                        dtype: str | None) -> list[dict]:
     """Start Megatron's groups for ``layout`` (or reuse fitting ones), load, score."""
@@ -185,8 +177,7 @@ def score_on_this_rank(model_dir: str, records: list[Record], layout, micro_batc
     from gspo_megatron.model.process_groups import ensure_model_parallel
 
     ensure_model_parallel(layout)
-    model, spec, padded = load_policy(model_dir, layout, getattr(torch, dtype) if dtype else None)
-    _check_vocab_padding(spec, padded)
+    model, _, _ = load_policy(model_dir, layout, getattr(torch, dtype) if dtype else None)
     return score_records(model, records, micro_batch_size)
 
 
@@ -261,7 +252,6 @@ def run(args) -> int:
         torchrun = "WORLD_SIZE" in os.environ
         world = int(os.environ["WORLD_SIZE"]) if torchrun else minimal_world_size(layout)
         check_layout(spec, layout, world, padded_vocab_size=padded)
-        _check_vocab_padding(spec, padded)
     except (FileNotFoundError, ScoreInputError, UnsupportedModel, LayoutError, MappingError, NotImplementedError) as e:
         print(f"gspo-megatron score: error: {e}", file=sys.stderr)
         return 2

@@ -27,6 +27,7 @@ class OutputLayer:
 
     weight: torch.Tensor | None = None  # [V/tp, H]
     sequence_parallel: bool = False
+    vocab_size: int | None = None  # real ids; rows past it are Megatron's vocabulary padding
 
 
 @contextlib.contextmanager
@@ -43,6 +44,7 @@ def hidden_states_instead_of_logits(model: torch.nn.Module):
         yield captured
         return
     captured.sequence_parallel = bool(getattr(layer, "sequence_parallel", False))
+    captured.vocab_size = getattr(gpt, "unpadded_vocab_size", None)
 
     def pass_through(input_, weight=None, runtime_gather_output=None, **kwargs):
         captured.weight = weight if weight is not None else layer.weight

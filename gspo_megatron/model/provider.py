@@ -146,7 +146,7 @@ def build_gpt_model(spec: ModelSpec, layout: Layout = Layout(), dtype: torch.dty
     check_layout(spec, layout, dist.get_world_size(), padded_vocab_size=vocab, transformer_engine=use_te)
     _check_groups_match(layout)
     config = transformer_config(spec, layout, dtype=dtype, init=init, **config_overrides)
-    return GPTModel(
+    model = GPTModel(
         config=config,
         transformer_layer_spec=decoder_block_spec(config, use_te),
         vocab_size=vocab,
@@ -159,3 +159,6 @@ def build_gpt_model(spec: ModelSpec, layout: Layout = Layout(), dtype: torch.dty
         rope_scaling=spec.rope_scaling_factor is not None,
         rope_scaling_factor=spec.rope_scaling_factor or 8.0,
     )
+    # The real vocabulary: log-probs (hidden_output / the fused op) must leave the padding rows out.
+    model.unpadded_vocab_size = spec.vocab_size
+    return model

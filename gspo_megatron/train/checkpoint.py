@@ -80,7 +80,8 @@ def _sharded_state(model, optimizer, scheduler, trainer_state: dict | None, rng:
     model_sd = tensors_state_dict(model)
     state = {"model": model_sd, "rng_state": _rng_sharded_object(rng)}
     if optimizer is not None:
-        state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=OPTIMIZER_METADATA)
+        # A fresh copy: megatron writes the current data-parallel group into the dict it is given.
+        state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=dict(OPTIMIZER_METADATA))
     if scheduler is not None:
         state["scheduler"] = scheduler.state_dict() if not is_loading else {}
     if trainer_state is not None:

@@ -70,13 +70,17 @@ def _groups():
     return ps.get_tensor_model_parallel_group(), ps.get_context_parallel_group(), ps
 
 
-def token_logprobs(output_tensor: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float,
-                   sequence_parallel: bool) -> torch.Tensor:
-    """[b, s_local, H] last-stage hidden states -> log pi(labels) [b, S] through the fused op."""
+def token_logprobs(output_tensor: torch.Tensor, captured, labels: torch.Tensor, temperature: float) -> torch.Tensor:
+    """[b, s_local, H] last-stage hidden states -> log pi(labels) [b, S] through the fused op.
+
+    ``captured``: the output layer's weight, sequence parallelism and real vocabulary size
+    (``model.hidden_output.OutputLayer``); padding rows of the vocabulary take no part in the softmax.
+    """
     tp_group, _, _ = _groups()
     hidden = output_tensor.transpose(0, 1)  # [s_local, b, H]: the op gathers the sequence dim under SP
     logprobs = vocab_parallel_logprobs(
-        hidden, weight, labels.t(), tp_group=tp_group, temperature=temperature, sequence_parallel=sequence_parallel
+        hidden, captured.weight, labels.t(), tp_group=tp_group, temperature=temperature,
+        sequence_parallel=captured.sequence_parallel, vocab_size=captured.vocab_size,
     )
     return logprobs.t()
 
@@ -130,8 +134,7 @@ def _loss_terms(algo_config: AlgoConfig, batch: dict, logprobs: torch.Tensor):
 
 
 def _loss_func(algo_config: AlgoConfig, batch: dict, captured, output_tensor: torch.Tensor):
-    logprobs = token_logprobs(output_tensor, captured.weight, batch["labels"], algo_config.temperature,
-                              captured.sequence_parallel)
+    logprobs = token_logprobs(output_tensor, captured, batch["labels"], algo_config.temperature)
     loss, units, stats = _loss_terms(algo_config, batch, logprobs)
     units = units.to(torch.int)
     return loss, units, {"loss_sum": loss.detach().clone(), "units": units.clone(), **stats}
@@ -243,7 +246,7 @@ def update_step(model, optimizer, micro_batches: list[dict], algo_config: AlgoCo
 
 
 def _logprob_loss_func(batch: dict, captured, temperature: float, output_tensor: torch.Tensor):
-    logprobs = token_logprobs(output_tensor, captured.weight, batch["labels"], temperature, captured.sequence_parallel)
+    logprobs = token_logprobs(output_tensor, captured, batch["labels"], temperature)
     mask = batch["loss_mask"]
     zero = torch.zeros((), dtype=torch.float32, device=logprobs.device)
     sums, counts = algo.masked_log_ratio_sums(logprobs, torch.zeros_like(logprobs), mask)
