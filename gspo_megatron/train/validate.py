@@ -82,8 +82,10 @@ def validate(cfg: Config, world_size: int, hf: dict | None = None) -> None:
     if a.routing_replay and a.name != "grpo":
         raise ConfigError(f"algo.routing_replay=true is the GRPO baseline's fix; GSPO does not need it "
                           f"(algo.name={a.name!r}): set algo.name=grpo or algo.routing_replay=false")
-    if a.kl_coef and not a.kl_coef > 0:
-        raise ConfigError(f"algo.kl_coef={a.kl_coef} must be >= 0")
+    if a.kl_coef:
+        # The losses take ref_logprobs (train.policy_step), but the loop has no reference-policy pass yet.
+        raise ConfigError(f"algo.kl_coef={a.kl_coef}: a KL penalty needs the reference-policy pass, which the trainer "
+                          "does not run yet; set algo.kl_coef=0 (GSPO uses no KL term)")
     if r.group_size < 2:
         raise ConfigError(f"rollout.group_size={r.group_size}: group advantages need at least 2 responses per prompt")
     for name in ("prompts_per_step", "max_new_tokens", "temperature"):

@@ -52,6 +52,7 @@ def test_bad_fields_are_named(overrides, message):
         (["rollout.group_size=1"], 1, None, r"rollout.group_size=1: group advantages need at least 2"),
         (["algo.minibatches=3"], 1, None, r"rollout.prompts_per_step\*group_size=64 is not divisible by algo.minibatches=3"),
         (["algo.routing_replay=true"], 1, None, r"algo.routing_replay=true is the GRPO baseline's fix"),
+        (["algo.kl_coef=0.01"], 1, None, r"algo.kl_coef=0.01: a KL penalty needs the reference-policy pass"),
         (["parallel.context=2"], 2, None, r"parallel.context=2 needs TransformerEngine"),
         (["parallel.tensor=2", "parallel.sequence_parallel=false"], 2, QWEN3_30B_A3B, r"parallel.sequence_parallel=false"),
     ],
