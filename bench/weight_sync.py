@@ -25,9 +25,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import platform
 import statistics
 import tempfile
+import textwrap
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -128,13 +128,15 @@ def record(result: dict) -> None:
         f"forms the process group, took {result['first_distributed_with_group_init_s']:.2f} s; server start-up "
         f"{result['server_startup_s']:.0f} s.\n\n"
         "Reading: on one CPU machine the disk path never touches a disk: the shards go to the page cache and the "
-        "server maps them back at memory speed, while gloo pushes every byte through loopback TCP (~1 GB/s). "
-        "Packing buckets into one buffer costs a copy at memory-bandwidth speed and buys nothing on gloo, hence "
-        "`flatten=False` by default. Where disk sync normally runs (a shared file system between a trainer and "
-        "servers on other nodes, fsynced) and with NCCL on GPUs, the order is expected to reverse; that is not "
-        "measured here.\n"
+        "server maps them back at memory speed, while gloo pushes every byte through loopback TCP (~1 GB/s at best "
+        "here). Packing buckets into one buffer adds a copy of every byte into a freshly allocated buffer each "
+        "update (the \"pack\" phase, slow on these contended cores) and buys nothing on gloo, hence `flatten=False` by "
+        "default. Where disk sync normally runs (a shared file system between a trainer and servers on other nodes, "
+        "fsynced) and with NCCL on GPUs, the order is expected to reverse; that is not measured here.\n"
     )
-    path.write_text(text.rstrip("\n") + "\n" + section)
+    lines = [line if line.startswith("|") else "\n".join(textwrap.wrap(line, 115, break_on_hyphens=False))
+             for line in section.split("\n")]
+    path.write_text(text.rstrip("\n") + "\n" + "\n".join(lines))
     print(f"recorded in {path}")
 
 

@@ -30,7 +30,8 @@ from gspo_megatron.parallel.launch import free_port
 from . import weight_sync
 from .client import HttpClient, RetryPolicy
 from .config import SGLangConfig
-from .errors import BadResponse, RolloutError, ServerDied, ServerUnresponsive, WeightSyncError
+from .errors import (BadResponse, RequestFailed, RolloutError, ServerDied, ServerStartError, ServerUnresponsive,
+                     WeightSyncError)
 from .server import ServerProcess, launch_router, launch_servers, wait_all_ready
 from .types import Group, NamedTensors, Sample, SamplingParams, SyncStats, check_prompts
 
@@ -70,13 +71,26 @@ class SGLangEngine:
         try:
             if config.urls:  # attached: check each can generate before use (launched ones were checked)
                 for url in dict.fromkeys(self.worker_urls + self.generate_urls):
-                    self._clients[url].get("/health_generate", timeout=config.startup_timeout_s)
+                    self._wait_healthy(url)
             info = [self._clients[u].get("/model_info", timeout=config.health_timeout_s * 4) for u in self.worker_urls]
         except BaseException:
             self.close()
             raise
         self.model_path = config.model_path or info[0]["model_path"]
         self._version = self._agreed_version(info)
+
+    def _wait_healthy(self, url: str) -> None:
+        """GET /health_generate until 200. A server still starting answers 503: wait for it up to
+        startup_timeout_s; one that refuses connections fails after the configured retries (ServerDied)."""
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        while True:
+            try:
+                self._clients[url].get("/health_generate", timeout=self.config.startup_timeout_s)
+                return
+            except RequestFailed as e:
+                if time.monotonic() > deadline:
+                    raise ServerStartError(f"{url} not healthy after {self.config.startup_timeout_s:.0f} s: {e}") from e
+                time.sleep(1.0)
 
     # ---- lifecycle ------------------------------------------------------------------------------------------
 

@@ -9,13 +9,14 @@ Distributed (``DistributedSender``), the default: the trainer's rank 0 and every
 group (``/init_weights_update_group``, once); each update is
 
     POST /begin_weight_update
-    for each bucket:  POST /update_weights_from_distributed (names, dtypes, shapes)  ||  broadcast(bucket) from 0
+    for each bucket:  POST /update_weights_from_distributed (names, dtypes, shapes)  ||  broadcast its tensors from 0
     POST /end_weight_update, /update_weight_version, /flush_cache
 
-Tensors are packed into one reused byte buffer per bucket (SGLang's ``flattened_bucket`` load format: one
-broadcast per bucket, not per tensor), one dtype per bucket so every tensor stays aligned in it. Peak extra
-trainer memory is one bucket, plus the tensor the source is producing; a tensor larger than a bucket is broadcast
-on its own, without a copy.
+A bucket is consecutive tensors of one dtype up to ``bucket_bytes``: one HTTP call per bucket, and the tensors of
+only one bucket are alive at a time, so peak extra trainer memory is about one bucket (two when ``dtype`` casts).
+Each tensor is broadcast as it is (no copy); with ``flatten=True`` a bucket is first packed into one reused byte
+buffer and broadcast at once (SGLang's ``flattened_bucket`` format), which bench/weight_sync.py measured slower
+on gloo. A tensor larger than a bucket is sent alone.
 
 Disk (``save_checkpoint`` + ``/update_weights_from_disk``), the fallback: safetensors shards of at most one
 bucket each in a full HF model directory; the servers must see the same file system.
@@ -205,6 +206,7 @@ class DistributedSender:
             num_tensors += len(packed.names)
             num_bytes += packed.num_bytes
             num_buckets += 1
+            bucket = packed = None  # drop this bucket's tensors before the source produces the next ones
         del buffer
         t3 = time.perf_counter()
         self._all("/end_weight_update")

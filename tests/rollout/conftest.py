@@ -1,4 +1,5 @@
-"""Real SGLang servers on 127.0.0.1 for the rollout tests, started once per session.
+"""Real SGLang servers on 127.0.0.1 for the rollout tests, started once for this package (torn down after its
+last test).
 
 Two servers of the tiny random Qwen3-MoE model (fp32, so train/inference log-probs agree to ~1e-6) are started
 together on first use, so their start-ups (~40 CPU-seconds each) overlap: ``main`` serves the generation and
@@ -10,9 +11,8 @@ If sglang is not installed the server tests skip, except under CI=true, where th
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,25 +21,21 @@ from gspo_megatron.rollout import SGLangConfig, SGLangEngine
 from gspo_megatron.rollout import server as server_mod
 from gspo_megatron.rollout import synthetic
 
-SGLANG_INSTALLED = importlib.util.find_spec("sglang") is not None
-
-
-def require_sglang() -> None:
-    if SGLANG_INSTALLED:
-        return
-    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-        pytest.fail("sglang is not importable but CI=true: tools/install.sh must install it, the rollout tests "
-                    "need a real SGLang server", pytrace=False)
-    pytest.skip("sglang is not installed: run `bash tools/install.sh`")
-
+from .helpers import require_sglang
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "destroys_server: hangs or stops the shared server; runs last")
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests that hang, kill or shut down a shared server run after every test that needs it (stable order)."""
-    items.sort(key=lambda item: item.get_closest_marker("destroys_server") is not None)
+    """Within this package, tests that hang, kill or shut down a shared server run after every test that needs it
+    (stable order); the package's items stay where they were in the session."""
+    here = Path(__file__).parent
+    slots = [i for i, item in enumerate(items) if here in Path(str(item.path)).parents]
+    ours = [items[i] for i in slots]
+    ours.sort(key=lambda item: item.get_closest_marker("destroys_server") is not None)
+    for i, item in zip(slots, ours):
+        items[i] = item
 
 
 def server_config(model_dir, log_dir, **overrides) -> SGLangConfig:
@@ -63,12 +59,12 @@ def one_torch_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def tiny_model_dir(tmp_path_factory):
     return synthetic.save_tiny_model(tmp_path_factory.mktemp("tiny_qwen3_moe"), seed=0)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def started_servers(tiny_model_dir, tmp_path_factory):
     require_sglang()
     log_dir = tmp_path_factory.mktemp("sglang_logs")
@@ -84,7 +80,7 @@ def started_servers(tiny_model_dir, tmp_path_factory):
                 server.shutdown()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def engine(started_servers):
     config, started = started_servers
     with SGLangEngine(config, servers=started["main"]) as engine:
@@ -98,7 +94,7 @@ class Trainer:
     model: torch.nn.Module
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def trainer(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 

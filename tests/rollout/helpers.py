@@ -1,7 +1,12 @@
-"""Trainer-side log-probs for the rollout tests: the fused op fed with a transformers model's final hidden states."""
+"""Helpers of the rollout tests: trainer-side log-probs (the fused op fed with a transformers model's final hidden
+states), prompts, and the sglang requirement."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
+import pytest
 import torch
 
 from gspo_megatron.ops import vocab_parallel_logprobs
@@ -27,3 +32,16 @@ def prompts(count: int, seed: int = 0, lo: int = 3, hi: int = 9) -> list[list[in
         length = lo + (i % (hi - lo + 1))
         out.append(torch.randint(3, 99, (length,), generator=g).tolist())
     return out
+
+
+SGLANG_INSTALLED = importlib.util.find_spec("sglang") is not None
+
+
+def require_sglang() -> None:
+    """Skip without sglang, except under CI=true, where a missing sglang fails: CI must run these tests."""
+    if SGLANG_INSTALLED:
+        return
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        pytest.fail("sglang is not importable but CI=true: tools/install.sh must install it, the rollout tests "
+                    "need a real SGLang server", pytrace=False)
+    pytest.skip("sglang is not installed: run `bash tools/install.sh`")

@@ -9,9 +9,6 @@ to a ``LocalEngine`` gives samples whose log-probs Megatron reproduces too.
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import pytest
 
 from gspo_megatron.parallel.groups import Layout
 from gspo_megatron.parallel.launch import run_on_ranks
@@ -24,7 +21,6 @@ from .helpers import TOLERANCE
 
 def test_megatron_policy_through_bridge_matches_sglang_before_and_after_sync(engine, trainer, tiny_model_dir,
                                                                              tmp_path, record_property):
-    pytest.importorskip("gspo_megatron.model.bridge")
     # The server serves the session trainer's current weights (other tests may have synced some): start the
     # Megatron policy from exactly those.
     current = tmp_path / "current"

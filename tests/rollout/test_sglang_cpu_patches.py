@@ -12,6 +12,8 @@ import torch
 
 import patches.sglang_cpu as sglang_cpu
 
+from .helpers import require_sglang
+
 
 def _custom_ops():
     sys.path.insert(0, str(sglang_cpu.SITE))
@@ -41,7 +43,7 @@ def _reference(positions, x, head_size, cos_sin_cache, is_neox):
 @pytest.mark.parametrize("is_neox", [True, False])
 @pytest.mark.parametrize("rotary_dim", [16, 8])  # full and partial rotary
 def test_rotary_stand_in_equals_sglang_formula(is_neox, rotary_dim):
-    pytest.importorskip("sglang")
+    require_sglang()
     ops = _custom_ops()
     g = torch.Generator().manual_seed(0)
     T, head_size = 7, 16
@@ -82,7 +84,7 @@ def test_stand_ins_only_on_cpu(monkeypatch):
 
 
 def test_torchvision_stand_in_binds_names_and_refuses_calls():
-    pytest.importorskip("sglang")
+    require_sglang()
     code = ("from torchvision.transforms import InterpolationMode\n"
             "from torchvision.io import decode_image\n"
             "import torchvision.transforms.v2.functional as F\n"
