@@ -16,6 +16,7 @@ import sys
 
 from gspo_megatron.model.atomic import exit_on_sigterm
 from gspo_megatron.model.errors import LayoutError, MappingError, UnsupportedModel
+from gspo_megatron.parallel.groups import add_layout_arguments, layout_from_args
 
 DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
@@ -24,10 +25,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hf-dir", required=True, help="HF model directory (config.json + *.safetensors)")
     parser.add_argument("--out", required=True, help="Megatron checkpoint directory to create (must not exist)")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size to convert under")
-    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
-    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size")
-    parser.add_argument("--etp", type=int, default=None, help="expert-tensor-parallel size (default: --tp)")
+    add_layout_arguments(parser, "convert under")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="parameter dtype (default: the HF tensors')")
     return parser.parse_args(argv)
 
@@ -38,10 +36,8 @@ def main(argv=None) -> int:
     import torch
 
     from gspo_megatron.model.convert import hf_to_megatron
-    from gspo_megatron.parallel.groups import Layout
 
-    layout = Layout(tensor=args.tp, pipeline=args.pp, expert=args.ep, expert_tensor=args.etp,
-                    sequence_parallel=args.tp > 1)
+    layout = layout_from_args(args)
     try:
         hf_to_megatron(args.hf_dir, args.out, layout, dtype=getattr(torch, args.dtype) if args.dtype else None)
     except (UnsupportedModel, LayoutError, MappingError, FileExistsError, FileNotFoundError) as e:

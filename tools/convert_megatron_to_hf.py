@@ -17,6 +17,7 @@ import sys
 
 from gspo_megatron.model.atomic import exit_on_sigterm
 from gspo_megatron.model.errors import LayoutError, MappingError, UnsupportedModel
+from gspo_megatron.parallel.groups import add_layout_arguments, layout_from_args
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -26,10 +27,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--hf-config", help="HF directory with config.json and tokenizer files "
                                             "(default: the checkpoint's stored copy)")
     parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (e.g. 5GB, 500MB)")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size to load under")
-    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
-    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size")
-    parser.add_argument("--etp", type=int, default=None, help="expert-tensor-parallel size (default: --tp)")
+    add_layout_arguments(parser, "load under")
     return parser.parse_args(argv)
 
 
@@ -38,10 +36,8 @@ def main(argv=None) -> int:
     exit_on_sigterm()
     from gspo_megatron.model.convert import megatron_to_hf
     from gspo_megatron.model.hf_files import parse_size
-    from gspo_megatron.parallel.groups import Layout
 
-    layout = Layout(tensor=args.tp, pipeline=args.pp, expert=args.ep, expert_tensor=args.etp,
-                    sequence_parallel=args.tp > 1)
+    layout = layout_from_args(args)
     try:
         megatron_to_hf(args.megatron_dir, args.out, args.hf_config, layout,
                        max_shard_bytes=parse_size(args.max_shard_size))

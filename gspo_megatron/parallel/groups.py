@@ -33,6 +33,20 @@ class Layout:
         return None
 
 
+def add_layout_arguments(parser, verb: str) -> None:
+    """--tp/--pp/--ep/--etp on a command-line tool; ``verb`` says what the layout is for ("convert under")."""
+    parser.add_argument("--tp", type=int, default=1, help=f"tensor-parallel size to {verb}")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size")
+    parser.add_argument("--etp", type=int, default=None, help="expert-tensor-parallel size (default: --tp)")
+
+
+def layout_from_args(args) -> Layout:
+    """The Layout of ``add_layout_arguments``'s options (sequence parallelism whenever TP > 1)."""
+    return Layout(tensor=args.tp, pipeline=args.pp, expert=args.ep, expert_tensor=args.etp,
+                  sequence_parallel=args.tp > 1)
+
+
 def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 

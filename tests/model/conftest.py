@@ -1,4 +1,4 @@
-"""Session fixtures shared with tests/tools (its conftest is the same): built or launched once per session."""
+"""Session fixtures, also used by tests/tools (its conftest imports them): built or launched once per session."""
 
 import pytest
 

@@ -1,23 +1,3 @@
-"""Session fixtures shared with tests/tools (its conftest is the same): built or launched once per session."""
+"""The session fixtures of tests/model (tiny HF models, the one shared 2-rank launch), reused here."""
 
-import pytest
-
-from tests.model import hf_tiny, rank_checks
-
-
-@pytest.fixture(scope="session")
-def hf_models(tmp_path_factory):
-    """{variant: HF model directory} for every tiny variant, with reference logits beside each."""
-    return hf_tiny.build_all(tmp_path_factory.getbasetemp() / "hf_models")
-
-
-@pytest.fixture(scope="session")
-def rank_work(tmp_path_factory):
-    """Where the shared launch writes its checkpoints (megatron/, hf_back/, ...)."""
-    return tmp_path_factory.getbasetemp() / "rank_checks"
-
-
-@pytest.fixture(scope="session")
-def rank_results(hf_models, rank_work):
-    """Per-rank results of every multi-rank case (``rank_checks``): one 2-rank launch per session."""
-    return rank_checks.shared_results(hf_models, rank_work)
+from tests.model.conftest import hf_models, rank_results, rank_work  # noqa: F401
