@@ -11,7 +11,7 @@ generates with the training model itself). Start-up and the first (warm-up) step
     .venv/bin/python bench/rl_step.py --size tiny
     .venv/bin/python bench/rl_step.py --size 100m
 
-Sizes: ``tiny`` is the CPU example's model (2 layers, hidden 64, 4 experts) at 32 samples x 16 tokens;
+Sizes: ``tiny`` is the CPU example's model (2 layers, hidden 128, 4 experts) at 32 samples x 16 tokens;
 ``100m`` is a ~115M-parameter Qwen3-MoE (8 layers, hidden 512, 16 experts top-2, vocab 8192) at
 64 samples x 128 new tokens.
 """
@@ -30,8 +30,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 SIZES = {
-    "tiny": dict(model=dict(vocab_size=128, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-                            num_experts=4, top_k=2, moe_intermediate_size=32),
+    "tiny": dict(model=dict(vocab_size=128, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
+                            num_experts=4, top_k=2, moe_intermediate_size=64),
                  prompts=4, group=8, new_tokens=16, minibatches=2),
     "100m": dict(model=dict(vocab_size=8192, hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, head_dim=64,
                             num_experts=16, top_k=2, moe_intermediate_size=512, initializer_range=0.02),
@@ -57,6 +57,7 @@ def run_ours(size: str, model_dir: Path, out: Path) -> dict:
     run = out / "ours"
     cmd = [sys.executable, "-m", "gspo_megatron.cli", "train", str(ROOT / "examples/tiny_moe_cpu.yaml"),
            f"model.hf_dir={model_dir}", "model.warm_start_steps=0", f"train.steps={STEPS}", "train.eval_every=0",
+           "optimizer.lr=3e-3", "algo.entropy_coef=0",  # as TRL's learning_rate and (no) entropy bonus below
            f"rollout.prompts_per_step={s['prompts']}", f"rollout.group_size={s['group']}",
            f"rollout.max_new_tokens={s['new_tokens']}", f"algo.minibatches={s['minibatches']}",
            f"parallel.micro_batch_size={s['prompts'] * s['group'] // s['minibatches']}",
@@ -104,11 +105,24 @@ def run_trl(size: str, model_dir: Path, out: Path) -> dict:
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=dataset,
                           processing_class=tokenizer, callbacks=[Clock()])
+    # TRL's rollout phase: generation, rewards and the old-policy log-probs, all in this one method.
+    rollout_times = []
+    generate_and_score = trainer._generate_and_score_completions
+
+    def timed(*a, **k):
+        start = time.perf_counter()
+        out = generate_and_score(*a, **k)
+        rollout_times.append(time.perf_counter() - start)
+        return out
+
+    trainer._generate_and_score_completions = timed
     trainer.train()
     # One RL step = ``minibatches`` optimizer steps (generation happens at the first of them).
     ends = marks[s["minibatches"] - 1 :: s["minibatches"]]
     per_step = [b - a for a, b in zip(ends, ends[1:])]
-    return {"step": sum(per_step) / len(per_step)}
+    step = sum(per_step) / len(per_step)
+    rollout = sum(rollout_times[1:]) / len(rollout_times[1:])
+    return {"step": step, "rollout_and_old_logprobs": rollout, "update": step - rollout}
 
 
 def main() -> int:
@@ -125,7 +139,8 @@ def main() -> int:
           f"{s['minibatches']} minibatches (mean of {STEPS - 1} steps after a warm-up)")
     print(f"  gspo-megatron: {ours['step']:.2f} s  (rollout {ours['rollout']:.2f}, old log-probs "
           f"{ours['old_logprobs']:.2f}, update {ours['update']:.2f}, weight sync {ours['weight_sync']:.2f})")
-    print(f"  TRL GRPOTrainer (sequence-level IS): {trl['step']:.2f} s")
+    print(f"  TRL GRPOTrainer (sequence-level IS): {trl['step']:.2f} s  (generation + rewards + old log-probs "
+          f"{trl['rollout_and_old_logprobs']:.2f}, update {trl['update']:.2f})")
     print(f"  ratio TRL / gspo-megatron: {trl['step'] / ours['step']:.2f}x")
     return 0
 

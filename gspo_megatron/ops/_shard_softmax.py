@@ -15,6 +15,13 @@ nothing until every chunk is done; the [tp, T, 4] statistics then combine exactl
 Backward, per token, with log p_v = z_v - lse, upstream gradients g (log-prob) and g_H (entropy):
 
     dlogp_y / dz_v = [v = y] - p_v            dH / dz_v = -p_v (log p_v + H)
+
+With a log-prob gradient alone (the policy update), the gradient w.r.t. the untempered logits x = z * temperature
+is c ([v = y] - p_v), c = g / temperature, and one exp pass gives it up to a per-token sign:
+
+    E_v = exp(z_v - lse + log|c|) = |c| p_v,    d/dx_v = -sign(c) (E_v - |c| [v = y])
+
+so the sign can be applied to the [c, H] operands of the two gradient matmuls instead of to [c, V] logits.
 """
 
 from __future__ import annotations
@@ -22,7 +29,8 @@ from __future__ import annotations
 import torch
 
 __all__ = [
-    "STAT_ENTROPY", "STAT_MAX", "STAT_SUMEXP", "STAT_TARGET", "combine_shard_stats", "logits_grad_", "shard_stats_"
+    "STAT_ENTROPY", "STAT_MAX", "STAT_SUMEXP", "STAT_TARGET", "combine_shard_stats", "logits_grad_",
+    "logprob_grad_unsigned_", "shard_stats_",
 ]
 
 # Columns of the per-token statistics tensor [T, 4].
@@ -99,3 +107,19 @@ def logits_grad_(
         owned, col = _owned(local_targets, z.shape[1])
         grad.scatter_add_(1, col, torch.where(owned, -a, 0).unsqueeze(1))
     return grad
+
+
+def logprob_grad_unsigned_(
+    z: torch.Tensor, local_targets: torch.Tensor, lse: torch.Tensor, c: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M [c, V_shard], sign [c, 1]) with d logp / d x = sign * M, for an upstream log-prob gradient alone.
+
+    z: [c, V_shard] tempered logits, overwritten with M; lse: [c]; c: [c] upstream gradient / temperature. Two
+    passes over the chunk (subtract, exp) and no extra memory; see the module docstring.
+    """
+    magnitude = c.abs()
+    z.sub_((lse - torch.log(magnitude)).unsqueeze(1))  # a zero gradient gives -inf here and exactly 0 below
+    grad = z.exp_()
+    owned, col = _owned(local_targets, z.shape[1])
+    grad.scatter_add_(1, col, torch.where(owned, -magnitude, 0).unsqueeze(1))
+    return grad, -torch.sign(c).unsqueeze(1)

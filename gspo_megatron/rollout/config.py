@@ -29,6 +29,9 @@ class WeightSyncConfig:
     dtype: str | None = None  # cast before sending (e.g. "bfloat16"); None: send the trainer's dtype
     disk_dir: str | None = None  # for method="disk" (and the fallback); None: a temporary directory
     group_name: str = "gspo_weight_sync"
+    # Where the servers reach the trainer (rank 0 of the broadcast group). None: 127.0.0.1 when every server is on
+    # loopback, else this host's fully qualified name; set it when that name does not resolve from the servers.
+    master_address: str | None = None
     timeout_s: float = 600.0  # one bucket (HTTP call + broadcast) or one disk reload
 
     def __post_init__(self):

@@ -5,7 +5,7 @@ data set attaches to the prompt). Built in (``load_reward_fn`` by name):
 
     math          1.0 if the final \\boxed{...} (else the last number) equals the label after normalisation
     exact_match   1.0 if the stripped response equals the stripped label
-    synthetic     the CPU example's tasks (``synthetic.prefix_credit``): partial credit in [0, 1]
+    synthetic     the CPU example's tasks (``synthetic.position_credit``): partial credit in [0, 1]
 
 User functions are given as ``"package.module:function"``. ``score`` never lets a bad reward through: a function
 that raises or returns a non-finite (or non-numeric) value is a ``RewardError`` naming the sample, or, with
@@ -26,7 +26,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .errors import RewardError
-from .synthetic import prefix_credit
+from .synthetic import position_credit
 from .types import Sample
 
 RewardFn = Callable[[str, str, Any], float]
@@ -89,7 +89,7 @@ def exact_match(prompt: str, response: str, label) -> float:
 
 
 def synthetic_reward(prompt: str, response: str, label) -> float:
-    return prefix_credit(response, str(label))
+    return position_credit(response, str(label))
 
 
 BUILTIN: dict[str, RewardFn] = {"math": math_reward, "exact_match": exact_match, "synthetic": synthetic_reward}

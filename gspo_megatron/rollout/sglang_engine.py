@@ -220,7 +220,8 @@ class SGLangEngine:
             if self._sender is None:
                 self._sender = weight_sync.DistributedSender(
                     sync_clients, self._server_ranks(), self.config.weight_sync, self.config.sync_backend,
-                    torch.device(self.config.device), master_port=free_port())
+                    torch.device(self.config.device), master_port=free_port(),
+                    master_address=weight_sync.trainer_address(self.worker_urls, self.config.weight_sync))
             stats = self._sender.send(named_tensors, version, self.config.weight_sync)
         elif method == "disk":
             stats = weight_sync.disk_update(sync_clients, named_tensors, version, self.model_path,

@@ -2,7 +2,7 @@
 they are served with (built offline: no model hub).
 
 Each task makes prompts with a known answer; ``task_reward(name)`` scores a response against it in [0, 1] with
-partial credit per leading character right, so a tiny random policy gets a learning signal from the first step.
+partial credit per character in its place, so a tiny random policy gets a learning signal from the first step.
 
     reverse    "rev abc="  -> "cba"        copy   "copy abc=" -> "abc"
     add        "12+7="     -> "19"         count  "count aab=" -> "2a1b" ... (see TASKS)
@@ -105,15 +105,16 @@ def make_problems(task: str, count: int, seed: int = 0) -> list[Problem]:
     return [TASKS[task](rng) for _ in range(count)]
 
 
-def prefix_credit(response: str, answer: str) -> float:
-    """Fraction of the answer's characters the response gets right before its first mistake, with an extra
-    character after the answer (other than the end) costing the full-match bonus: 1.0 only for an exact answer."""
+def position_credit(response: str, answer: str) -> float:
+    """Characters in their place, over the longer of response and answer, scaled to 0.9; 1.0 only for the exact
+    answer (which includes stopping after it).
+
+    Each position earns its credit on its own (not only up to the first mistake), so every character of the
+    answer gives a learning signal from the first steps; dividing by the longer length makes extra characters
+    cost credit, so padding a response (with a letter that often repeats, say) does not pay.
+    """
     response = response.split(EOS, 1)[0].strip()
-    right = 0
-    for a, b in zip(response, answer):
-        if a != b:
-            break
-        right += 1
     if response == answer:
         return 1.0
-    return 0.9 * right / max(1, len(answer))
+    right = sum(a == b for a, b in zip(response, answer))
+    return 0.9 * right / max(1, len(answer), len(response))

@@ -34,7 +34,7 @@ import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Sequence
 
 import torch
 
@@ -292,3 +292,20 @@ def consume(named_tensors: Iterable) -> None:
     """On trainer ranks other than the sender: run the export (it may gather over TP/EP) and drop the tensors."""
     for _ in named_tensors:
         pass
+
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
+def trainer_address(server_urls: Sequence[str], config: WeightSyncConfig) -> str:
+    """The address the servers join the broadcast group at: ``config.master_address``, else 127.0.0.1 when all
+    servers are local, else this host's fully qualified name (servers on other nodes cannot reach loopback)."""
+    from urllib.parse import urlsplit
+
+    if config.master_address:
+        return config.master_address
+    if all(urlsplit(url).hostname in LOOPBACK for url in server_urls):
+        return "127.0.0.1"
+    import socket
+
+    return socket.getfqdn()

@@ -78,6 +78,9 @@ class RolloutConfig:
     """Use SGLang's log-probs as pi_old instead of recomputing them in the trainer (the GSPO paper allows it)."""
     weight_sync: str = "distributed"
     """distributed (broadcast to the servers) or disk (save HF safetensors, server reloads)."""
+    weight_sync_address: str | None = None
+    """The trainer's address as the servers see it, for the distributed sync; None: 127.0.0.1 for local servers,
+    else this host's fully qualified name. Set it for servers on other nodes when that name does not resolve."""
     server_args: dict = field(default_factory=dict)
     """Extra sglang.launch_server arguments for servers we launch."""
     timeout_s: float = 300.0
@@ -97,7 +100,11 @@ class AlgoSection:
     routing_replay: bool = False
     """GRPO + Routing Replay: replay the old policy's experts in the update pass (MoE)."""
     kl_coef: float = 0.0
+    """KL penalty against a frozen reference (the starting weights); GSPO uses none. > 0 adds a reference pass."""
     kl_estimator: str = "k3"
+    entropy_coef: float = 0.0
+    """Entropy bonus: the loss minus entropy_coef x the policy's mean entropy per response token (normalised like
+    the loss). Keeps small policies exploring; 0 (the paper's setting) skips the entropy computation."""
     normalize_advantage_std: bool = True
     minibatches: int = 4
     """Optimizer steps per rollout batch (the paper uses 4)."""

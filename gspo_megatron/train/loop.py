@@ -14,12 +14,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from gspo_megatron.algo import group_advantages
+from gspo_megatron.algo import group_advantages, kl_penalty
 from gspo_megatron.parallel import groups
 from gspo_megatron.rollout.mismatch import logprob_mismatch
 from gspo_megatron.train import checkpoint, rollout_phase
 from gspo_megatron.train.config import Config
-from gspo_megatron.train.policy import build_policy, layout_of
+from gspo_megatron.train.policy import build_policy, build_reference, layout_of
 from gspo_megatron.train.policy_step import AlgoConfig, logprob_pass, update_step
 from gspo_megatron.train.bootstrap import algo_config, load_prompts, prepare_model_dir, reward_function
 
@@ -31,6 +31,7 @@ def train(cfg: Config, resume: bool = False) -> dict:
     hf_dir = prepare_model_dir(cfg)
     groups.init_model_parallel(layout_of(cfg), seed=cfg.train.seed)
     policy = build_policy(cfg, hf_dir)
+    reference = build_reference(cfg, policy) if cfg.algo.kl_coef else None
     tokenizer, prompts, eval_prompts = load_prompts(cfg, hf_dir)
     reward_fn = reward_function(cfg)
     algo = algo_config(cfg)
@@ -57,17 +58,10 @@ def train(cfg: Config, resume: bool = False) -> dict:
             batch = rollout.batch
             batch["loss_mask"] &= rollout.reward_valid.unsqueeze(1)  # a masked reward drops the sample
 
-            t = time.perf_counter()
             rows = _row_plan(batch["input_ids"].shape[0], cfg)
-            trainer = logprob_pass(policy.model, _micro_batches(batch, torch.cat(rows), cfg), algo.temperature,
-                                   record_routing=cfg.algo.routing_replay)
-            trainer_logprobs = _all_rows(trainer["logprobs"], batch["input_ids"].shape[0], cfg)
-            metrics["time/old_logprobs"] = time.perf_counter() - t
-            metrics.update(_mismatch(trainer_logprobs, batch))
-            batch["old_logprobs"] = batch["rollout_logprobs"] if cfg.rollout.reuse_rollout_logprobs else trainer_logprobs
+            routing = _old_and_reference_logprobs(policy, reference, batch, rows, cfg, algo, metrics)
             batch["advantages"] = group_advantages(rollout.rewards, cfg.rollout.group_size,
                                                    normalize_std=cfg.algo.normalize_advantage_std)
-            routing = trainer.get("routing")  # this rank's rows, in the order of ``rows``
 
             t = time.perf_counter()
             metrics.update(_update(policy, batch, rows, routing, cfg, algo))
@@ -103,6 +97,33 @@ def train(cfg: Config, resume: bool = False) -> dict:
     return metrics
 
 
+def _old_and_reference_logprobs(policy, reference, batch: dict, rows: list[torch.Tensor], cfg: Config,
+                                algo: AlgoConfig, metrics: dict):
+    """Score the rollout with the current (old) policy, and the reference when there is a KL term: fills
+    ``batch["old_logprobs"]`` (and ``ref_logprobs``) and ``metrics``; returns the recorded routing (this rank's
+    rows, in the order of ``rows``) for Routing Replay, else None."""
+    total = batch["input_ids"].shape[0]
+    t = time.perf_counter()
+    trainer = logprob_pass(policy.model, _micro_batches(batch, torch.cat(rows), cfg), algo.temperature,
+                           record_routing=cfg.algo.routing_replay, with_entropy=True)
+    trainer_logprobs = _all_rows(trainer["logprobs"], total, cfg)
+    metrics["time/old_logprobs"] = time.perf_counter() - t
+    mask = batch["loss_mask"]
+    # The policy's entropy per response token: a collapsing policy stops exploring (and learning).
+    metrics["entropy"] = float(_all_rows(trainer["entropy"], total, cfg)[mask].mean()) if mask.any() else 0.0
+    metrics.update(_mismatch(trainer_logprobs, batch))
+    batch["old_logprobs"] = batch["rollout_logprobs"] if cfg.rollout.reuse_rollout_logprobs else trainer_logprobs
+    if reference is not None:
+        t = time.perf_counter()
+        ref = logprob_pass(reference, _micro_batches(batch, torch.cat(rows), cfg), algo.temperature)
+        batch["ref_logprobs"] = _all_rows(ref["logprobs"], total, cfg)
+        metrics["time/ref_logprobs"] = time.perf_counter() - t
+        # KL(policy || reference) before this step's updates, as the loss estimates it.
+        metrics["kl_ref"] = float(kl_penalty(trainer_logprobs, batch["ref_logprobs"], mask, algo.kl_estimator,
+                                             max_log_ratio=algo.max_log_ratio))
+    return trainer.get("routing")
+
+
 def _row_plan(total: int, cfg: Config) -> list[torch.Tensor]:
     """The rollout rows this data-parallel rank trains on, one index tensor per minibatch.
 
@@ -119,7 +140,8 @@ def _row_plan(total: int, cfg: Config) -> list[torch.Tensor]:
 
 
 def _micro_batches(batch: dict, rows: torch.Tensor, cfg: Config, routing: torch.Tensor | None = None) -> list[dict]:
-    keys = [k for k in ("input_ids", "labels", "loss_mask", "old_logprobs", "advantages") if k in batch]
+    keys = [k for k in ("input_ids", "labels", "loss_mask", "old_logprobs", "ref_logprobs", "advantages")
+            if k in batch]
     size = cfg.parallel.micro_batch_size
     out = []
     for i in range(0, rows.numel(), size):

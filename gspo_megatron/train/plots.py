@@ -1,7 +1,7 @@
 """PNG plots of a run's metrics (and several runs side by side, for tools/compare_runs.py).
 
 Panels: reward (mean, and eval when present), clip fraction (low/high), sequence-ratio range (min/mean/max),
-KL between the old and the new policy, and the rollout-vs-trainer log-prob difference.
+KL (old vs new policy per update, and policy vs reference when algo.kl_coef > 0), the policy's entropy, and the rollout-vs-trainer log-prob difference.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ PANELS = [
     ("reward", [("reward_mean", "train"), ("eval_reward_mean", "eval")], "linear"),
     ("clip fraction", [("clip_frac", "total"), ("clip_frac_low", "low"), ("clip_frac_high", "high")], "linear"),
     ("sequence ratio", [("seq_ratio_min", "min"), ("seq_ratio_mean", "mean"), ("seq_ratio_max", "max")], "linear"),
-    ("KL(old || new)", [("approx_kl", "approx kl")], "linear"),
+    ("KL", [("approx_kl", "old || new (per update)"), ("kl_ref", "policy || reference")], "linear"),
+    ("entropy per response token", [("entropy", "policy")], "linear"),
     ("rollout vs trainer log-prob |diff|", [("logprob_diff_mean", "mean per token"), ("logprob_diff_max", "max")], "log"),
 ]
 

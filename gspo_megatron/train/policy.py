@@ -46,30 +46,17 @@ def build_policy(cfg: Config, hf_dir: str | Path) -> Policy:
 
     Megatron's process groups must already be up for ``layout_of(cfg)``.
     """
-    from megatron.core import dist_checkpointing
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     from gspo_megatron.model.bridge import Bridge
     from gspo_megatron.model.hf_config import read_hf_config
-    from gspo_megatron.model.provider import build_gpt_model
 
     spec = read_hf_config(Path(hf_dir) / "config.json")
     dtype = DTYPES[cfg.model.dtype]
     bridge = Bridge(spec)
-    model = build_gpt_model(
-        spec, layout_of(cfg), dtype=dtype, padded_vocab_size=bridge.padded_vocab_size,
-        # Sequences are the unit of normalisation (train.policy_step): megatron's per-token-loss mode.
-        calculate_per_token_loss=True,
-        moe_enable_routing_replay=cfg.algo.routing_replay,
-    )
-    if cfg.model.megatron_checkpoint:
-        from gspo_megatron.model.checkpoint import load_weights
-
-        load_weights(model, cfg.model.megatron_checkpoint)
-    else:
-        bridge.load_hf_weights(model, hf_dir)
+    model = _starting_model(cfg, hf_dir, spec, bridge, dtype, routing_replay=cfg.algo.routing_replay)
     model.config.finalize_model_grads_func = finalize_model_grads
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=cfg.parallel.distributed_optimizer
@@ -93,3 +80,31 @@ def build_policy(cfg: Config, hf_dir: str | Path) -> Policy:
         wd_incr_style="constant",
     )
     return Policy(ddp, optimizer, scheduler, bridge, spec, Path(hf_dir), dtype, layout_of(cfg))
+
+
+def build_reference(cfg: Config, policy: Policy) -> torch.nn.Module:
+    """The frozen reference policy of the KL term: this rank's shard of the starting weights (``model.hf_dir``
+    or ``model.megatron_checkpoint``, whatever a resumed run's policy has become), in eval mode, no gradients."""
+    # No routing replay: its routers would join the policy's in megatron's global RouterReplay registry.
+    model = _starting_model(cfg, policy.hf_dir, policy.spec, policy.bridge, policy.dtype, routing_replay=False)
+    model.requires_grad_(False)
+    return model.eval()
+
+
+def _starting_model(cfg: Config, hf_dir, spec, bridge, dtype, routing_replay: bool) -> torch.nn.Module:
+    """This rank's GPTModel with the run's starting weights."""
+    from gspo_megatron.model.provider import build_gpt_model
+
+    model = build_gpt_model(
+        spec, layout_of(cfg), dtype=dtype, padded_vocab_size=bridge.padded_vocab_size,
+        # Sequences are the unit of normalisation (train.policy_step): megatron's per-token-loss mode.
+        calculate_per_token_loss=True,
+        moe_enable_routing_replay=routing_replay,
+    )
+    if cfg.model.megatron_checkpoint:
+        from gspo_megatron.model.checkpoint import load_weights
+
+        load_weights(model, cfg.model.megatron_checkpoint)
+    else:
+        bridge.load_hf_weights(model, hf_dir)
+    return model

@@ -50,6 +50,7 @@ class AlgoConfig:
     grpo_aggregation: str = "token-mean"  # or "seq-mean-token-mean"
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
+    entropy_coef: float = 0.0  # an entropy bonus: loss - entropy_coef * mean entropy (aggregated like the loss)
     temperature: float = 1.0  # the rollout's sampling temperature: log-probs are of logits / temperature
 
     def __post_init__(self):
@@ -70,19 +71,21 @@ def _groups():
     return ps.get_tensor_model_parallel_group(), ps.get_context_parallel_group(), ps
 
 
-def token_logprobs(output_tensor: torch.Tensor, captured, labels: torch.Tensor, temperature: float) -> torch.Tensor:
-    """[b, s_local, H] last-stage hidden states -> log pi(labels) [b, S] through the fused op.
+def token_logprobs(output_tensor: torch.Tensor, captured, labels: torch.Tensor, temperature: float,
+                   with_entropy: bool = False):
+    """[b, s_local, H] last-stage hidden states -> log pi(labels) [b, S] through the fused op (and the entropy of
+    each position's distribution [b, S] with ``with_entropy``).
 
     ``captured``: the output layer's weight, sequence parallelism and real vocabulary size
     (``model.hidden_output.OutputLayer``); padding rows of the vocabulary take no part in the softmax.
     """
     tp_group, _, _ = _groups()
     hidden = output_tensor.transpose(0, 1)  # [s_local, b, H]: the op gathers the sequence dim under SP
-    logprobs = vocab_parallel_logprobs(
+    out = vocab_parallel_logprobs(
         hidden, captured.weight, labels.t(), tp_group=tp_group, temperature=temperature,
-        sequence_parallel=captured.sequence_parallel, vocab_size=captured.vocab_size,
+        sequence_parallel=captured.sequence_parallel, vocab_size=captured.vocab_size, return_entropy=with_entropy,
     )
-    return logprobs.t()
+    return (out[0].t(), out[1].t()) if with_entropy else out.t()
 
 
 def _loss_terms(algo_config: AlgoConfig, batch: dict, logprobs: torch.Tensor):
@@ -94,10 +97,10 @@ def _loss_terms(algo_config: AlgoConfig, batch: dict, logprobs: torch.Tensor):
     kl = dict(ref_logprobs=ref, kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator)
     clip = dict(eps_low=cfg.eps_low, eps_high=cfg.eps_high, max_log_ratio=cfg.max_log_ratio)
     counts_here = ps.get_context_parallel_rank() == 0
-    if ps.get_context_parallel_world_size() > 1 and (cfg.name != "gspo" or cfg.kl_coef):
+    if ps.get_context_parallel_world_size() > 1 and (cfg.name != "gspo" or cfg.kl_coef or cfg.entropy_coef):
         raise NotImplementedError(
-            f"algo.name={cfg.name!r} (kl_coef={cfg.kl_coef}) under context parallelism: only gspo without a KL "
-            "term reduces over CP ranks so far"
+            f"algo.name={cfg.name!r} (kl_coef={cfg.kl_coef}, entropy_coef={cfg.entropy_coef}) under context "
+            "parallelism: only gspo without KL or entropy terms reduces over CP ranks so far"
         )
     if cfg.name == "gspo":
         sums, counts = algo.masked_log_ratio_sums(logprobs, batch["old_logprobs"], mask)
@@ -133,9 +136,24 @@ def _loss_terms(algo_config: AlgoConfig, batch: dict, logprobs: torch.Tensor):
     return loss, units, stats
 
 
+def _entropy_sum(entropy: torch.Tensor, mask: torch.Tensor, cfg: AlgoConfig) -> torch.Tensor:
+    """This micro batch's entropy, summed over the loss's units: response tokens for GRPO token-mean, else each
+    sequence's mean over its response tokens (so the bonus is normalised exactly as the policy loss is)."""
+    masked = entropy * mask
+    if cfg.name == "grpo" and cfg.grpo_aggregation == "token-mean":
+        return masked.sum()
+    return (masked.sum(dim=-1) / mask.sum(dim=-1).clamp_min(1)).sum()
+
+
 def _loss_func(algo_config: AlgoConfig, batch: dict, captured, output_tensor: torch.Tensor):
-    logprobs = token_logprobs(output_tensor, captured, batch["labels"], algo_config.temperature)
+    bonus = bool(algo_config.entropy_coef)
+    out = token_logprobs(output_tensor, captured, batch["labels"], algo_config.temperature, with_entropy=bonus)
+    logprobs, entropy = out if bonus else (out, None)
     loss, units, stats = _loss_terms(algo_config, batch, logprobs)
+    if bonus:
+        entropy_sum = _entropy_sum(entropy, batch["loss_mask"], algo_config)
+        loss = loss - algo_config.entropy_coef * entropy_sum
+        stats["entropy_sum"] = entropy_sum.detach()
     units = units.to(torch.int)
     return loss, units, {"loss_sum": loss.detach().clone(), "units": units.clone(), **stats}
 
@@ -245,21 +263,26 @@ def update_step(model, optimizer, micro_batches: list[dict], algo_config: AlgoCo
     return out
 
 
-def _logprob_loss_func(batch: dict, captured, temperature: float, output_tensor: torch.Tensor):
-    logprobs = token_logprobs(output_tensor, captured, batch["labels"], temperature)
+def _logprob_loss_func(batch: dict, captured, temperature: float, with_entropy: bool, output_tensor: torch.Tensor):
+    out = token_logprobs(output_tensor, captured, batch["labels"], temperature, with_entropy)
+    logprobs, entropy = out if with_entropy else (out, None)
     mask = batch["loss_mask"]
     zero = torch.zeros((), dtype=torch.float32, device=logprobs.device)
     sums, counts = algo.masked_log_ratio_sums(logprobs, torch.zeros_like(logprobs), mask)
-    return zero, torch.zeros((), dtype=torch.int), {"logprobs": logprobs.detach(), "seq_logprob": sums.detach(),
-                                                     "num_tokens": counts.detach()}
+    results = {"logprobs": logprobs.detach(), "seq_logprob": sums.detach(), "num_tokens": counts.detach()}
+    if with_entropy:
+        results["entropy"] = entropy.detach()
+    return zero, torch.zeros((), dtype=torch.int), results
 
 
 @torch.no_grad()
-def logprob_pass(model, micro_batches: Iterable[dict], temperature: float = 1.0, record_routing: bool = False) -> dict:
+def logprob_pass(model, micro_batches: Iterable[dict], temperature: float = 1.0, record_routing: bool = False,
+                 with_entropy: bool = False) -> dict:
     """Log-likelihoods of each micro batch's labels, with no gradient: the old- and reference-policy pass.
 
     Returns on every pipeline rank: ``logprobs`` [n, S] per token (meaningful where loss_mask is set),
-    ``seq_logprob`` [n] (sum over response tokens) and ``num_tokens`` [n]. With ``record_routing``, also
+    ``seq_logprob`` [n] (sum over response tokens) and ``num_tokens`` [n]; with ``with_entropy``, ``entropy``
+    [n, S] of each position's (tempered) distribution. With ``record_routing``, also
     ``routing`` [n, L_local, s_local, k]: the experts this rank's routers chose, to put in the update pass's
     micro batches for Routing Replay (it stays on this rank: the same rank runs those layers in the update).
     """
@@ -276,7 +299,7 @@ def logprob_pass(model, micro_batches: Iterable[dict], temperature: float = 1.0,
             output = model(batch["input_ids"], _position_ids(batch["input_ids"]), attention_mask=None)
         if record_routing:
             routing.append(_recorded_routing(batch["input_ids"].shape[0]))
-        return output, partial(_logprob_loss_func, batch, captured, temperature)
+        return output, partial(_logprob_loss_func, batch, captured, temperature, with_entropy)
 
     try:
         results = _run_schedule(model, forward_step, micro_batches, forward_only=True)
@@ -285,7 +308,8 @@ def logprob_pass(model, micro_batches: Iterable[dict], temperature: float = 1.0,
             _end_routing_replay()
     out = None
     if ps.is_pipeline_last_stage():
-        out = {key: torch.cat([r[key] for r in results]) for key in ("logprobs", "seq_logprob", "num_tokens")}
+        keys = ("logprobs", "seq_logprob", "num_tokens") + (("entropy",) if with_entropy else ())
+        out = {key: torch.cat([r[key] for r in results]) for key in keys}
     out = broadcast_from_last_stage(out, ps.get_pipeline_model_parallel_group())
     if record_routing:
         out["routing"] = torch.cat(routing)

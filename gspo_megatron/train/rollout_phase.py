@@ -33,7 +33,7 @@ def make_engine(cfg: Config, hf_dir: str | Path, tokenizer):
         model_path=str(hf_dir),
         urls=tuple(cfg.rollout.urls),
         request_timeout_s=cfg.rollout.timeout_s,
-        weight_sync=WeightSyncConfig(method=cfg.rollout.weight_sync),
+        weight_sync=WeightSyncConfig(method=cfg.rollout.weight_sync, master_address=cfg.rollout.weight_sync_address),
         **server_args,
     ))
 
@@ -86,6 +86,9 @@ def collect(engine, prompts: list[Prompt], cfg: Config, step: int, tokenizer, re
             "reward_masked": float((~rewards.valid).sum()),
             "response_length_mean": sum(lengths) / len(lengths),
             "truncated_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
+            # Groups whose responses all score the same have zero advantage: no learning signal from them.
+            "groups_zero_advantage": float((rewards.values.view(-1, cfg.rollout.group_size).std(dim=1) == 0)
+                                           .float().mean()),
             "time/rollout": seconds,
             "example": f"{prompts[0].text!r} -> {responses[0]!r}",
         }

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from gspo_megatron.algo import AGGREGATIONS, KL_ESTIMATORS
 from gspo_megatron.train.config import Config, ConfigError
 from gspo_megatron.train.policy_step import ALGORITHMS
@@ -82,10 +84,13 @@ def validate(cfg: Config, world_size: int, hf: dict | None = None) -> None:
     if a.routing_replay and a.name != "grpo":
         raise ConfigError(f"algo.routing_replay=true is the GRPO baseline's fix; GSPO does not need it "
                           f"(algo.name={a.name!r}): set algo.name=grpo or algo.routing_replay=false")
-    if a.kl_coef:
-        # The losses take ref_logprobs (train.policy_step), but the loop has no reference-policy pass yet.
-        raise ConfigError(f"algo.kl_coef={a.kl_coef}: a KL penalty needs the reference-policy pass, which the trainer "
-                          "does not run yet; set algo.kl_coef=0 (GSPO uses no KL term)")
+    for name in ("kl_coef", "entropy_coef"):
+        value = getattr(a, name)
+        if not (math.isfinite(value) and value >= 0):
+            raise ConfigError(f"algo.{name}={value} must be finite and >= 0")
+        if value and cfg.parallel.context > 1:
+            raise ConfigError(f"algo.{name}={value} with parallel.context={cfg.parallel.context}: only the GSPO term "
+                              f"reduces over context-parallel ranks so far; set algo.{name}=0")
     if r.group_size < 2:
         raise ConfigError(f"rollout.group_size={r.group_size}: group advantages need at least 2 responses per prompt")
     for name in ("prompts_per_step", "max_new_tokens", "temperature"):

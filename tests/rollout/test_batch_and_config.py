@@ -97,3 +97,15 @@ def test_sampling_errors(kwargs, match):
 def test_gpu_groups():
     config = SGLangConfig(urls=("http://127.0.0.1:1",), device="cuda", num_servers=2, tp_size=2, first_gpu=4)
     assert config.gpu_groups == [[4, 5], [6, 7]] and config.sync_backend == "nccl"
+
+
+def test_trainer_address_for_the_weight_broadcast(monkeypatch):
+    from gspo_megatron.rollout import WeightSyncConfig
+    from gspo_megatron.rollout.weight_sync import trainer_address
+
+    local = ["http://127.0.0.1:30000", "http://localhost:30001"]
+    assert trainer_address(local, WeightSyncConfig()) == "127.0.0.1"
+    monkeypatch.setattr("socket.getfqdn", lambda: "trainer-0.cluster")
+    # A server on another node cannot join a group at loopback: it gets this host's name, or the configured one.
+    assert trainer_address([*local, "http://10.0.0.7:30000"], WeightSyncConfig()) == "trainer-0.cluster"
+    assert trainer_address(local, WeightSyncConfig(master_address="10.0.0.1")) == "10.0.0.1"

@@ -8,7 +8,7 @@ import torch
 
 from gspo_megatron.rollout import RewardError, Sample, load_reward_fn, score
 from gspo_megatron.rollout.rewards import extract_answer, math_reward, normalize_answer
-from gspo_megatron.rollout.synthetic import TASKS, make_problems, prefix_credit
+from gspo_megatron.rollout.synthetic import TASKS, make_problems, position_credit
 
 
 @pytest.mark.parametrize("response, label, expected", [
@@ -38,10 +38,13 @@ def test_extract_and_normalize():
 def test_exact_match_and_synthetic():
     assert load_reward_fn("exact_match")("", " abc\n", "abc") == 1.0
     assert load_reward_fn("exact_match")("", "abd", "abc") == 0.0
-    assert prefix_credit("cba", "cba") == 1.0
-    assert prefix_credit("cbx", "cba") == pytest.approx(0.6)
-    assert prefix_credit("cbaa", "cba") == pytest.approx(0.9)  # right answer, then more: no full credit
-    assert prefix_credit("", "cba") == 0.0
+    assert position_credit("cba", "cba") == 1.0
+    assert position_credit("cbx", "cba") == pytest.approx(0.6)
+    assert position_credit("xba", "cba") == pytest.approx(0.6)  # each position counts, not only a prefix
+    assert position_credit("cb", "cba") == pytest.approx(0.6)
+    assert position_credit("cbaa", "cba") == pytest.approx(0.675)  # right answer, then more: over 4 characters
+    assert position_credit("cccccc", "cc") == pytest.approx(0.3)  # padding does not pay
+    assert position_credit("", "cba") == 0.0
     for task in TASKS:
         problems = make_problems(task, 5, seed=1)
         assert problems == make_problems(task, 5, seed=1)

@@ -6,6 +6,7 @@ The SGLang path of the same loop is tested in tests/rollout (server on loopback)
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -24,7 +25,8 @@ def _command(run: Path, steps: int, *extra: str) -> list[str]:
     return [sys.executable, "-m", "gspo_megatron.cli", "train", str(ROOT / "examples/tiny_moe_cpu.yaml"),
             "rollout.engine=local", f"train.steps={steps}", "train.eval_every=2", "model.warm_start_steps=5",
             f"model.hf_dir={run.parent / 'model'}", f"logging.dir={run}", f"checkpoint.dir={run / 'ck'}",
-            "checkpoint.every=2", "logging.plot_every=2", "rollout.prompts_per_step=4", *extra]
+            "checkpoint.every=2", "logging.plot_every=2", "rollout.prompts_per_step=4",
+            "parallel.micro_batch_size=8", *extra]
 
 
 def _train(run: Path, steps: int, *extra: str) -> subprocess.CompletedProcess:
@@ -56,10 +58,13 @@ def test_train_logs_plots_and_resumes_exactly(tmp_path):
     records = [json.loads(line) for line in (uninterrupted / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
     for key in ("reward_mean", "clip_frac", "seq_ratio_min", "seq_ratio_max", "approx_kl", "logprob_diff_max",
-                "time/rollout", "time/old_logprobs", "time/update", "time/weight_sync", "tokens_per_s", "loss"):
+                "time/rollout", "time/old_logprobs", "time/update", "time/weight_sync", "tokens_per_s", "loss",
+                "entropy", "groups_zero_advantage"):
         assert all(r.get(key) is not None for r in records), key
     # Trainer and engine score the same tokens with the same weights (fp32): the gap is rounding only.
     assert max(r["logprob_diff_max"] for r in records) < 1e-4
+    # Entropy per token lies in (0, log V]; a fraction of groups lies in [0, 1].
+    assert all(0 < r["entropy"] <= math.log(128) and 0 <= r["groups_zero_advantage"] <= 1 for r in records)
     assert "eval_reward_mean" in records[1]
     assert (uninterrupted / "metrics.png").read_bytes()[:4] == b"\x89PNG"
     assert (uninterrupted / "ck" / "latest").read_text() == "step_000003"
@@ -83,3 +88,17 @@ def test_train_logs_plots_and_resumes_exactly(tmp_path):
     assert a.keys() == b.keys() and len(a) > 10
     different = [k for k in a if not torch.equal(a[k], b[k])]
     assert not different, f"resumed weights differ from the uninterrupted run: {different[:5]}"
+
+
+def test_kl_penalty_runs_a_frozen_reference_pass(tmp_path):
+    """algo.kl_coef > 0: a reference pass each step against the starting weights, logged as kl_ref."""
+    _train(tmp_path / "kl", 3, "algo.kl_coef=0.1", "checkpoint.every=0")
+    records = [json.loads(line) for line in (tmp_path / "kl" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["time/ref_logprobs"] > 0 for r in records)
+    # Step 1 scores the rollout with the starting weights on both sides: KL is rounding only (fp32).
+    assert abs(records[0]["kl_ref"]) < 1e-6
+    # After updates the policy has moved from the reference, which itself stays put: KL grows from zero.
+    assert records[1]["kl_ref"] > 1e-5 and records[2]["kl_ref"] > 1e-5
+    without = tmp_path / "no_kl"
+    _train(without, 1, "checkpoint.every=0", "train.eval_every=0")
+    assert "kl_ref" not in json.loads((without / "metrics.jsonl").read_text().splitlines()[0])

@@ -9,6 +9,7 @@ Also: 1, 2 or 4 micro batches give the same gradient, and the log-prob pass equa
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -24,6 +25,7 @@ RTOL, WEIGHT_ATOL = 1e-5, 2e-6
 # A sequence log-ratio is a difference of fp32 log-probs of magnitude ~5: its noise floor is ~5e-7 absolute.
 RATIO_ATOL = 2e-6
 ALGO = AlgoConfig(eps_low=3e-4, eps_high=4e-4)
+ENTROPY_COEF = 0.5
 
 
 def make_rollout() -> dict:
@@ -69,7 +71,7 @@ def reference(ckpt_dir: str):
     dist_checkpointing.save(tiny.tensors_only(model.sharded_state_dict()), f"{ckpt_dir}/weights")
     ddp, optimizer = build(ckpt_dir)
     rollout = make_rollout()
-    passes = logprob_pass(ddp, micro_batches(rollout, 0, NUM_SEQUENCES, MICRO))
+    passes = logprob_pass(ddp, micro_batches(rollout, 0, NUM_SEQUENCES, MICRO), with_entropy=True)
     # pi_old differs from pi_theta by ~1e-3 per token, so some sequences fall outside 1 +- 4e-4 and clip.
     noise = 1e-3 * torch.randn(passes["logprobs"].shape, generator=torch.Generator().manual_seed(3))
     rollout["old_logprobs"] = passes["logprobs"] + noise
@@ -95,7 +97,21 @@ def reference(ckpt_dir: str):
     same = dict(rollout, old_logprobs=passes["logprobs"])
     ddp, optimizer = build(ckpt_dir)
     ratio_one = update_step(ddp, optimizer, micro_batches(same, 0, NUM_SEQUENCES, MICRO), ALGO)["seq_log_ratio"]
-    return {"out": out, "split_diff": split_diff, "ratio_one": ratio_one, "moved": moved}
+    # An entropy bonus lowers the loss by entropy_coef x the mean over sequences of each one's mean token entropy
+    # (from the log-prob pass) and changes the gradient; the ratios are untouched.
+    ddp, optimizer = build(ckpt_dir)
+    bonus = update_step(ddp, optimizer, micro_batches(rollout, 0, NUM_SEQUENCES, MICRO),
+                        dataclasses.replace(ALGO, entropy_coef=ENTROPY_COEF))
+    bonus_grads = tiny.flat(tiny.grads_sharded_state_dict(ddp.module))
+    mask = rollout["loss_mask"].float()
+    per_sequence = (passes["entropy"] * mask).sum(1) / mask.sum(1).clamp_min(1)
+    entropy = {
+        "loss_gap": (bonus["loss"] - out["loss"]).item(),
+        "expected_gap": -ENTROPY_COEF * per_sequence.sum().item() / out["valid"].sum().item(),
+        "ratio_diff": (bonus["seq_log_ratio"] - out["seq_log_ratio"]).abs().max().item(),
+        "grad_change": max(tiny.max_rel_diff(bonus_grads[k], split[2][k]) for k in bonus_grads),
+    }
+    return {"out": out, "split_diff": split_diff, "ratio_one": ratio_one, "moved": moved, "entropy": entropy}
 
 
 def compare(ckpt_dir: str, cases) -> dict:
@@ -164,6 +180,10 @@ def test_world1_reference_properties(tmp_path_factory):
     assert not out["valid"][5] and out["valid"].sum() == NUM_SEQUENCES - 1
     # The perturbed old policy clips some sequences but not all: both GSPO branches are exercised.
     assert 0 < (out["clip_frac_low"] + out["clip_frac_high"]).item() < 1
+    entropy = result["entropy"]
+    assert entropy["expected_gap"] < -0.1, entropy  # the tiny model's entropy is ~log(vocab): a large bonus
+    assert abs(entropy["loss_gap"] - entropy["expected_gap"]) <= 1e-5 * abs(entropy["expected_gap"]), entropy
+    assert entropy["ratio_diff"] <= 1e-6 and entropy["grad_change"] > 1e-3, entropy
 
 
 TWO = [
