@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -37,7 +38,7 @@ SIZES = {
                             num_experts=16, top_k=2, moe_intermediate_size=512, initializer_range=0.02),
                  prompts=8, group=8, new_tokens=128, minibatches=4),
 }
-STEPS = 3  # the first is warm-up
+STEPS = 4  # the first is warm-up
 
 
 def build_model(size: str, directory: Path) -> Path:
@@ -55,6 +56,7 @@ def build_model(size: str, directory: Path) -> Path:
 def run_ours(size: str, model_dir: Path, out: Path) -> dict:
     s = SIZES[size]
     run = out / "ours"
+    shutil.rmtree(run, ignore_errors=True)  # metrics.jsonl appends: a rerun in the same work dir starts clean
     cmd = [sys.executable, "-m", "gspo_megatron.cli", "train", str(ROOT / "examples/tiny_moe_cpu.yaml"),
            f"model.hf_dir={model_dir}", "model.warm_start_steps=0", f"train.steps={STEPS}", "train.eval_every=0",
            "optimizer.lr=3e-3", "algo.entropy_coef=0",  # as TRL's learning_rate and (no) entropy bonus below

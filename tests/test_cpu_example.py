@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_cpu_example_under_torchrun_tp2_ep2(tmp_path):
     require_sglang()
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"
-    cmd = [torchrun, "--nproc-per-node", "4", "--master-port", "0", "-m", "gspo_megatron.cli", "train",
+    cmd = [torchrun, "--standalone", "--nproc-per-node", "4", "-m", "gspo_megatron.cli", "train",
            str(ROOT / "examples/tiny_moe_cpu.yaml"), "parallel.tensor=2", "parallel.expert=2",
            "train.steps=3", "train.eval_every=2", "model.warm_start_steps=5", "rollout.prompts_per_step=4",
            "parallel.micro_batch_size=8",

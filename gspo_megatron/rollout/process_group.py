@@ -8,6 +8,8 @@ subgroups of the default world, and the servers are not in the trainer's world. 
 
 from __future__ import annotations
 
+import os
+
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -18,7 +20,14 @@ def init_custom_process_group(backend: str, init_method: str, world_size: int, r
     from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
 
     timeout = timedelta(seconds=timeout_s)
-    store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
+    # Under torchrun, TORCHELASTIC_USE_AGENT_STORE makes every rendezvous a *client* of torchrun's agent store;
+    # this group's store is ours to host (the servers connect to it), so the flag must not apply here.
+    agent_store = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    try:
+        store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
+    finally:
+        if agent_store is not None:
+            os.environ["TORCHELASTIC_USE_AGENT_STORE"] = agent_store
     store.set_timeout(timeout)
     store = PrefixStore(group_name, store)  # the same prefix the servers use
     group, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=group_name,

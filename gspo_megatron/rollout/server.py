@@ -57,10 +57,20 @@ def launch_command(config: SGLangConfig, port: int, gpus: list[int]) -> list[str
     return cmd + list(config.extra_args)
 
 
+# What torchrun sets for the trainer's ranks. A server launched from a rank must not inherit it: SGLang's own
+# torch.distributed start-up would read the trainer's RANK / WORLD_SIZE / MASTER_PORT and wait forever for ranks
+# of a group it is not part of ("Init parallel begin", then nothing).
+TRAINER_DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                    "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
+                    "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE",
+                    "TORCHELASTIC_ERROR_FILE", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+
+
 def server_env(config: SGLangConfig, gpus: list[int]) -> dict[str, str]:
     from patches import sglang_cpu
 
-    env = sglang_cpu.server_env(os.environ, config.device)
+    env = {k: v for k, v in os.environ.items() if k not in TRAINER_DIST_ENV}
+    env = sglang_cpu.server_env(env, config.device)
     if gpus:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
     if config.device == "cpu" and config.cpu_threads is not None:

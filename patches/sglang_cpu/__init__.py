@@ -1,4 +1,5 @@
-"""sglang 0.5.23 serving on CPU: two stand-in modules on the *server's* PYTHONPATH (never the trainer's).
+"""sglang 0.5.23 serving on CPU: two stand-in modules and one patch on the *server's* PYTHONPATH (never the
+trainer's).
 
 Measured in shared/notes/sglang-on-cpu.md. ``python -m sglang.launch_server --device cpu`` (torch_native attention,
 pytorch sampling) needs, in the CPU environment ``tools/install.sh`` builds:
@@ -9,7 +10,12 @@ pytorch sampling) needs, in the CPU environment ``tools/install.sh`` builds:
 - ``torchvision``: imported at start-up by SGLang's multimodal configs even for text models, and PyPI's wheels do
   not load beside CPU torch 2.13. The stand-in binds the imported names and raises if any is called.
 
-Both refuse any sglang other than 0.5.23 when imported. ``server_env`` adds them only when no CUDA device is
+- ``sitecustomize`` (``site/_gspo_batched_decode.py``): not a stand-in but a speed patch. The ``torch_native``
+  backend's decode attention loops over the running requests in Python, one SDPA call per request and layer; the
+  patch attends every request in one masked SDPA call when sglang imports that backend (34% of a 115M MoE server's
+  forward was that loop; 64 x 128-token rollouts 25.8 s -> ~19.6 s, bench/RESULTS.md). Only for sglang 0.5.23.
+
+The stand-ins refuse any sglang other than 0.5.23 when imported. ``server_env`` adds them only when no CUDA device is
 present; on GPUs SGLang is installed normally with its real dependencies and nothing here applies.
 """
 

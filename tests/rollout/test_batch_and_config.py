@@ -109,3 +109,15 @@ def test_trainer_address_for_the_weight_broadcast(monkeypatch):
     # A server on another node cannot join a group at loopback: it gets this host's name, or the configured one.
     assert trainer_address([*local, "http://10.0.0.7:30000"], WeightSyncConfig()) == "trainer-0.cluster"
     assert trainer_address(local, WeightSyncConfig(master_address="10.0.0.1")) == "10.0.0.1"
+
+
+def test_launched_servers_do_not_inherit_the_trainers_torchrun_env(monkeypatch, tmp_path):
+    from gspo_megatron.rollout import SGLangConfig
+    from gspo_megatron.rollout.server import server_env
+
+    for key, value in {"RANK": "0", "WORLD_SIZE": "4", "MASTER_PORT": "29500", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("GSPO_UNRELATED", "kept")
+    env = server_env(SGLangConfig(model_path=str(tmp_path), device="cpu", cpu_threads=1), [])
+    assert not {"RANK", "WORLD_SIZE", "MASTER_PORT", "LOCAL_RANK"} & env.keys()
+    assert env["GSPO_UNRELATED"] == "kept" and env["OMP_NUM_THREADS"] == "1"

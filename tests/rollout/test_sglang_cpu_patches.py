@@ -94,3 +94,51 @@ def test_torchvision_stand_in_binds_names_and_refuses_calls():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "torchvision.transforms.v2.functional.resize was called" in out.stdout
+
+
+def test_batched_decode_equals_the_per_request_loop():
+    """patches/sglang_cpu/site/_gspo_batched_decode: one masked SDPA over all requests == SGLang's loop of one
+    SDPA per request (requests of different lengths, scattered cache slots, grouped-query heads)."""
+    import importlib
+    import sys
+
+    from patches.sglang_cpu import SITE
+
+    sys.path.insert(0, str(SITE))
+    try:
+        batched = importlib.import_module("_gspo_batched_decode")
+    finally:
+        sys.path.remove(str(SITE))
+    g = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim, slots = 8, 2, 16, 400
+    k_cache, v_cache = torch.randn(slots, kv_heads, dim, generator=g), torch.randn(slots, kv_heads, dim, generator=g)
+    seq_lens = torch.tensor([1, 17, 5, 33, 2])
+    req_to_token = torch.randperm(slots, generator=g)[: 10 * 40].view(10, 40)
+    req_pool_indices = torch.tensor([7, 0, 3, 9, 4])
+    query = torch.randn(len(seq_lens), heads, dim, generator=g)
+    expected = torch.empty_like(query)
+    for i, (pool, length) in enumerate(zip(req_pool_indices, seq_lens)):  # SGLang's loop, one request at a time
+        tokens = req_to_token[pool, :length]
+        expected[i] = torch.nn.functional.scaled_dot_product_attention(
+            query[i, :, None].unsqueeze(0), k_cache[tokens].movedim(0, 1).unsqueeze(0),
+            v_cache[tokens].movedim(0, 1).unsqueeze(0), scale=0.25, enable_gqa=True)[0, :, 0]
+    out = batched.batched_decode(query, torch.empty_like(query), k_cache, v_cache, req_to_token, req_pool_indices,
+                                 seq_lens, scaling=0.25, enable_gqa=True)
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_server_processes_get_the_batched_decode(tmp_path):
+    """The site folder's sitecustomize patches sglang's torch_native backend when (and only when) it is imported."""
+    import os
+    import subprocess
+    import sys
+
+    from patches import sglang_cpu
+
+    require_sglang()
+    env = sglang_cpu.server_env(dict(os.environ), "cpu")
+    code = ("import sys; assert 'sglang' not in sys.modules; "
+            "from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend as B; "
+            "print(getattr(B._run_sdpa_forward_decode, '_gspo_batched', False))")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().splitlines()[-1] == "True", out.stderr[-2000:]
