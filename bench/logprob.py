@@ -8,6 +8,9 @@ Variants (fp32 inputs, fp32 logits, upstream gradient random on every token's lo
          TP=2: local logits [T, V/2] + Megatron-Core's vocab_parallel_cross_entropy (the standard vocab-parallel
                path; all-gathering [T, V] logits on each rank would not fit two ranks in this machine's memory).
   fused  vocab_parallel_logprobs (chunked, recomputes chunk logits in backward).
+  fused_loss  vocab_parallel_sequence_loss, what the update pass runs: the T tokens as T/seq sequences of --seq
+         positions, the loss sum(logp * upstream gradient) (the same gradient as the other variants) formed chunk
+         by chunk in forward, so its "fwd" already includes the gradient matmuls and backward only scales them.
 
 Each variant runs in fresh processes (run_on_ranks: 1 rank with 2 threads, or 2 ranks with 1 thread each).
 Memory: the process's peak RSS (VmHWM, reset via /proc/self/clear_refs once the inputs exist) minus the RSS
@@ -24,7 +27,7 @@ import time
 
 import torch
 
-from gspo_megatron.ops import vocab_parallel_logprobs
+from gspo_megatron.ops import vocab_parallel_logprobs, vocab_parallel_sequence_loss
 from gspo_megatron.parallel.groups import Layout
 from gspo_megatron.parallel.launch import run_on_ranks
 
@@ -65,7 +68,7 @@ def naive_vocab_parallel(hidden, weight, targets):
     return -vocab_parallel_cross_entropy(logits.unsqueeze(1), targets.unsqueeze(1)).squeeze(1)
 
 
-def measure(variant: str, tokens: int, hidden_size: int, vocab: int, chunk_size: int | None) -> dict:
+def measure(variant: str, tokens: int, hidden_size: int, vocab: int, chunk_size: int | None, seq: int) -> dict:
     """On each rank: one forward and one backward of ``variant``; times in s, memory in bytes."""
     from megatron.core import parallel_state as ps
 
@@ -75,9 +78,23 @@ def measure(variant: str, tokens: int, hidden_size: int, vocab: int, chunk_size:
     weight = torch.randn(vocab // tp, hidden_size, generator=g).mul_(0.05).requires_grad_()
     targets = torch.randint(0, vocab, (tokens,), generator=g)
     grad = torch.randn(tokens, generator=g)
+    backward = lambda out: out.backward(grad)  # noqa: E731
     if variant == "fused":
         def fn():
             return vocab_parallel_logprobs(hidden, weight, targets, tp_group=group, chunk_size=chunk_size)
+    elif variant == "fused_loss":
+        b = tokens // seq
+        per_sequence_grad = grad.view(b, seq)
+
+        def loss_fn(sequences, logp, entropy):
+            return (logp * per_sequence_grad[sequences]).sum(), {}
+
+        def fn():
+            return vocab_parallel_sequence_loss(hidden.view(b, seq, -1).transpose(0, 1), weight,
+                                                targets.view(b, seq).t(), loss_fn, tp_group=group,
+                                                chunk_size=chunk_size)
+
+        backward = lambda out: out.loss.backward()  # noqa: E731
     else:
         def fn():
             return (naive_tp1 if tp == 1 else naive_vocab_parallel)(hidden, weight, targets)
@@ -85,10 +102,11 @@ def measure(variant: str, tokens: int, hidden_size: int, vocab: int, chunk_size:
     torch.distributed.barrier()
     base = _reset_peak_rss()
     start, cpu = time.perf_counter(), _cpu_s()
-    logp = fn()
+    out = fn()
     fwd, fwd_cpu = time.perf_counter() - start, _cpu_s() - cpu
     fwd_peak = _peak_rss() - base
-    logp.backward(grad)
+    backward(out)
+    logp = out.logp if variant == "fused_loss" else out
     total, total_cpu = time.perf_counter() - start, _cpu_s() - cpu
     outputs = hidden.grad.nbytes + weight.grad.nbytes + logp.nbytes
     return {"fwd_s": fwd, "total_s": total, "fwd_cpu_s": fwd_cpu, "total_cpu_s": total_cpu, "fwd_peak": fwd_peak,
@@ -98,7 +116,7 @@ def measure(variant: str, tokens: int, hidden_size: int, vocab: int, chunk_size:
 def run(variant: str, tp: int, args) -> dict:
     # A full-size variant takes minutes, more on a shared machine: allow an hour before calling a rank hung.
     ranks = run_on_ranks(measure, tp, Layout(tensor=tp), variant, args.tokens, args.hidden, args.vocab, args.chunk,
-                         timeout=3600)
+                         args.seq, timeout=3600)
     return {k: max(r[k] for r in ranks) for k in ranks[0]}
 
 
@@ -109,12 +127,15 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--chunk", type=int, default=None, help="tokens per chunk (default: the op's auto size)")
+    parser.add_argument("--seq", type=int, default=256, help="positions per sequence (fused_loss; divides --tokens)")
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--variants", nargs="+", default=["fused", "naive"])
+    parser.add_argument("--variants", nargs="+", default=["fused", "fused_loss", "naive"])
     args = parser.parse_args()
     if args.quick:
         args.tokens, args.hidden, args.vocab = 4096, 256, 32768
-    print(f"T={args.tokens} H={args.hidden} V={args.vocab} chunk={args.chunk or 'auto'} fp32, "
+    if args.tokens % args.seq:
+        parser.error(f"--seq {args.seq} must divide --tokens {args.tokens}")
+    print(f"T={args.tokens} H={args.hidden} V={args.vocab} chunk={args.chunk or 'auto'} seq={args.seq} fp32, "
           f"{torch.get_num_threads()} CPU threads in all", flush=True)
     rows = {}
     for tp in args.tp:
@@ -138,9 +159,9 @@ def main() -> None:
                  vs_naive("total_cpu_s"))
         print("| " + " | ".join(map(str, cells)) + " |")
     for tp in args.tp:
-        if ("naive", tp) in rows and ("fused", tp) in rows:
-            fused, naive = rows["fused", tp]["logp_sum"], rows["naive", tp]["logp_sum"]
-            print(f"TP={tp}: sum(logp) fused {fused:.6e}, naive {naive:.6e}")
+        sums = ", ".join(f"{v} {rows[v, tp]['logp_sum']:.6e}" for v in args.variants if (v, tp) in rows)
+        print(f"TP={tp}: sum(logp) {sums}")
+
 
 if __name__ == "__main__":
     main()

@@ -187,9 +187,14 @@ def score_on_this_rank(model_dir: str, records: list[Record], layout, micro_batc
 def score_with_transformers(hf_dir: str | Path, records: list[Record], dtype: str | None = None) -> list[dict]:
     """The same numbers straight from ``transformers`` (one process, one record at a time)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    torch.set_grad_enabled(False)
+    with torch.no_grad():  # scoped: a library call must not switch autograd off for its caller
+        return _score_with_transformers(hf_dir, records, dtype)
+
+
+def _score_with_transformers(hf_dir, records, dtype):
+    import torch
+    from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=getattr(torch, dtype) if dtype else "auto")
     model.eval()

@@ -15,7 +15,7 @@ import argparse
 import sys
 
 from gspo_megatron.model.atomic import exit_on_sigterm
-from gspo_megatron.model.errors import LayoutError, MappingError, UnsupportedModel
+from gspo_megatron.model.errors import exit_status
 from gspo_megatron.parallel.groups import add_layout_arguments, layout_from_args
 
 DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
@@ -33,17 +33,16 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     exit_on_sigterm()
-    import torch
 
-    from gspo_megatron.model.convert import hf_to_megatron
+    def convert():
+        import torch
 
-    layout = layout_from_args(args)
-    try:
-        hf_to_megatron(args.hf_dir, args.out, layout, dtype=getattr(torch, args.dtype) if args.dtype else None)
-    except (UnsupportedModel, LayoutError, MappingError, FileExistsError, FileNotFoundError) as e:
-        print(f"convert_hf_to_megatron: error: {e}", file=sys.stderr)
-        return 2
-    return 0
+        from gspo_megatron.model.convert import hf_to_megatron
+
+        dtype = getattr(torch, args.dtype) if args.dtype else None
+        hf_to_megatron(args.hf_dir, args.out, layout_from_args(args), dtype=dtype)
+
+    return exit_status("convert_hf_to_megatron", convert)
 
 
 if __name__ == "__main__":  # required: the torch_dist writer re-imports this script in a spawned process

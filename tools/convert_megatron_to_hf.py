@@ -16,7 +16,7 @@ import argparse
 import sys
 
 from gspo_megatron.model.atomic import exit_on_sigterm
-from gspo_megatron.model.errors import LayoutError, MappingError, UnsupportedModel
+from gspo_megatron.model.errors import exit_status
 from gspo_megatron.parallel.groups import add_layout_arguments, layout_from_args
 
 
@@ -34,17 +34,15 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     exit_on_sigterm()
-    from gspo_megatron.model.convert import megatron_to_hf
-    from gspo_megatron.model.hf_files import parse_size
 
-    layout = layout_from_args(args)
-    try:
-        megatron_to_hf(args.megatron_dir, args.out, args.hf_config, layout,
+    def convert():
+        from gspo_megatron.model.convert import megatron_to_hf
+        from gspo_megatron.model.hf_files import parse_size
+
+        megatron_to_hf(args.megatron_dir, args.out, args.hf_config, layout_from_args(args),
                        max_shard_bytes=parse_size(args.max_shard_size))
-    except (UnsupportedModel, LayoutError, MappingError, FileExistsError, FileNotFoundError, ValueError) as e:
-        print(f"convert_megatron_to_hf: error: {e}", file=sys.stderr)
-        return 2
-    return 0
+
+    return exit_status("convert_megatron_to_hf", convert)
 
 
 if __name__ == "__main__":  # required: the torch_dist reader/writer may re-import this script

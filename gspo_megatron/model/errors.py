@@ -21,3 +21,16 @@ def listing(title: str, names, limit: int = 8) -> str:
     shown = ", ".join(names[:limit])
     more = f" (and {len(names) - limit} more)" if len(names) > limit else ""
     return f"{title} ({len(names)}): {shown}{more}"
+
+
+def exit_status(tool: str, convert) -> int:
+    """Run ``convert()`` for a command-line tool: 0, or 2 with one line on stderr for a bad model, layout, tensor
+    or path (UnsupportedModel, LayoutError and MappingError are ValueErrors), instead of a traceback."""
+    import sys
+
+    try:
+        convert()
+    except (ValueError, FileExistsError, FileNotFoundError) as e:
+        print(f"{tool}: error: {e}", file=sys.stderr)
+        return 2
+    return 0

@@ -22,6 +22,9 @@ is c ([v = y] - p_v), c = g / temperature, and one exp pass gives it up to a per
     E_v = exp(z_v - lse + log|c|) = |c| p_v,    d/dx_v = -sign(c) (E_v - |c| [v = y])
 
 so the sign can be applied to the [c, H] operands of the two gradient matmuls instead of to [c, V] logits.
+
+When the gradient is formed right after the statistics, on the same chunk (the fused sequence loss), the chunk
+already holds e_v = exp(z_v - m_r) and p_v = e_v exp(m_r - lse): one multiply pass turns it into -d/dx.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import torch
 
 __all__ = [
     "STAT_ENTROPY", "STAT_MAX", "STAT_SUMEXP", "STAT_TARGET", "combine_shard_stats", "logits_grad_",
-    "logprob_grad_unsigned_", "shard_stats_",
+    "logprob_grad_from_exp_", "logprob_grad_unsigned_", "shard_stats_",
 ]
 
 # Columns of the per-token statistics tensor [T, 4].
@@ -123,3 +126,17 @@ def logprob_grad_unsigned_(
     owned, col = _owned(local_targets, z.shape[1])
     grad.scatter_add_(1, col, torch.where(owned, -magnitude, 0).unsqueeze(1))
     return grad, -torch.sign(c).unsqueeze(1)
+
+
+def logprob_grad_from_exp_(
+    e: torch.Tensor, local_targets: torch.Tensor, shard_max: torch.Tensor, lse: torch.Tensor, c: torch.Tensor
+) -> torch.Tensor:
+    """-d logp / d x for one chunk, written over ``e`` (the chunk as ``shard_stats_`` left it: exp(z - m_r)).
+
+    shard_max: [c] this shard's m_r; lse: [c] the combined log-sum-exp; c: [c] upstream gradient / temperature.
+    One pass over the chunk (and a scatter): c p_v - c [v = y]. The caller negates on the [c, H] side.
+    """
+    e.mul_((c * torch.exp(shard_max - lse)).unsqueeze(1))
+    owned, col = _owned(local_targets, e.shape[1])
+    e.scatter_add_(1, col, torch.where(owned, -c, 0).unsqueeze(1))
+    return e

@@ -22,6 +22,7 @@ def algo_config(cfg: Config) -> AlgoConfig:
         name=a.name, eps_low=low if a.eps_low is None else a.eps_low, eps_high=high if a.eps_high is None else a.eps_high,
         max_log_ratio=a.max_log_ratio, grpo_aggregation=a.grpo_aggregation, kl_coef=a.kl_coef,
         kl_estimator=a.kl_estimator, entropy_coef=a.entropy_coef, temperature=cfg.rollout.temperature,
+        fused_loss=a.fused_loss,
     )
 
 

@@ -106,6 +106,9 @@ class AlgoSection:
     """Entropy bonus: the loss minus entropy_coef x the policy's mean entropy per response token (normalised like
     the loss). Keeps small policies exploring; 0 (the paper's setting) skips the entropy computation."""
     normalize_advantage_std: bool = True
+    fused_loss: bool = True
+    """The update pass computes the loss inside the output layer's vocab-parallel op, chunk by chunk (three logits
+    matmuls, ops.sequence_loss); false: the log-prob op, then the loss (four: its backward recomputes the logits)."""
     minibatches: int = 4
     """Optimizer steps per rollout batch (the paper uses 4)."""
 

@@ -33,7 +33,7 @@ import torch
 
 from gspo_megatron import algo
 from gspo_megatron.model.hidden_output import hidden_states_instead_of_logits
-from gspo_megatron.ops import vocab_parallel_logprobs
+from gspo_megatron.ops import vocab_parallel_logprobs, vocab_parallel_sequence_loss
 from gspo_megatron.parallel.reductions import all_reduce_sequence_sums, broadcast_from_last_stage
 
 ALGORITHMS = ("gspo", "gspo_token", "grpo")
@@ -52,6 +52,7 @@ class AlgoConfig:
     kl_estimator: str = "k3"
     entropy_coef: float = 0.0  # an entropy bonus: loss - entropy_coef * mean entropy (aggregated like the loss)
     temperature: float = 1.0  # the rollout's sampling temperature: log-probs are of logits / temperature
+    fused_loss: bool = True  # the loss inside the output layer's op (ops.sequence_loss); False: log-probs, then loss
 
     def __post_init__(self):
         if self.name not in ALGORITHMS:
@@ -145,16 +146,35 @@ def _entropy_sum(entropy: torch.Tensor, mask: torch.Tensor, cfg: AlgoConfig) -> 
     return (masked.sum(dim=-1) / mask.sum(dim=-1).clamp_min(1)).sum()
 
 
-def _loss_func(algo_config: AlgoConfig, batch: dict, captured, output_tensor: torch.Tensor):
-    bonus = bool(algo_config.entropy_coef)
-    out = token_logprobs(output_tensor, captured, batch["labels"], algo_config.temperature, with_entropy=bonus)
-    logprobs, entropy = out if bonus else (out, None)
-    loss, units, stats = _loss_terms(algo_config, batch, logprobs)
-    if bonus:
-        entropy_sum = _entropy_sum(entropy, batch["loss_mask"], algo_config)
-        loss = loss - algo_config.entropy_coef * entropy_sum
+def _sequences_loss(cfg: AlgoConfig, batch: dict, sequences: slice, logprobs: torch.Tensor,
+                    entropy: torch.Tensor | None):
+    """The loss of the micro batch's ``sequences`` (a sum over them: the normaliser is applied after the schedule)
+    from their log-probs [k, S] (and entropies), with the per-sequence statistics and the unit count."""
+    part = {key: value[sequences] for key, value in batch.items()}
+    loss, units, stats = _loss_terms(cfg, part, logprobs)
+    if entropy is not None:
+        entropy_sum = _entropy_sum(entropy, part["loss_mask"], cfg)
+        loss = loss - cfg.entropy_coef * entropy_sum
         stats["entropy_sum"] = entropy_sum.detach()
-    units = units.to(torch.int)
+    return loss, {"units": units, **stats}
+
+
+def _loss_func(algo_config: AlgoConfig, batch: dict, captured, output_tensor: torch.Tensor):
+    cfg = algo_config
+    bonus = bool(cfg.entropy_coef)
+    if cfg.fused_loss:
+        # Each chunk of whole sequences gets its loss and logits gradient at once: no recomputation in backward.
+        tp_group, _, _ = _groups()
+        loss, _, _, stats = vocab_parallel_sequence_loss(
+            output_tensor.transpose(0, 1), captured.weight, batch["labels"].t(), partial(_sequences_loss, cfg, batch),
+            tp_group=tp_group, temperature=cfg.temperature, with_entropy=bonus,
+            sequence_parallel=captured.sequence_parallel, vocab_size=captured.vocab_size,
+        )
+    else:
+        out = token_logprobs(output_tensor, captured, batch["labels"], cfg.temperature, with_entropy=bonus)
+        logprobs, entropy = out if bonus else (out, None)
+        loss, stats = _sequences_loss(cfg, batch, slice(None), logprobs, entropy)
+    units = stats.pop("units").to(torch.int)
     return loss, units, {"loss_sum": loss.detach().clone(), "units": units.clone(), **stats}
 
 

@@ -4,7 +4,8 @@ Same weights (world=1 torch_dist checkpoint, loaded by resharding), same rollout
 (split over data-parallel ranks and micro batches of 2), Adam with gradient clipping. Compared with the
 world=1 reference: the loss (1e-5 relative), the sequence log-ratios (2e-6 absolute), every gradient shard (1e-5 relative,
 max |a - e| / max |e|) and every updated weight shard (2e-6 absolute; weights are ~0.02, the step ~1e-3).
-Also: 1, 2 or 4 micro batches give the same gradient, and the log-prob pass equals the loss's log-probs.
+Also: 1, 2 or 4 micro batches give the same gradient, the log-prob pass equals the loss's log-probs, and the
+fused loss (the default) equals the log-prob op followed by the loss (``fused_loss=False``).
 """
 
 from __future__ import annotations
@@ -111,7 +112,22 @@ def reference(ckpt_dir: str):
         "ratio_diff": (bonus["seq_log_ratio"] - out["seq_log_ratio"]).abs().max().item(),
         "grad_change": max(tiny.max_rel_diff(bonus_grads[k], split[2][k]) for k in bonus_grads),
     }
-    return {"out": out, "split_diff": split_diff, "ratio_one": ratio_one, "moved": moved, "entropy": entropy}
+    # The fused loss (the default) equals the log-prob op followed by the loss, with and without the entropy term.
+    unfused = {}
+    for name, cfg, expected, expected_grads in (("plain", ALGO, out, split[2]),
+                                                ("entropy", dataclasses.replace(ALGO, entropy_coef=ENTROPY_COEF),
+                                                 bonus, bonus_grads)):
+        ddp, optimizer = build(ckpt_dir)
+        got = update_step(ddp, optimizer, micro_batches(rollout, 0, NUM_SEQUENCES, MICRO),
+                          dataclasses.replace(cfg, fused_loss=False))
+        grads = tiny.flat(tiny.grads_sharded_state_dict(ddp.module))
+        unfused[name] = {
+            "loss": abs(got["loss"].item() - expected["loss"].item()) / abs(expected["loss"].item()),
+            "ratio": (got["seq_log_ratio"] - expected["seq_log_ratio"]).abs().max().item(),
+            "grads": max(tiny.max_rel_diff(grads[k], expected_grads[k]) for k in grads),
+        }
+    return {"out": out, "split_diff": split_diff, "ratio_one": ratio_one, "moved": moved, "entropy": entropy,
+            "unfused": unfused}
 
 
 def compare(ckpt_dir: str, cases) -> dict:
@@ -184,6 +200,8 @@ def test_world1_reference_properties(tmp_path_factory):
     assert entropy["expected_gap"] < -0.1, entropy  # the tiny model's entropy is ~log(vocab): a large bonus
     assert abs(entropy["loss_gap"] - entropy["expected_gap"]) <= 1e-5 * abs(entropy["expected_gap"]), entropy
     assert entropy["ratio_diff"] <= 1e-6 and entropy["grad_change"] > 1e-3, entropy
+    for name, diff in result["unfused"].items():
+        assert diff["loss"] <= RTOL and diff["ratio"] <= RATIO_ATOL and diff["grads"] <= RTOL, (name, diff)
 
 
 TWO = [
