@@ -18,12 +18,8 @@ from gspo_megatron.ops import vocab_parallel_logprobs
 from gspo_megatron.ops.reference import naive_logprobs
 from gspo_megatron.parallel.groups import Layout
 from gspo_megatron.parallel.launch import run_on_ranks
+from tests.ops.common import TOL, assert_rank_within_tolerance, diffs, rel_diff
 
-TOL = {torch.float32: 1e-5, torch.float64: 1e-12}
-
-
-def rel_diff(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((actual.double() - expected).abs().max() / expected.abs().max().clamp(min=1e-30)).item()
 
 
 def make_case(shape=(26,), hidden_size=16, vocab=40, vocab_size=None, seed=0):
@@ -57,10 +53,6 @@ def fused(hidden, weight, targets, grads, temperature, dtype, entropy=True, **kw
     if entropy:
         result["entropy"] = ent.detach()
     return result
-
-
-def diffs(actual: dict, expected: dict) -> dict:
-    return {k: rel_diff(v, expected[k]) for k, v in actual.items()}
 
 
 # ---- TP = 1 ---------------------------------------------------------------------------------------------------
@@ -224,7 +216,4 @@ def tp2_results():
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_tp2_matches_naive(tp2_results, rank):
-    results = tp2_results[rank]
-    assert len(results) >= 2 * 3 * len(TP2_CASES)
-    bad = {k: d for k, d in results.items() if d > TOL[getattr(torch, k.split("/")[1])]}
-    assert not bad, bad
+    assert_rank_within_tolerance(tp2_results[rank], 2 * 3 * len(TP2_CASES))

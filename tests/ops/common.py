@@ -1,0 +1,23 @@
+"""What the op tests share: tolerances, the relative difference they are measured in, and the TP=2 verdict."""
+
+from __future__ import annotations
+
+import torch
+
+# max |a - e| / max |e| against a float64 naive reference: fp32 ops are close, float64 ones exact.
+TOL = {torch.float32: 1e-5, torch.float64: 1e-12}
+
+
+def rel_diff(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual.double() - expected).abs().max() / expected.abs().max().clamp(min=1e-30)).item()
+
+
+def diffs(actual: dict, expected: dict) -> dict:
+    return {k: rel_diff(v, expected[k]) for k, v in actual.items()}
+
+
+def assert_rank_within_tolerance(results: dict, minimum: int) -> None:
+    """``results``: {"case/dtype/tensor": rel diff} from one rank; at least ``minimum`` checks, none over TOL."""
+    assert len(results) >= minimum, len(results)
+    bad = {k: d for k, d in results.items() if d > TOL[getattr(torch, k.split("/")[1])]}
+    assert not bad, bad
