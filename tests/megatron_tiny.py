@@ -17,14 +17,20 @@ MICRO_BATCH = 1
 
 
 def build_model(
-    dispatcher: str = "alltoall", seed: int = 0, per_sequence_loss: bool = False, routing_replay: bool = False
+    dispatcher: str = "alltoall", seed: int = 0, per_sequence_loss: bool = False, routing_replay: bool = False,
+    init: bool = True,
 ):
-    """A 2-layer MoE GPTModel: 4 experts, top-2, GQA, q/k norm, RMSNorm, SwiGLU, no biases, RoPE."""
+    """A 2-layer MoE GPTModel: 4 experts, top-2, GQA, q/k norm, RMSNorm, SwiGLU, no biases, RoPE.
+
+    ``init=False`` builds it as the trainer does for weights it will load (``provider.skip_weight_init``).
+    """
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
+
+    from gspo_megatron.model.provider import skip_weight_init
 
     tp = ps.get_tensor_model_parallel_world_size()
     config = TransformerConfig(
@@ -57,6 +63,7 @@ def build_model(
         # The policy step normalises by sequences through megatron's per-token-loss mode.
         calculate_per_token_loss=per_sequence_loss,
         moe_enable_routing_replay=routing_replay,
+        **({} if init else skip_weight_init()),
     )
     config.finalize_model_grads_func = finalize_model_grads
     if routing_replay:

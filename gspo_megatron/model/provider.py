@@ -32,13 +32,31 @@ from .hf_config import ModelSpec
 from .layout_check import check_layout, transformer_engine_available
 
 
+def _leave_as_is(tensor):
+    """An init method that leaves the tensor alone (some megatron modules assign what it returns)."""
+    return tensor
+
+
+def skip_weight_init() -> dict:
+    """``TransformerConfig`` fields for a model whose weights will be loaded, not initialised.
+
+    Not ``perform_initialization=False``: megatron-core (0.16 and earlier; Megatron-LM PR #4084 moved it) sets a
+    weight's tensor-parallel attributes (``tensor_model_parallel``, ``partition_dim``) only inside its
+    initialisation functions, and without them the TP-aware gradient norm counts every split weight as a TP
+    duplicate (rank 0's shard only): clipping and the logged norm go wrong under TP. So the initialisation path
+    runs, with init methods that write nothing.
+    """
+    return dict(perform_initialization=True, init_method=_leave_as_is, output_layer_init_method=_leave_as_is,
+                embedding_init_method=_leave_as_is)
+
+
 def transformer_config(spec: ModelSpec, layout: Layout, dtype: torch.dtype = torch.float32, init: bool = False,
                        **overrides):
     """Megatron's ``TransformerConfig`` for ``spec`` under ``layout``. ``overrides`` win over the defaults.
 
     Defaults suit RL training and scoring: no dropout, per-token-loss mode (``train.policy_step`` needs it),
     no router auxiliary loss, the alltoall token dispatcher, no weight initialisation unless ``init`` (the
-    weights come from a checkpoint).
+    weights come from a checkpoint; ``skip_weight_init``).
     """
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.transformer import TransformerConfig
@@ -78,7 +96,7 @@ def transformer_config(spec: ModelSpec, layout: Layout, dtype: torch.dtype = tor
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
-        perform_initialization=init,
+        **({} if init else skip_weight_init()),
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=layout.pipeline,
         context_parallel_size=layout.context,

@@ -3,7 +3,9 @@
 Same weights (world=1 torch_dist checkpoint, loaded by resharding), same rollout minibatch of 8 sequences
 (split over data-parallel ranks and micro batches of 2), Adam with gradient clipping. Compared with the
 world=1 reference: the loss (1e-5 relative), the sequence log-ratios (2e-6 absolute), every gradient shard (1e-5 relative,
-max |a - e| / max |e|) and every updated weight shard (2e-6 absolute; weights are ~0.02, the step ~1e-3).
+max |a - e| / max |e|), every updated weight shard (2e-6 absolute; weights are ~0.02, the step ~1e-3), the
+gradient norm (1e-5 relative) and a step clipped to half of it (1e-5 of the largest weight change). Models are
+built as the trainer builds models it loads weights into (no initialisation: ``provider.skip_weight_init``).
 Also: 1, 2 or 4 micro batches give the same gradient, the log-prob pass equals the loss's log-probs, and the
 fused loss (the default) equals the log-prob op followed by the loss (``fused_loss=False``).
 """
@@ -25,6 +27,9 @@ NUM_SEQUENCES, GROUP, MICRO = 8, 4, 2
 RTOL, WEIGHT_ATOL = 1e-5, 2e-6
 # A sequence log-ratio is a difference of fp32 log-probs of magnitude ~5: its noise floor is ~5e-7 absolute.
 RATIO_ATOL = 2e-6
+# A clipped step's weight changes, relative to the largest change (~1e-2 at lr 1 with Adam's eps 1, clipped to half
+# the norm): fp32 rounding of the weights is ~1e-9; a wrong global norm changes every step by its ratio (~10%+).
+CLIPPED_RTOL = 1e-5
 ALGO = AlgoConfig(eps_low=3e-4, eps_high=4e-4)
 ENTROPY_COEF = 0.5
 
@@ -49,17 +54,28 @@ def micro_batches(rollout: dict, first: int, count: int, size: int) -> list[dict
     return [{k: v[i : i + size] for k, v in rollout.items()} for i in range(first, first + count, size)]
 
 
-def build(ckpt_dir: str, dispatcher: str = "alltoall", distributed_optimizer: bool = False):
+def build(ckpt_dir: str, dispatcher: str = "alltoall", distributed_optimizer: bool = False, clip_grad: float = 1.0,
+          lr: float = 1e-3, adam_eps: float = 1e-6):
+    """The world=1 weights under this rank's layout, built as the trainer builds a model it loads (no init)."""
     from megatron.core import dist_checkpointing
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    model = tiny.build_model(dispatcher, seed=1 + torch.distributed.get_rank(), per_sequence_loss=True)
+    model = tiny.build_model(dispatcher, seed=1 + torch.distributed.get_rank(), per_sequence_loss=True, init=False)
     loaded = dist_checkpointing.load(tiny.tensors_only(model.sharded_state_dict()), f"{ckpt_dir}/weights")
     model.load_state_dict(loaded)
     ddp = tiny.wrap_ddp(model, distributed_optimizer)
-    config = OptimizerConfig(optimizer="adam", lr=1e-3, adam_eps=1e-6, weight_decay=0.0, clip_grad=1.0,
+    config = OptimizerConfig(optimizer="adam", lr=lr, adam_eps=adam_eps, weight_decay=0.0, clip_grad=clip_grad,
                              use_distributed_optimizer=distributed_optimizer)
     return ddp, get_megatron_optimizer(config, [ddp])
+
+
+def clipped_step(ckpt_dir: str, rollout: dict, first: int, count: int, clip_grad: float, **build_args):
+    """One update clipped to ``clip_grad`` (below the gradient norm) with Adam's eps at 1: the first step is then
+    lr * g / (|g| + 1), nearly linear in the clipped gradient, so a wrong global norm shows in the weights (with a
+    small eps Adam's first step is ~lr * sign(g) and hides the gradient's scale). lr 1: steps far above fp32's
+    rounding of the weights. Returns (out, ddp model)."""
+    ddp, optimizer = build(ckpt_dir, clip_grad=clip_grad, lr=1.0, adam_eps=1.0, **build_args)
+    return update_step(ddp, optimizer, micro_batches(rollout, first, count, MICRO), ALGO), ddp
 
 
 def reference(ckpt_dir: str):
@@ -126,8 +142,14 @@ def reference(ckpt_dir: str):
             "ratio": (got["seq_log_ratio"] - expected["seq_log_ratio"]).abs().max().item(),
             "grads": max(tiny.max_rel_diff(grads[k], expected_grads[k]) for k in grads),
         }
+    # A clipped step, saved as the updated weights: the layouts must clip by the same global norm.
+    clip_grad = 0.5 * out["grad_norm"]
+    clipped, ddp = clipped_step(ckpt_dir, rollout, 0, NUM_SEQUENCES, clip_grad)
+    os.makedirs(f"{ckpt_dir}/clipped")
+    dist_checkpointing.save(tiny.tensors_only(ddp.module.sharded_state_dict()), f"{ckpt_dir}/clipped")
+    torch.save({"clip_grad": clip_grad, "grad_norm": clipped["grad_norm"]}, f"{ckpt_dir}/clipped.pt")
     return {"out": out, "split_diff": split_diff, "ratio_one": ratio_one, "moved": moved, "entropy": entropy,
-            "unfused": unfused}
+            "unfused": unfused, "clipped_norm": clipped["grad_norm"]}
 
 
 def compare(ckpt_dir: str, cases) -> dict:
@@ -138,6 +160,7 @@ def compare(ckpt_dir: str, cases) -> dict:
 
     ref = torch.load(f"{ckpt_dir}/outputs.pt")
     rollout = torch.load(f"{ckpt_dir}/rollout.pt")
+    clipped_ref = torch.load(f"{ckpt_dir}/clipped.pt")
     results = {}
     for name, layout, dispatcher, distributed_optimizer in cases:
         groups.init_model_parallel(layout)
@@ -157,8 +180,19 @@ def compare(ckpt_dir: str, cases) -> dict:
             # buffer, so the full gradients are not there to compare; the updated weights (all-gathered) are.
             "grads": None if distributed_optimizer else max(tiny.max_rel_diff(grads[k], ref_grads[k]) for k in grads),
             "weights": max((weights[k] - ref_weights[k]).abs().max().item() for k in weights),
+            "grad_norm": abs(out["grad_norm"] - ref["grad_norm"]) / ref["grad_norm"],
             "update_successful": out["update_successful"],
         }
+        clipped, ddp = clipped_step(ckpt_dir, rollout, first, per_dp, clipped_ref["clip_grad"], dispatcher=dispatcher,
+                                    distributed_optimizer=distributed_optimizer)
+        start = tiny.flat(dist_checkpointing.load(tiny.empty_like_sharded(ddp.module), f"{ckpt_dir}/weights"))
+        ref_end = tiny.flat(dist_checkpointing.load(tiny.empty_like_sharded(ddp.module), f"{ckpt_dir}/clipped"))
+        end = tiny.flat(tiny.tensors_only(ddp.module.sharded_state_dict()))
+        # The step relative to the largest step of any weight: a wrong clip coefficient scales every step.
+        scale = max((ref_end[k] - start[k]).abs().max().item() for k in start)
+        results[name]["clipped_step"] = max(((end[k] - start[k]) - (ref_end[k] - start[k])).abs().max().item()
+                                            for k in start) / scale
+        results[name]["clipped_grad_norm"] = abs(clipped["grad_norm"] - clipped_ref["grad_norm"]) / clipped_ref["grad_norm"]
     return results
 
 
@@ -183,6 +217,10 @@ def _check(results, cases):
             if r["grads"] is not None:
                 assert r["grads"] <= RTOL, f"{where}: grads rel diff {r['grads']:.2e}"
             assert r["weights"] <= WEIGHT_ATOL, f"{where}: updated weights abs diff {r['weights']:.2e}"
+            # What users see: the logged gradient norm, and the step clipping makes with it.
+            assert r["grad_norm"] <= RTOL, f"{where}: grad norm rel diff {r['grad_norm']:.2e}"
+            assert r["clipped_grad_norm"] <= RTOL, f"{where}: clipped step's grad norm rel diff {r['clipped_grad_norm']:.2e}"
+            assert r["clipped_step"] <= CLIPPED_RTOL, f"{where}: clipped step rel diff {r['clipped_step']:.2e}"
 
 
 def test_world1_reference_properties(tmp_path_factory):
@@ -193,6 +231,8 @@ def test_world1_reference_properties(tmp_path_factory):
     # Every tensor moved by far more than the layouts' weight tolerance, so that comparison has teeth.
     assert result["moved"] > 100 * WEIGHT_ATOL, result["moved"]
     assert out["grad_norm"] > 0
+    # The clipped step saw the same gradients (its norm is measured before clipping).
+    assert abs(result["clipped_norm"] - out["grad_norm"]) <= RTOL * out["grad_norm"], result["clipped_norm"]
     assert not out["valid"][5] and out["valid"].sum() == NUM_SEQUENCES - 1
     # The perturbed old policy clips some sequences but not all: both GSPO branches are exercised.
     assert 0 < (out["clip_frac_low"] + out["clip_frac_high"]).item() < 1
