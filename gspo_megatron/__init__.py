@@ -1,3 +1,9 @@
 """GSPO training backend for Megatron-Core policies with SGLang rollouts."""
 
 __version__ = "0.1.0"
+
+import warnings as _warnings
+
+# megatron-core warns four times on import that TransformerEngine and apex are missing; environment.note_fallbacks
+# says it once, in our words, when a model is built.
+_warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed", category=UserWarning)

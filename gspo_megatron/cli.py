@@ -86,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
     if extra:
         args.overrides = list(args.overrides) + extra
+    from gspo_megatron.environment import EnvironmentMismatch
     from gspo_megatron.train.config import ConfigError
 
     try:
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return score.run(args)
         return _train(args) if args.command == "train" else _plan(args)
-    except ConfigError as error:
+    except (ConfigError, EnvironmentMismatch) as error:
         print(f"gspo-megatron {args.command}: {error}", file=sys.stderr)
         return 2
 

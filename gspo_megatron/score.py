@@ -146,21 +146,23 @@ def score_records(model, records: list[Record], micro_batch_size: int = 4) -> li
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
+    from gspo_megatron.parallel.context import sequence_multiple
     from gspo_megatron.train.policy_step import logprob_pass
 
     model.eval()
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    tp = ps.get_tensor_model_parallel_world_size()
-    seq_multiple = tp if model.config.sequence_parallel else 1
+    seq_multiple = sequence_multiple(ps.get_tensor_model_parallel_world_size(), ps.get_context_parallel_world_size(),
+                                     model.config.sequence_parallel)
     mine: dict[int, dict] = {}
     for micro_groups, seq_len in plan_chunks(records, micro_batch_size, dp, seq_multiple):
         local = micro_groups[dp_rank::dp]
         batches = [_micro_batch([records[i] if i is not None else None for i in group], seq_len) for group in local]
         out = logprob_pass(model, batches)
+        sums, counts = out["seq_logprob"].tolist(), out["num_tokens"].tolist()  # one copy from the device
         rows = [i for group in local for i in group]
         for row, index in enumerate(rows):
             if index is not None:
-                mine[index] = {"logprob_sum": float(out["seq_logprob"][row]), "num_tokens": int(out["num_tokens"][row])}
+                mine[index] = {"logprob_sum": sums[row], "num_tokens": int(counts[row])}
     if dp > 1:
         every = [None] * dp
         dist.all_gather_object(every, mine, group=ps.get_data_parallel_group())

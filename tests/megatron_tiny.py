@@ -58,6 +58,7 @@ def build_model(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
         expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
+        context_parallel_size=ps.get_context_parallel_world_size(),
         # MoE with TP>1 requires sequence parallelism in megatron-core.
         sequence_parallel=tp > 1,
         # The policy step normalises by sequences through megatron's per-token-loss mode.
@@ -77,9 +78,14 @@ def build_model(
 
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    layer_spec = get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False, qk_layernorm=True)
+    if config.context_parallel_size > 1:  # megatron's local attention has no CP; TE's needs CUDA
+        from tests.cp_attention import AllGatherCPAttention
+
+        layer_spec.submodules.self_attention.submodules.core_attention = AllGatherCPAttention
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False, qk_layernorm=True),
+        transformer_layer_spec=layer_spec,
         vocab_size=VOCAB,
         max_sequence_length=SEQ,
         pre_process=ps.is_pipeline_first_stage(),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+from gspo_megatron.environment import transformer_engine_available
 from gspo_megatron.parallel.groups import Layout
 
 from .errors import LayoutError
@@ -23,14 +24,6 @@ def _divides(problems: list[str], model_field: str, value: int, layout_field: st
     if size > 1 and value % size:
         problems.append(f"{model_field}={value} is not divisible by {layout_field}={size}: "
                         f"use a {layout_field} that divides {value} ({_divisors(value)})")
-
-
-def transformer_engine_available() -> bool:
-    try:
-        import transformer_engine  # noqa: F401
-    except Exception:  # ImportError, or a CUDA-less machine failing inside TE's import
-        return False
-    return True
 
 
 def minimal_world_size(layout: Layout) -> int:

@@ -26,10 +26,11 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
+from gspo_megatron import environment
 from gspo_megatron.parallel.groups import Layout
 
 from .hf_config import ModelSpec
-from .layout_check import check_layout, transformer_engine_available
+from .layout_check import check_layout
 
 
 def _leave_as_is(tensor):
@@ -160,7 +161,9 @@ def build_gpt_model(spec: ModelSpec, layout: Layout = Layout(), dtype: torch.dty
     import torch.distributed as dist
 
     vocab = padded_vocab_size or spec.padded_vocab_size()
-    use_te = transformer_engine_available() if use_te is None else use_te
+    use_te = environment.transformer_engine_available() if use_te is None else use_te
+    if not use_te:
+        environment.note_fallbacks()
     check_layout(spec, layout, dist.get_world_size(), padded_vocab_size=vocab, transformer_engine=use_te)
     _check_groups_match(layout)
     config = transformer_config(spec, layout, dtype=dtype, init=init, **config_overrides)
@@ -177,6 +180,9 @@ def build_gpt_model(spec: ModelSpec, layout: Layout = Layout(), dtype: torch.dty
         rope_scaling=spec.rope_scaling_factor is not None,
         rope_scaling_factor=spec.rope_scaling_factor or 8.0,
     )
+    # megatron creates the MoE routers' weights on the CPU ("TODO: Add support for GPU initialization") and moves
+    # them in their first forward, after the optimizer copied them: every parameter goes to the device now.
+    model.to(environment.device())
     # The real vocabulary: log-probs (hidden_output / the fused op) must leave the padding rows out.
     model.unpadded_vocab_size = spec.vocab_size
     return model

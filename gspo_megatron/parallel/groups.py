@@ -54,10 +54,14 @@ def default_backend() -> str:
 def init_distributed(backend: str | None = None) -> None:
     """Start torch.distributed from the torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT).
 
-    A single process without those variables becomes a world of one on loopback.
+    A single process without those variables becomes a world of one on loopback. A machine with GPUs that this
+    torch cannot use is refused here, before any group starts (``environment.check_torch_fits_machine``).
     """
     if dist.is_initialized():
         return
+    from gspo_megatron.environment import check_torch_fits_machine
+
+    check_torch_fits_machine()
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("LOCAL_RANK", "0")

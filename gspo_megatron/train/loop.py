@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from gspo_megatron.algo import group_advantages, kl_penalty
 from gspo_megatron.parallel import groups
+from gspo_megatron.parallel.context import sequence_multiple
 from gspo_megatron.rollout.mismatch import logprob_mismatch
 from gspo_megatron.train import checkpoint, rollout_phase
 from gspo_megatron.train.config import Config
@@ -47,13 +48,14 @@ def train(cfg: Config, resume: bool = False) -> dict:
         prompts.load_state_dict(state["data_position"])
         rollout_phase.sync_weights(policy, engine, f"{version}-resumed")
     progress = Progress(cfg.train.steps, start=step, enabled=rank0)
+    seq_multiple = sequence_multiple(cfg.parallel.tensor, cfg.parallel.context, cfg.parallel.sequence_parallel)
     metrics: dict = {}
     try:
         while step < cfg.train.steps:
             step += 1
             start = time.perf_counter()
             rollout = rollout_phase.collect(engine, prompts.next(cfg.rollout.prompts_per_step), cfg, step, tokenizer,
-                                            reward_fn, pad_multiple=cfg.parallel.tensor)
+                                            reward_fn, pad_multiple=seq_multiple)
             metrics = dict(rollout.metrics)
             batch = rollout.batch
             batch["loss_mask"] &= rollout.reward_valid.unsqueeze(1)  # a masked reward drops the sample
@@ -153,19 +155,19 @@ def _micro_batches(batch: dict, rows: torch.Tensor, cfg: Config, routing: torch.
 
 
 def _all_rows(local: torch.Tensor, total: int, cfg: Config) -> torch.Tensor:
-    """Per-row results of this DP rank's ``_row_plan`` rows -> [total, ...] on every rank."""
+    """Per-row results of this DP rank's ``_row_plan`` rows (on the device) -> [total, ...] on every rank's CPU."""
     from megatron.core import parallel_state as ps
 
     group = ps.get_data_parallel_group()
     parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, local.contiguous(), group=group)
+    dist.all_gather(parts, local.contiguous(), group=group)  # on the model's device (NCCL)
     per_minibatch = total // cfg.algo.minibatches
     share = per_minibatch // len(parts)
-    out = torch.empty((total,) + tuple(local.shape[1:]), dtype=local.dtype)
+    out = torch.empty((total,) + tuple(local.shape[1:]), dtype=local.dtype)  # the rollout batch's side: CPU
     for r, part in enumerate(parts):
         rows = torch.cat([torch.arange(m * per_minibatch + r * share, m * per_minibatch + (r + 1) * share)
                           for m in range(cfg.algo.minibatches)])
-        out[rows] = part
+        out[rows] = part.cpu()
     return out
 
 

@@ -18,9 +18,14 @@ the schedule does not divide by the micro batch count, DDP sums gradients over d
 So every sequence of the minibatch weighs the same in the gradient however the minibatch is split, exactly
 as in the single-process ``gspo_loss``. Models must be built with ``calculate_per_token_loss=True``.
 
-Context parallelism (GSPO): each CP rank's per-sequence partial sums are all-reduced as scalars
-(``parallel.reductions``), every CP rank computes the same loss, and only CP rank 0 counts the sequences
-(the count is summed over the DP x CP group).
+Micro batches arrive as CPU tensors of whole sequences; ``batch_for_model`` (in both forward steps) puts each
+where the model needs it: on ``environment.device()`` and split over context-parallel ranks. Results come back
+on the device; the trainer moves what it keeps to the CPU (``train.loop``).
+
+Context parallelism (GSPO): each CP rank holds megatron's load-balanced share of every sequence
+(``parallel.context``); its per-sequence partial sums are all-reduced as scalars (``parallel.reductions``),
+every CP rank computes the same loss, and only CP rank 0 counts the sequences (the count is summed over the
+DP x CP group). The log-prob pass gathers its per-token results back over the CP group.
 """
 
 from __future__ import annotations
@@ -31,9 +36,10 @@ from typing import Iterable
 
 import torch
 
-from gspo_megatron import algo
+from gspo_megatron import algo, environment
 from gspo_megatron.model.hidden_output import hidden_states_instead_of_logits
 from gspo_megatron.ops import vocab_parallel_logprobs, vocab_parallel_sequence_loss
+from gspo_megatron.parallel import context
 from gspo_megatron.parallel.reductions import all_reduce_sequence_sums, broadcast_from_last_stage
 
 ALGORITHMS = ("gspo", "gspo_token", "grpo")
@@ -114,7 +120,7 @@ def _loss_terms(algo_config: AlgoConfig, batch: dict, logprobs: torch.Tensor):
                 num_sequences=1.0,
             )
             loss = loss + kl_term
-        units = terms.valid.sum() if counts_here else torch.zeros((), dtype=torch.long)
+        units = terms.valid.sum() if counts_here else torch.zeros((), dtype=torch.long, device=terms.valid.device)
         stats = {
             "seq_log_ratio": terms.seq_log_ratio.detach(),
             "clipped_low": terms.clipped_low & terms.valid,
@@ -175,7 +181,10 @@ def _loss_func(algo_config: AlgoConfig, batch: dict, captured, output_tensor: to
         logprobs, entropy = out if bonus else (out, None)
         loss, stats = _sequences_loss(cfg, batch, slice(None), logprobs, entropy)
     units = stats.pop("units").to(torch.int)
-    return loss, units, {"loss_sum": loss.detach().clone(), "units": units.clone(), **stats}
+    # Every CP rank holds the whole loss; like the units, it is reported by CP rank 0 alone (summed over DP x CP).
+    _, _, ps = _groups()
+    reported = loss.detach().clone() if ps.get_context_parallel_rank() == 0 else torch.zeros_like(loss.detach())
+    return loss, units, {"loss_sum": reported, "units": units.clone(), **stats}
 
 
 # ---- routing replay (megatron-core's RouterReplay; the model needs moe_enable_routing_replay=True) ----------
@@ -214,19 +223,31 @@ def _end_routing_replay() -> None:
     RouterReplay.clear_global_indices()
 
 
-def _position_ids(input_ids: torch.Tensor) -> torch.Tensor:
-    return torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0).expand_as(input_ids)
+def batch_for_model(batch: dict) -> dict:
+    """This rank's share of a micro batch, where the model needs it (Megatron-LM's ``get_batch``): on
+    ``environment.device()``, with ``position_ids``, split over the context-parallel group."""
+    _, cp_group, _ = _groups()
+    batch = environment.to_device(batch, environment.device())
+    ids = batch["input_ids"]
+    batch["position_ids"] = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
+    return context.split_batch(batch, cp_group)
+
+
+def _forward(model, batch: dict):
+    """The last stage's hidden states (logits are never formed) and what the loss needs of the output layer."""
+    with hidden_states_instead_of_logits(model) as captured:
+        output = model(batch["input_ids"], batch["position_ids"], attention_mask=None)
+    return output, captured
 
 
 def policy_forward_step(algo_config: AlgoConfig):
     """A ``forward_step_func`` for ``get_forward_backward_func`` computing the policy loss."""
 
     def forward_step(data_iterator, model):
-        batch = next(data_iterator)
+        batch = batch_for_model(next(data_iterator))
         if "routing" in batch:
             _replay(batch["routing"])
-        with hidden_states_instead_of_logits(model) as captured:
-            output = model(batch["input_ids"], _position_ids(batch["input_ids"]), attention_mask=None)
+        output, captured = _forward(model, batch)
         return output, partial(_loss_func, algo_config, batch, captured)
 
     return forward_step
@@ -277,22 +298,27 @@ def update_step(model, optimizer, micro_batches: list[dict], algo_config: AlgoCo
             n = valid.sum().clamp_min(1)
             summary["clip_frac_low"] = torch.cat([r["clipped_low"] for r in results]).sum() / n
             summary["clip_frac_high"] = torch.cat([r["clipped_high"] for r in results]).sum() / n
-    out = broadcast_from_last_stage(summary, ps.get_pipeline_model_parallel_group())
+    # A handful of numbers a step: back on the CPU for the trainer's metrics.
+    out = {k: v.cpu() for k, v in broadcast_from_last_stage(summary, ps.get_pipeline_model_parallel_group()).items()}
     out["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
     out["update_successful"] = bool(update_successful)
     return out
 
 
 def _logprob_loss_func(batch: dict, captured, temperature: float, with_entropy: bool, output_tensor: torch.Tensor):
+    _, cp_group, _ = _groups()
     out = token_logprobs(output_tensor, captured, batch["labels"], temperature, with_entropy)
     logprobs, entropy = out if with_entropy else (out, None)
     mask = batch["loss_mask"]
     zero = torch.zeros((), dtype=torch.float32, device=logprobs.device)
-    sums, counts = algo.masked_log_ratio_sums(logprobs, torch.zeros_like(logprobs), mask)
-    results = {"logprobs": logprobs.detach(), "seq_logprob": sums.detach(), "num_tokens": counts.detach()}
+    sums, counts = all_reduce_sequence_sums(*algo.masked_log_ratio_sums(logprobs, torch.zeros_like(logprobs), mask),
+                                            cp_group)
+    # Whole sequences again (every CP rank): the trainer keeps per-token log-probs as pi_old.
+    results = {"logprobs": context.gather_sequence(logprobs.detach(), cp_group), "seq_logprob": sums.detach(),
+               "num_tokens": counts.detach()}
     if with_entropy:
-        results["entropy"] = entropy.detach()
-    return zero, torch.zeros((), dtype=torch.int), results
+        results["entropy"] = context.gather_sequence(entropy.detach(), cp_group)
+    return zero, torch.zeros((), dtype=torch.int, device=logprobs.device), results
 
 
 @torch.no_grad()
@@ -300,7 +326,7 @@ def logprob_pass(model, micro_batches: Iterable[dict], temperature: float = 1.0,
                  with_entropy: bool = False) -> dict:
     """Log-likelihoods of each micro batch's labels, with no gradient: the old- and reference-policy pass.
 
-    Returns on every pipeline rank: ``logprobs`` [n, S] per token (meaningful where loss_mask is set),
+    Returns on every pipeline rank, on the model's device: ``logprobs`` [n, S] per token (meaningful where loss_mask is set),
     ``seq_logprob`` [n] (sum over response tokens) and ``num_tokens`` [n]; with ``with_entropy``, ``entropy``
     [n, S] of each position's (tempered) distribution. With ``record_routing``, also
     ``routing`` [n, L_local, s_local, k]: the experts this rank's routers chose, to put in the update pass's
@@ -314,9 +340,8 @@ def logprob_pass(model, micro_batches: Iterable[dict], temperature: float = 1.0,
         RouterReplay.set_global_router_replay_action(Action.RECORD)
 
     def forward_step(data_iterator, model):
-        batch = next(data_iterator)
-        with hidden_states_instead_of_logits(model) as captured:
-            output = model(batch["input_ids"], _position_ids(batch["input_ids"]), attention_mask=None)
+        batch = batch_for_model(next(data_iterator))
+        output, captured = _forward(model, batch)
         if record_routing:
             routing.append(_recorded_routing(batch["input_ids"].shape[0]))
         return output, partial(_logprob_loss_func, batch, captured, temperature, with_entropy)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from gspo_megatron.algo import AGGREGATIONS, KL_ESTIMATORS
+from gspo_megatron.environment import transformer_engine_available
 from gspo_megatron.train.config import Config, ConfigError
 from gspo_megatron.train.policy_step import ALGORITHMS
 
@@ -39,13 +40,11 @@ def validate_layout(cfg: Config, world_size: int) -> int:
     etp = p.expert_tensor or p.tensor
     _divides(world_size, p.expert * etp * p.pipeline, "world size", "parallel.expert*expert_tensor*pipeline")
     if p.context > 1:
-        try:
-            import transformer_engine  # noqa: F401
-        except ImportError:
+        if not transformer_engine_available():
             raise ConfigError(
                 f"parallel.context={p.context} needs TransformerEngine attention (megatron's local attention "
                 "cannot split sequences); install the gpu extra or set parallel.context=1"
-            ) from None
+            )
         if cfg.algo.name != "gspo":
             raise ConfigError(f"parallel.context={p.context} supports algo.name='gspo' only, got {cfg.algo.name!r}")
     return world_size // model_parallel

@@ -255,12 +255,12 @@ def cp2_check() -> dict:
     """Each CP rank holds Megatron's load-balanced half of every sequence (chunks r and 3 - r of 4)."""
     from megatron.core import parallel_state as ps
 
+    from gspo_megatron.parallel.context import token_index
+
     group, rank = ps.get_context_parallel_group(), ps.get_context_parallel_rank()
     s = 8
     hidden, weight, targets, data = _cp_case(s)
-    quarter = s // 4
-    index = torch.cat([torch.arange(rank * quarter, (rank + 1) * quarter),
-                       torch.arange((3 - rank) * quarter, (4 - rank) * quarter)])
+    index = token_index(s, 2, rank)  # the model path's split (train.policy_step.batch_for_model)
     out = {"index": index}
     for chunk in (8, 3):  # one sequence a chunk (one pass), and two passes per sequence
         h = hidden[index].detach().clone().requires_grad_()  # float64: the split is exact, not merely close

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from gspo_megatron.algo import gspo_loss, gspo_loss_from_sums, masked_log_ratio_sums
+from gspo_megatron.parallel.context import token_index
 from gspo_megatron.parallel.groups import Layout
 from gspo_megatron.parallel.launch import run_on_ranks
 from gspo_megatron.parallel.reductions import all_reduce_sequence_sums, broadcast_from_last_stage, sequence_sums
@@ -29,10 +30,6 @@ def rollout(T: int):
     return logprobs, old, mask, advantages
 
 
-def cp_token_index(T: int, cp: int, rank: int) -> torch.Tensor:
-    """Megatron's load-balanced CP split: 2*cp chunks, rank r holds chunks r and 2*cp-1-r."""
-    chunks = torch.arange(T).chunk(2 * cp)
-    return torch.cat([chunks[rank], chunks[2 * cp - 1 - rank]])
 
 
 def test_padded_and_packed_sums_agree():
@@ -79,7 +76,7 @@ def _cp_gspo(lengths):
     try:
         for T in lengths:
             logprobs, old, mask, advantages = rollout(T)
-            index = cp_token_index(T, cp, rank)
+            index = token_index(T, cp, rank)
             local = logprobs[:, index].clone().requires_grad_()
             sent.clear()
             sums, counts = masked_log_ratio_sums(local, old[:, index], mask[:, index])

@@ -189,6 +189,9 @@ def test_command_line_round_trip_in_one_process(hf_models, tmp_path):
     started = time.perf_counter()
     there = run_tool("convert_hf_to_megatron.py", "--hf-dir", str(hf_models["qwen3_moe"]), "--out", str(megatron_dir))
     assert there.returncode == 0, there.stderr[-3000:]
+    # Without TransformerEngine: our one line, not megatron-core's four import-time warnings.
+    assert there.stderr.count("TransformerEngine is not installed") == 1, there.stderr[-3000:]
+    assert "Transformer Engine and Apex are not installed" not in there.stderr
     home = run_tool("convert_megatron_to_hf.py", "--megatron-dir", str(megatron_dir), "--out", str(back),
                     "--hf-config", str(hf_models["qwen3_moe"]))
     assert home.returncode == 0, home.stderr[-3000:]

@@ -27,6 +27,8 @@ NUM_SEQUENCES, GROUP, MICRO = 8, 4, 2
 RTOL, WEIGHT_ATOL = 1e-5, 2e-6
 # A sequence log-ratio is a difference of fp32 log-probs of magnitude ~5: its noise floor is ~5e-7 absolute.
 RATIO_ATOL = 2e-6
+# Per-token log-probs / entropies (~5) and per-sequence sums of up to 16 of them, fp32.
+PASS_ATOL = 2e-5
 # A clipped step's weight changes, relative to the largest change (~1e-2 at lr 1 with Adam's eps 1, clipped to half
 # the norm): fp32 rounding of the weights is ~1e-9; a wrong global norm changes every step by its ratio (~10%+).
 CLIPPED_RTOL = 1e-5
@@ -93,6 +95,7 @@ def reference(ckpt_dir: str):
     noise = 1e-3 * torch.randn(passes["logprobs"].shape, generator=torch.Generator().manual_seed(3))
     rollout["old_logprobs"] = passes["logprobs"] + noise
     torch.save(rollout, f"{ckpt_dir}/rollout.pt")
+    torch.save(passes, f"{ckpt_dir}/passes.pt")
 
     before = {k: v.clone() for k, v in tiny.flat(tiny.tensors_only(ddp.module.sharded_state_dict())).items()}
     out = update_step(ddp, optimizer, micro_batches(rollout, 0, NUM_SEQUENCES, MICRO), ALGO)
@@ -161,12 +164,17 @@ def compare(ckpt_dir: str, cases) -> dict:
     ref = torch.load(f"{ckpt_dir}/outputs.pt")
     rollout = torch.load(f"{ckpt_dir}/rollout.pt")
     clipped_ref = torch.load(f"{ckpt_dir}/clipped.pt")
+    ref_passes = torch.load(f"{ckpt_dir}/passes.pt")
     results = {}
     for name, layout, dispatcher, distributed_optimizer in cases:
         groups.init_model_parallel(layout)
         ddp, optimizer = build(ckpt_dir, dispatcher, distributed_optimizer)
         per_dp = NUM_SEQUENCES // ps.get_data_parallel_world_size()
         first = ps.get_data_parallel_rank() * per_dp
+        # The old-policy pass: whole sequences' per-token results on every rank (gathered back under CP).
+        passes = logprob_pass(ddp, micro_batches(rollout, first, per_dp, MICRO), with_entropy=True)
+        pass_diff = max((passes[k] - ref_passes[k][first:first + per_dp]).abs().max().item()
+                        for k in ("logprobs", "entropy", "seq_logprob", "num_tokens"))
         out = update_step(ddp, optimizer, micro_batches(rollout, first, per_dp, MICRO), ALGO)
         ref_grads = tiny.flat(dist_checkpointing.load(tiny.empty_like_sharded(ddp.module), f"{ckpt_dir}/grads"))
         ref_weights = tiny.flat(dist_checkpointing.load(tiny.empty_like_sharded(ddp.module), f"{ckpt_dir}/updated"))
@@ -181,6 +189,7 @@ def compare(ckpt_dir: str, cases) -> dict:
             "grads": None if distributed_optimizer else max(tiny.max_rel_diff(grads[k], ref_grads[k]) for k in grads),
             "weights": max((weights[k] - ref_weights[k]).abs().max().item() for k in weights),
             "grad_norm": abs(out["grad_norm"] - ref["grad_norm"]) / ref["grad_norm"],
+            "logprob_pass": pass_diff,
             "update_successful": out["update_successful"],
         }
         clipped, ddp = clipped_step(ckpt_dir, rollout, first, per_dp, clipped_ref["clip_grad"], dispatcher=dispatcher,
@@ -217,6 +226,7 @@ def _check(results, cases):
             if r["grads"] is not None:
                 assert r["grads"] <= RTOL, f"{where}: grads rel diff {r['grads']:.2e}"
             assert r["weights"] <= WEIGHT_ATOL, f"{where}: updated weights abs diff {r['weights']:.2e}"
+            assert r["logprob_pass"] <= PASS_ATOL, f"{where}: log-prob pass abs diff {r['logprob_pass']:.2e}"
             # What users see: the logged gradient norm, and the step clipping makes with it.
             assert r["grad_norm"] <= RTOL, f"{where}: grad norm rel diff {r['grad_norm']:.2e}"
             assert r["clipped_grad_norm"] <= RTOL, f"{where}: clipped step's grad norm rel diff {r['clipped_grad_norm']:.2e}"
@@ -248,10 +258,14 @@ TWO = [
     ("tp2", Layout(tensor=2, sequence_parallel=True), "alltoall", False),
     ("pp2", Layout(pipeline=2), "alltoall", False),
     ("ep2", Layout(expert=2), "alltoall", True),
+    # The model path under context parallelism: batch split, RoPE slices, CP sums, DP x CP gradient reduction
+    # (attention: tests/cp_attention.py, standing in for TransformerEngine's).
+    ("cp2", Layout(context=2), "alltoall", False),
 ]
 FOUR = [
     ("tp2_ep2", Layout(tensor=2, expert=2, sequence_parallel=True), "alltoall", False),
     ("pp2_ep2", Layout(pipeline=2, expert=2), "allgather", True),
+    ("tp2_cp2", Layout(tensor=2, context=2, sequence_parallel=True), "alltoall", False),
 ]
 
 

@@ -1,0 +1,99 @@
+"""The device paths of one process, on a tiny Qwen3-MoE, saved for comparison (``tests/gpu/test_gpu_paths.py``).
+
+    python -m tests.gpu.paths HF_DIR OUT.pt
+
+Runs on whatever ``environment.device()`` is: the GPU test runs it once on the GPU and once with CUDA hidden
+(the CPU reference), on the same weights and batch. World of one (NCCL on the GPU, gloo on the CPU):
+
+- the trainer's policy (``train.policy.build_policy``: provider, bridge, DDP, Megatron optimizer) in fp32 with
+  the plain (non-distributed) optimizer, whose MoE router weights megatron creates on the CPU;
+- a rollout minibatch of CPU tensors, as the loop has it: ``logprob_pass`` (old policy, with entropy) and one
+  clipped ``update_step`` (Adam's eps at 1, so the step is continuous in the gradient and comparable across
+  devices), the updated weights exported through the bridge;
+- the same in bf16 (the CUDA dtype users train in): finite, and close to the CPU's bf16;
+- ``score`` (Megatron) on the HF directory, against ``transformers``.
+Where every tensor lives is recorded too (parameters, what the passes return).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+VOCAB, SEQ, SEQUENCES, MICRO = 128, 16, 8, 2
+
+
+def rollout() -> dict:
+    """CPU tensors, like the loop's rollout batch: prompts of 3-8 tokens, then responses."""
+    g = torch.Generator().manual_seed(11)
+    tokens = torch.randint(0, VOCAB - 1, (SEQUENCES, SEQ + 1), generator=g)
+    prompt = torch.randint(3, 9, (SEQUENCES,), generator=g)
+    return {
+        "input_ids": tokens[:, :-1],
+        "labels": tokens[:, 1:],
+        "loss_mask": torch.arange(SEQ).unsqueeze(0) + 1 >= prompt.unsqueeze(1),
+        "advantages": torch.randn(SEQUENCES, generator=g),
+    }
+
+
+def micro_batches(batch: dict) -> list[dict]:
+    return [{k: v[i:i + MICRO] for k, v in batch.items()} for i in range(0, SEQUENCES, MICRO)]
+
+
+def policy_run(hf_dir: str, dtype: str) -> dict:
+    from gspo_megatron.train.config import load_config
+    from gspo_megatron.train.policy import build_policy
+    from gspo_megatron.train.policy_step import AlgoConfig, logprob_pass, update_step
+
+    cfg = load_config(None, [f"model.dtype={dtype}", "parallel.distributed_optimizer=false", "optimizer.lr=1.0",
+                             "optimizer.adam_eps=1.0", "optimizer.clip_grad=0.05", "train.steps=1", "algo.minibatches=1"])
+    policy = build_policy(cfg, hf_dir)
+    batch = rollout()
+    passes = logprob_pass(policy.model, micro_batches(batch), with_entropy=True)
+    noise = 1e-3 * torch.randn(passes["logprobs"].shape, generator=torch.Generator().manual_seed(3))
+    batch["old_logprobs"] = passes["logprobs"].cpu() + noise
+    out = update_step(policy.model, policy.optimizer, micro_batches(batch), AlgoConfig())
+    weights = {name: t.detach().float().cpu().clone() for name, t in policy.bridge.export_hf_weights(policy.model)}
+    return {
+        "param_devices": sorted({p.device.type for p in policy.model.parameters()}),
+        "pass_devices": sorted({t.device.type for t in passes.values()}),
+        "update_devices": sorted({v.device.type for v in out.values() if torch.is_tensor(v)}),
+        "logprobs": passes["logprobs"].float().cpu(),
+        "entropy": passes["entropy"].float().cpu(),
+        "loss": float(out["loss"]),
+        "grad_norm": out["grad_norm"],
+        "update_successful": out["update_successful"],
+        "seq_log_ratio": out["seq_log_ratio"].float(),
+        "weights": weights,
+    }
+
+
+def score_run(hf_dir: str) -> dict:
+    from gspo_megatron import score
+    from gspo_megatron.parallel.groups import Layout
+
+    g = torch.Generator().manual_seed(5)
+    records = [score.Record(tuple(torch.randint(0, VOCAB, (n,), generator=g).tolist()),
+                            tuple(torch.randint(0, VOCAB, (m,), generator=g).tolist())) for n, m in ((3, 9), (7, 4), (1, 12))]
+    model, _, _ = score.load_policy(hf_dir, Layout())
+    return {"megatron": score.score_records(model, records), "transformers": score.score_with_transformers(hf_dir, records)}
+
+
+def main(hf_dir: str, out: str) -> None:
+    from gspo_megatron import environment
+    from gspo_megatron.parallel import groups
+
+    # fp32 means fp32 on both devices: TF32 would change the GPU's numbers by ~1e-3.
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    groups.init_distributed()
+    groups.init_model_parallel(groups.Layout(), seed=1234)
+    results = {"device": str(environment.device()), "fp32": policy_run(hf_dir, "float32"),
+               "bf16": policy_run(hf_dir, "bfloat16"), "score": score_run(hf_dir)}
+    torch.save(results, out)
+    groups.destroy()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])

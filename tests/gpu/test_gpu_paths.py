@@ -1,0 +1,122 @@
+"""On a CUDA machine (bench/gpu_check.sh): the device paths equal the CPU's on the same weights and batch.
+
+``tests/gpu/paths.py`` runs twice in fresh processes: on the GPU, and with CUDA hidden (the CPU reference,
+megatron-core patched for the CPU as in every other test). Compared (fp32, TF32 off):
+- every parameter on the GPU (megatron's CPU-created MoE router weights included), the log-prob pass's results on
+  the device, the update step's back on the CPU;
+- old-policy log-probs and entropies (1e-4 absolute), the loss and gradient norm (1e-4 relative), the sequence
+  log-ratios (1e-5 absolute), the weights after a clipped step (1e-3 of the largest change);
+- bf16 (the non-distributed optimizer, whose fp32 master copies are made from the parameters where they are):
+  a finite, successful step, loss within 5% of the CPU's bf16;
+- ``score``: Megatron equal to ``transformers`` (1e-4 relative) on each device.
+Then the trainer itself for two steps on the GPU (local engine, NCCL world of one).
+
+Skipped without CUDA. ``GSPO_GPU_TESTS_ON_CPU=1`` runs the harness with both sides on the CPU, to check it
+before spending GPU time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+ON_CPU = os.environ.get("GSPO_GPU_TESTS_ON_CPU") == "1"
+pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() or ON_CPU), reason="needs CUDA (bench/gpu_check.sh)")
+
+
+def run_paths(hf_dir: Path, out: Path, cpu: bool) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    if cpu:
+        env.update(CUDA_VISIBLE_DEVICES="", GSPO_MEGATRON_ALLOW_CPU="1")
+    done = subprocess.run([sys.executable, "-m", "tests.gpu.paths", str(hf_dir), str(out)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-6000:]
+    return torch.load(out)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    from tests.model.hf_tiny import save_variant
+
+    work = tmp_path_factory.mktemp("gpu_paths")
+    hf_dir = save_variant("qwen3_moe", work)
+    return run_paths(hf_dir, work / "device.pt", cpu=ON_CPU), run_paths(hf_dir, work / "cpu.pt", cpu=True)
+
+
+def rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-30)
+
+
+def test_everything_lives_on_the_device(runs):
+    device, cpu = runs
+    expected = "cpu" if ON_CPU else "cuda"
+    assert device["device"].startswith(expected) and cpu["device"] == "cpu"
+    for dtype in ("fp32", "bf16"):
+        assert device[dtype]["param_devices"] == [expected], device[dtype]["param_devices"]
+        assert device[dtype]["pass_devices"] == [expected]
+        assert device[dtype]["update_devices"] == ["cpu"]  # results come back explicitly
+
+
+def test_fp32_passes_and_step_equal_the_cpu(runs):
+    device, cpu = runs
+    d, c = device["fp32"], cpu["fp32"]
+    assert (d["logprobs"] - c["logprobs"]).abs().max() <= 1e-4
+    assert (d["entropy"] - c["entropy"]).abs().max() <= 1e-4
+    assert d["update_successful"] and c["update_successful"]
+    assert rel(d["loss"], c["loss"]) <= 1e-4 and rel(d["grad_norm"], c["grad_norm"]) <= 1e-4
+    assert c["grad_norm"] > 0.05  # the step was clipped (clip_grad 0.05): the norm's value shapes the weights
+    assert (d["seq_log_ratio"] - c["seq_log_ratio"]).abs().max() <= 1e-5
+    before = _initial_weights()
+    scale = max((c["weights"][k] - before[k]).abs().max().item() for k in before)
+    diff = max((d["weights"][k] - c["weights"][k]).abs().max().item() for k in before)
+    assert diff <= 1e-3 * scale, (diff, scale)
+
+
+def test_bf16_step_is_finite_and_close(runs):
+    device, cpu = runs
+    d, c = device["bf16"], cpu["bf16"]
+    assert d["update_successful"] and torch.isfinite(torch.tensor(d["loss"])) and d["grad_norm"] > 0
+    assert rel(d["loss"], c["loss"]) <= 0.05, (d["loss"], c["loss"])
+
+
+def test_score_equals_transformers(runs):
+    for run in runs:
+        for mine, theirs in zip(run["score"]["megatron"], run["score"]["transformers"]):
+            assert mine["num_tokens"] == theirs["num_tokens"]
+            assert rel(mine["logprob_sum"], theirs["logprob_sum"]) <= 1e-4, (mine, theirs)
+
+
+_initial: dict = {}
+
+
+def _initial_weights() -> dict:
+    """The HF weights the runs started from (qwen3_moe of tests/model/hf_tiny, seed 0)."""
+    if not _initial:
+        from tests.model.hf_tiny import build_hf_model
+
+        _initial.update({k: v.float() for k, v in build_hf_model("qwen3_moe").state_dict().items()})
+    return _initial
+
+
+@pytest.mark.skipif(ON_CPU, reason="the trainer on the CPU runs in tests/train and tests/test_cpu_example.py")
+def test_trainer_runs_two_steps_on_the_gpu(tmp_path):
+    cmd = [sys.executable, "-m", "gspo_megatron.cli", "train", str(ROOT / "examples/tiny_moe_cpu.yaml"),
+           "rollout.engine=local", "train.steps=2", "train.eval_every=0", "model.warm_start_steps=2",
+           "rollout.prompts_per_step=4", "parallel.micro_batch_size=8", f"model.hf_dir={tmp_path / 'model'}",
+           f"logging.dir={tmp_path}", "checkpoint.dir=", "logging.plot_every=0"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    # The local engine samples with transformers (CPU) from the synced weights; the trainer scores on the GPU.
+    assert max(r["logprob_diff_max"] for r in records) < 1e-3, [r["logprob_diff_max"] for r in records]
