@@ -41,6 +41,10 @@ def micro_batches(batch: dict) -> list[dict]:
     return [{k: v[i:i + MICRO] for k, v in batch.items()} for i in range(0, SEQUENCES, MICRO)]
 
 
+def _exported(policy) -> dict:
+    return {name: t.detach().float().cpu().clone() for name, t in policy.bridge.export_hf_weights(policy.model)}
+
+
 def policy_run(hf_dir: str, dtype: str) -> dict:
     from gspo_megatron.train.config import load_config
     from gspo_megatron.train.policy import build_policy
@@ -49,12 +53,13 @@ def policy_run(hf_dir: str, dtype: str) -> dict:
     cfg = load_config(None, [f"model.dtype={dtype}", "parallel.distributed_optimizer=false", "optimizer.lr=1.0",
                              "optimizer.adam_eps=1.0", "optimizer.clip_grad=0.05", "train.steps=1", "algo.minibatches=1"])
     policy = build_policy(cfg, hf_dir)
+    start = _exported(policy)
     batch = rollout()
     passes = logprob_pass(policy.model, micro_batches(batch), with_entropy=True)
     noise = 1e-3 * torch.randn(passes["logprobs"].shape, generator=torch.Generator().manual_seed(3))
     batch["old_logprobs"] = passes["logprobs"].cpu() + noise
     out = update_step(policy.model, policy.optimizer, micro_batches(batch), AlgoConfig())
-    weights = {name: t.detach().float().cpu().clone() for name, t in policy.bridge.export_hf_weights(policy.model)}
+    end = _exported(policy)
     return {
         "param_devices": sorted({p.device.type for p in policy.model.parameters()}),
         "pass_devices": sorted({t.device.type for t in passes.values()}),
@@ -65,7 +70,7 @@ def policy_run(hf_dir: str, dtype: str) -> dict:
         "grad_norm": out["grad_norm"],
         "update_successful": out["update_successful"],
         "seq_log_ratio": out["seq_log_ratio"].float(),
-        "weights": weights,
+        "step": {name: end[name] - start[name] for name in start},  # the clipped update of every weight
     }
 
 
