@@ -4,8 +4,8 @@ Rank 0 owns the rollout engine (SGLang servers or the local engine). It samples 
 scores them and broadcasts the samples and rewards; every rank then builds the same token-aligned batch.
 Weight sync is collective: every rank walks the bridge's export (it gathers over TP/EP), rank 0 sends.
 Whenever the other ranks wait for rank 0's work alone (the engine's start, a rollout, an eval, the servers'
-side of a weight sync) they wait in the control group (``parallel.control``: gloo, ``distributed.
-control_timeout_s``), never in an NCCL collective whose watchdog would abort a long rollout.
+side of a weight sync) they wait in the control group (``parallel.control``: gloo, with
+``distributed.control_timeout_s``), never in an NCCL collective whose watchdog would abort a long rollout.
 """
 
 from __future__ import annotations
