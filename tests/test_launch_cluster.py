@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -130,3 +131,22 @@ def test_waiting_for_a_server_that_never_answers_names_it():
     with pytest.raises(SystemExit, match=f"serve: {url} not ready after 2 s \\(--timeout\\): .*refuses connections"):
         wait_for([url], timeout_s=2.0, poll_s=0.2)
     assert time.monotonic() - start < 10
+
+
+H100_GIB = 81559 / 1024  # what an H100 80 GB reports
+SGLANG_STATIC_FRACTION = 0.82  # SGLang 0.5.23's default --mem-fraction-static on it at TP 4-16 (weights + KV cache)
+
+
+@pytest.mark.parametrize("example", ["qwen3_30b_a3b", "qwen3_235b_a22b"])
+def test_documented_rollout_servers_fit_their_gpus(example):
+    """Every SERVER_TP in the example's README leaves SGLang at least 5 GiB of KV cache per GPU next to the bf16
+    weights (235B at --tp 4 would need 110 GiB per GPU for the weights alone)."""
+    from gspo_megatron.train.plan import ModelDims
+
+    directory = ROOT / "examples" / example
+    params = ModelDims.from_hf_config(json.loads((directory / "hf_config/config.json").read_text())).total_params
+    sizes = {int(tp) for tp in re.findall(r"SERVER_TP=(\d+)", (directory / "README.md").read_text())}
+    assert sizes, f"{example}/README.md documents no server command (SERVER_TP=...)"
+    for tp in sizes:
+        weights_gib = params * 2 / tp / 2**30
+        assert SGLANG_STATIC_FRACTION * H100_GIB - weights_gib >= 5, (example, tp, weights_gib)

@@ -87,7 +87,9 @@ def validate_timeouts(cfg: Config) -> None:
                           f"({WeightSyncConfig.timeout_s:g} s): the other ranks wait in the export's collectives "
                           "while rank 0 sends a bucket")
     if cfg.rollout.engine == "sglang":
-        limit = float(cfg.rollout.server_args.get("rollout_timeout_s", SGLangConfig.rollout_timeout_s))
+        limit = cfg.rollout.server_args.get("rollout_timeout_s", SGLangConfig.rollout_timeout_s)
+        if isinstance(limit, bool) or not isinstance(limit, (int, float)):
+            raise ConfigError(f"rollout.server_args.rollout_timeout_s={limit!r} must be a number of seconds")
         if d.control_timeout_s <= limit:
             raise ConfigError(f"distributed.control_timeout_s={d.control_timeout_s:g} must exceed the rollout's "
                               f"limit (rollout.server_args.rollout_timeout_s={limit:g}): the other ranks wait that "

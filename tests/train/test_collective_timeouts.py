@@ -100,6 +100,7 @@ def test_rank0_rollout_longer_than_the_collective_timeout(tmp_path):
     (["distributed.control_timeout_s=1800", "rollout.server_args={rollout_timeout_s: 2400}"],
      r"rollout_timeout_s=2400\)"),
     (["distributed.timeout_s=ten"], r"distributed.timeout_s: expected float, got 'ten'"),
+    (["rollout.server_args={rollout_timeout_s: soon}"], r"rollout.server_args.rollout_timeout_s='soon' must be a"),
 ])
 def test_timeouts_are_checked(overrides, message):
     with pytest.raises(ConfigError, match=message):
