@@ -1,52 +1,99 @@
 #!/usr/bin/env bash
-# Multi-node GSPO training on H100 nodes with torchrun; SGLang rollout servers on their own nodes or colocated.
+# Multi-node GSPO training with torchrun, and the SGLang rollout servers it attaches to, on their own nodes.
+# Run from the repository root; the code run is this checkout's (it leads PYTHONPATH).
 #
-# On every training node (same command, its own NODE_RANK):
-#   CONFIG=examples/qwen3_30b_a3b/train.yaml NNODES=2 NODE_RANK=0 MASTER_ADDR=trainer-0 \
-#   HF_DIR=/models/Qwen3-30B-A3B ROLLOUT_URLS=http://rollout-0:30000,http://rollout-0:30001 \
-#   bash examples/launch_cluster.sh [section.field=value ...]
+# 1. On each rollout node (ROLE=rollout): one SGLang server per SERVER_TP GPUs, listening on SERVER_HOST:SERVER_PORT.
+#      ROLE=rollout VENV=/envs/gspo HF_DIR=/models/Qwen3-30B-A3B SERVER_TP=4 SERVER_PORT=30000 \
+#        bash examples/launch_cluster.sh                             # GPUs 0-3
+#      ROLE=rollout VENV=/envs/gspo HF_DIR=/models/Qwen3-30B-A3B SERVER_TP=4 SERVER_PORT=30001 \
+#        bash examples/launch_cluster.sh --base-gpu-id 4             # GPUs 4-7
+#    Arguments go to sglang.launch_server as they are (--ep-size 8; a server over two nodes: --nnodes 2
+#    --node-rank R --dist-init-addr rollout-0:5000). Each server must see the same HF_DIR as the trainers.
 #
-# ROLLOUT=separate (default): start the servers first on the rollout nodes, one per TP group, e.g.
-#   python -m sglang.launch_server --model-path $HF_DIR --tp 4 --host 0.0.0.0 --port 30000 --dtype bfloat16
-#   python -m sglang.launch_server --model-path $HF_DIR --tp 4 --host 0.0.0.0 --port 30001 \
-#          --base-gpu-id 4 --dtype bfloat16
-# and pass them as ROLLOUT_URLS (the trainer talks to each worker directly for weight updates; an
-# sglang-router may front them for generation: ROUTER_URL=http://rollout-0:29000).
-# ROLLOUT=colocated: node 0 of the training job launches SGLang servers on the training GPUs themselves with
-# a static memory fraction (SGLANG_MEM_FRACTION, default 0.2); check with `gspo-megatron plan` that the
-# trainer's estimate plus the servers' share fits.
+# 2. On every training node (ROLE=train, the default): the same command, each with its own NODE_RANK.
+#      VENV=/envs/gspo CONFIG=examples/qwen3_30b_a3b/train.yaml NNODES=2 NODE_RANK=0 MASTER_ADDR=trainer-0 \
+#      NET_IF=ib0 HF_DIR=/models/Qwen3-30B-A3B ROLLOUT_URLS=http://rollout-0:30000,http://rollout-0:30001 \
+#        bash examples/launch_cluster.sh [section.field=value ...]
+#    `gspo-megatron plan` checks the layout first; then torchrun starts GPUS_PER_NODE ranks per node
+#    (static rendezvous at MASTER_ADDR:MASTER_PORT, global rank 0 on NODE_RANK 0). Rank 0 attaches to
+#    ROLLOUT_URLS (an sglang-router may front them for generation: ROUTER_URL=http://rollout-0:29000) and syncs
+#    weights to every server through a process group the servers join at rank 0's node: its fully qualified
+#    name, or rollout.weight_sync_address=ADDR when that name does not resolve from the rollout nodes.
 #
-# MEGATRON_DIR (optional): a checkpoint from tools/convert_hf_to_megatron.py, for a faster start than
-# resharding the HF safetensors on every launch.
+# Colocated rollouts (servers on the training GPUs) are not supported: the weight-sync group would put a server
+# rank and a trainer rank on one GPU, which NCCL refuses, and SGLang sizes its KV cache from the memory free at
+# its start, which training then needs. Give the servers their own GPUs or nodes (ROLE=rollout).
+#
+# Environment (defaults in brackets):
+#   VENV           required: the environment to run, with CUDA torch, this package and SGLang
+#                  (`pip install -e .[gpu,sglang]`). tools/install.sh's .venv is CPU-only: for CPU tests.
+#   HF_DIR         required: the Hugging Face checkpoint directory (the same path on every node).
+#   NET_IF         the interface the nodes reach each other on (ib0, bond0, eth0): NCCL_SOCKET_IFNAME and
+#                  GLOO_SOCKET_IFNAME. Unset, each library picks one itself, which may be a docker or
+#                  link-local interface the other nodes cannot reach (a hang at the first collective).
+#   IB_HCA         InfiniBand adapters for NCCL (NCCL_IB_HCA, e.g. mlx5_0,mlx5_1); unset: NCCL finds them.
+#                  Any other NCCL_* variable set by the caller (NCCL_IB_GID_INDEX for RoCE, NCCL_IB_DISABLE=1 on
+#                  Ethernet-only clusters, NCCL_DEBUG=INFO) passes through unchanged.
+#   ROLE=train:    CONFIG (required), NNODES [1], NODE_RANK [0], GPUS_PER_NODE [8] (ranks per node),
+#                  MASTER_ADDR [127.0.0.1], MASTER_PORT [29500], ROLLOUT_URLS (required), ROUTER_URL,
+#                  SERVER_WAIT_S [900] (how long to wait for the servers to answer before starting),
+#                  MEGATRON_DIR (a checkpoint of tools/convert_hf_to_megatron.py: a faster start than resharding
+#                  the safetensors at every launch).
+#   ROLE=rollout:  SERVER_TP [8] (GPUs per server), SERVER_HOST [0.0.0.0], SERVER_PORT [30000], DTYPE [bfloat16],
+#                  DEVICE [cuda] (cpu: SGLang's CPU backend with this repo's stand-ins, for tests).
+# Set here for the training ranks (not the servers, which manage their memory and streams themselves):
+#   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True  (unless set) rollouts of every length reshape the activations
+#                  each step; expandable segments keep the caching allocator's fragmentation from growing into an OOM.
+#   CUDA_DEVICE_MAX_CONNECTIONS=1  megatron's TP/SP communication overlap relies on kernels running in the order
+#                  they are issued (one hardware queue).
 set -euo pipefail
-: "${CONFIG:?set CONFIG to an example train.yaml}"
+VENV_HELP="set VENV to the environment to run (CUDA torch + this package + SGLang: pip install -e .[gpu,sglang]);"
+: "${VENV:?$VENV_HELP tools/install.sh builds a CPU-only .venv, for CPU tests}"
 : "${HF_DIR:?set HF_DIR to the Hugging Face checkpoint directory}"
+ROLE="${ROLE:-train}"
+if [[ "${ROLLOUT:-separate}" != separate ]]; then
+  echo "ROLLOUT=${ROLLOUT}: colocated rollouts were removed (see the top of $0); start the servers with" \
+       "ROLE=rollout on their own GPUs or nodes and pass ROLLOUT_URLS" >&2
+  exit 2
+fi
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+if [[ -n "${NET_IF:-}" ]]; then
+  export NCCL_SOCKET_IFNAME="$NET_IF" GLOO_SOCKET_IFNAME="$NET_IF"
+fi
+if [[ -n "${IB_HCA:-}" ]]; then
+  export NCCL_IB_HCA="$IB_HCA"
+fi
+PYTHON="$VENV/bin/python"
+
+case "$ROLE" in
+  rollout)
+    exec "$PYTHON" -m gspo_megatron.rollout.serve --model-path "$HF_DIR" --host "${SERVER_HOST:-0.0.0.0}" \
+      --port "${SERVER_PORT:-30000}" --tp-size "${SERVER_TP:-8}" --dtype "${DTYPE:-bfloat16}" \
+      --device "${DEVICE:-cuda}" "$@"
+    ;;
+  train) ;;
+  *) echo "ROLE must be train or rollout, got $ROLE" >&2; exit 2 ;;
+esac
+
+: "${CONFIG:?set CONFIG to an example train.yaml}"
+: "${ROLLOUT_URLS:?set ROLLOUT_URLS to the SGLang servers (comma separated), started with ROLE=rollout}"
 NNODES="${NNODES:-1}"
 NODE_RANK="${NODE_RANK:-0}"
 GPUS_PER_NODE="${GPUS_PER_NODE:-8}"
-MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
-MASTER_PORT="${MASTER_PORT:-29500}"
-ROLLOUT="${ROLLOUT:-separate}"
-VENV="${VENV:-.venv}"
+overrides=("model.hf_dir=$HF_DIR" "rollout.urls=$ROLLOUT_URLS")
+if [[ -n "${MEGATRON_DIR:-}" ]]; then overrides+=("model.megatron_checkpoint=$MEGATRON_DIR"); fi
+if [[ -n "${ROUTER_URL:-}" ]]; then overrides+=("rollout.server_args={router_url: $ROUTER_URL}"); fi
 
-overrides=("model.hf_dir=$HF_DIR")
-[[ -n "${MEGATRON_DIR:-}" ]] && overrides+=("model.megatron_checkpoint=$MEGATRON_DIR")
-case "$ROLLOUT" in
-  separate)
-    : "${ROLLOUT_URLS:?set ROLLOUT_URLS to the SGLang workers (comma separated)}"
-    overrides+=("rollout.urls=$ROLLOUT_URLS")
-    [[ -n "${ROUTER_URL:-}" ]] && overrides+=("rollout.server_args={router_url: $ROUTER_URL}")
-    ;;
-  colocated)
-    overrides+=("rollout.server_args={dtype: bfloat16, tp_size: $GPUS_PER_NODE, mem_fraction_static: ${SGLANG_MEM_FRACTION:-0.2}}")
-    ;;
-  *) echo "ROLLOUT must be separate or colocated, got $ROLLOUT" >&2; exit 2 ;;
-esac
+export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
+export CUDA_DEVICE_MAX_CONNECTIONS=1
 
 # The layout check and memory estimate first: a wrong layout fails here, not after minutes of start-up.
-"$VENV/bin/gspo-megatron" plan "$CONFIG" --nodes "$NNODES" --gpus-per-node "$GPUS_PER_NODE" "${overrides[@]}" "$@"
+"$PYTHON" -m gspo_megatron.cli plan "$CONFIG" --nodes "$NNODES" --gpus-per-node "$GPUS_PER_NODE" "${overrides[@]}" "$@"
+# Servers started in the same job may still be loading their weights: wait until each generates.
+"$PYTHON" -m gspo_megatron.rollout.serve --wait-for "$ROLLOUT_URLS" --timeout "${SERVER_WAIT_S:-900}"
 
-export CUDA_DEVICE_MAX_CONNECTIONS=1   # megatron's TP/SP comm-compute overlap needs one queue
-exec "$VENV/bin/torchrun" --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$GPUS_PER_NODE" \
-  --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \
-  "$VENV/bin/gspo-megatron" train "$CONFIG" "${overrides[@]}" "$@"
+exec "$PYTHON" -m torch.distributed.run --nnodes "$NNODES" --node-rank "$NODE_RANK" \
+  --nproc-per-node "$GPUS_PER_NODE" --master-addr "${MASTER_ADDR:-127.0.0.1}" --master-port "${MASTER_PORT:-29500}" \
+  -m gspo_megatron.cli train "$CONFIG" "${overrides[@]}" "$@"

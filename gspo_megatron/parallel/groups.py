@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -51,13 +52,21 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def init_distributed(backend: str | None = None) -> None:
-    """Start torch.distributed from the torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT).
+def init_distributed(backend: str | None = None, timeout_s: float | None = None,
+                     control_timeout_s: float | None = None) -> None:
+    """Start torch.distributed from the torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT), and the
+    gloo control group (``parallel.control``) where ranks wait for rank 0's solo work.
 
-    A single process without those variables becomes a world of one on loopback. A machine with GPUs that this
-    torch cannot use is refused here, before any group starts (``environment.check_torch_fits_machine``).
+    ``timeout_s`` bounds every collective of the world group (and, through ``init_model_parallel``, of
+    megatron's groups): on NCCL its watchdog aborts the job past it. ``control_timeout_s`` is the control
+    group's. None: torch's defaults (10 minutes for NCCL, 30 for gloo). A single process without the torchrun
+    variables becomes a world of one on loopback. A machine with GPUs that this torch cannot use is refused here,
+    before any group starts (``environment.check_torch_fits_machine``).
     """
+    from gspo_megatron.parallel import control
+
     if dist.is_initialized():
+        control.init(control_timeout_s)
         return
     from gspo_megatron.environment import check_torch_fits_machine
 
@@ -73,13 +82,15 @@ def init_distributed(backend: str | None = None) -> None:
     backend = backend or default_backend()
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group(backend=backend)
+    dist.init_process_group(backend=backend, timeout=None if timeout_s is None else timedelta(seconds=timeout_s))
+    control.init(control_timeout_s)
 
 
-def init_model_parallel(layout: Layout, seed: int = 1234) -> None:
+def init_model_parallel(layout: Layout, seed: int = 1234, timeout_s: float | None = None) -> None:
     """Build Megatron-Core's TP/PP/EP/CP/DP groups for ``layout`` and seed its RNG tracker.
 
-    On a machine without CUDA this first applies ``patches.megatron_cpu``.
+    ``timeout_s``: the groups' collective timeout (None: megatron's default, 30 minutes). On a machine without
+    CUDA this first applies ``patches.megatron_cpu``.
     """
     from patches import megatron_cpu
 
@@ -97,6 +108,7 @@ def init_model_parallel(layout: Layout, seed: int = 1234) -> None:
         context_parallel_size=layout.context,
         expert_model_parallel_size=layout.expert,
         expert_tensor_parallel_size=layout.expert_tensor,
+        **({} if timeout_s is None else {"distributed_timeout_minutes": timeout_s / 60}),
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
@@ -108,3 +120,6 @@ def destroy() -> None:
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+    from gspo_megatron.parallel import control
+
+    control.reset()

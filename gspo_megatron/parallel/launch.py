@@ -37,7 +37,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, layout, seed, fn, args, kwargs, out_dir, threads):
+def _worker(rank, world_size, port, layout, seed, fn, args, kwargs, out_dir, threads, dist_timeouts):
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -54,7 +54,7 @@ def _worker(rank, world_size, port, layout, seed, fn, args, kwargs, out_dir, thr
     try:
         from gspo_megatron.parallel import groups
 
-        groups.init_distributed()
+        groups.init_distributed(**(dist_timeouts or {}))
         if layout is not None:
             groups.init_model_parallel(layout, seed=seed)
         result = fn(*args, **kwargs)
@@ -72,11 +72,13 @@ def run_on_ranks(
     *args,
     seed: int = 1234,
     timeout: float = 600.0,
+    dist_timeouts: dict | None = None,
     **kwargs,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks under ``layout``; return each rank's result.
 
-    ``layout=None`` starts torch.distributed only (no Megatron groups). Raises ``RankFailed`` naming the
+    ``layout=None`` starts torch.distributed only (no Megatron groups). ``dist_timeouts``: ``timeout_s`` /
+    ``control_timeout_s`` for ``groups.init_distributed`` (torch's defaults if None). Raises ``RankFailed`` naming the
     first failing rank with its traceback, or after ``timeout`` seconds if a rank hangs (the others are
     then killed, so a deadlocked collective cannot hang the test session).
     """
@@ -87,7 +89,7 @@ def run_on_ranks(
         procs = [
             ctx.Process(
                 target=_worker,
-                args=(rank, world_size, port, layout, seed, fn, args, kwargs, out_dir, threads),
+                args=(rank, world_size, port, layout, seed, fn, args, kwargs, out_dir, threads, dist_timeouts),
                 daemon=False,
             )
             for rank in range(world_size)

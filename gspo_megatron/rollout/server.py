@@ -66,11 +66,17 @@ TRAINER_DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GRO
                     "TORCHELASTIC_ERROR_FILE", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
 
 
-def server_env(config: SGLangConfig, gpus: list[int]) -> dict[str, str]:
+def node_env(device: str) -> dict[str, str]:
+    """This process's environment for an SGLang server on ``device``: without the trainer's torchrun variables,
+    and on CPU with the stand-ins of ``patches.sglang_cpu`` leading PYTHONPATH."""
     from patches import sglang_cpu
 
     env = {k: v for k, v in os.environ.items() if k not in TRAINER_DIST_ENV}
-    env = sglang_cpu.server_env(env, config.device)
+    return sglang_cpu.server_env(env, device)
+
+
+def server_env(config: SGLangConfig, gpus: list[int]) -> dict[str, str]:
+    env = node_env(config.device)
     if gpus:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
     if config.device == "cpu" and config.cpu_threads is not None:

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from gspo_megatron.parallel import control
 from gspo_megatron.train.config import Config, ConfigError
 from gspo_megatron.train.data import PromptStream, load_jsonl, task_prompts
 from gspo_megatron.train.policy_step import AlgoConfig
@@ -42,7 +43,7 @@ def prepare_model_dir(cfg: Config) -> Path:
             raise ConfigError(f"model.hf_dir={cfg.model.hf_dir!r} has no config.json and model.tiny is empty")
         if dist.get_rank() == 0:
             build_tiny_model(cfg, hf_dir)
-        dist.barrier()
+        control.barrier()  # the others wait for rank 0's build and warm start where no NCCL watchdog fires
     return hf_dir
 
 

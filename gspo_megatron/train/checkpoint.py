@@ -37,8 +37,12 @@ def _rank() -> int:
 
 
 def _barrier() -> None:
+    """In the control group: the others wait here for rank 0's file-system work (pruning old checkpoints of
+    terabytes can take minutes), where no NCCL watchdog fires."""
     if dist.is_initialized():
-        dist.barrier()
+        from gspo_megatron.parallel import control
+
+        control.barrier()
 
 
 def rng_states() -> dict:

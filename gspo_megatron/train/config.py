@@ -169,6 +169,20 @@ class LoggingConfig:
 
 
 @dataclass
+class DistributedConfig:
+    timeout_s: float = 1800.0
+    """Time limit of every training collective (the world and megatron's groups; NCCL on GPUs, whose watchdog
+    aborts the job past it). It must cover the longest wait inside one: a rank that has written its checkpoint
+    shard waits for the slowest writer, and during weight sync the ranks wait in the export's gathers while rank 0
+    sends one bucket (bounded by the weight sync's own 600 s per call, which must be shorter)."""
+    control_timeout_s: float = 7200.0
+    """Time limit of the waits for rank 0's solo work (``parallel.control``, a gloo group no watchdog watches):
+    a whole rollout or eval, the servers' start, weight-sync set-up. It must exceed the rollout's own limit
+    (``rollout.server_args.rollout_timeout_s``, 3600 s by default), so a stuck rollout fails on rank 0 with
+    an error naming the server instead of timing out elsewhere."""
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -179,6 +193,7 @@ class Config:
     train: TrainSection = field(default_factory=TrainSection)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
 
 # ---- loading ---------------------------------------------------------------------------------------

@@ -27,16 +27,16 @@ from gspo_megatron.train.bootstrap import algo_config, load_prompts, prepare_mod
 
 def train(cfg: Config, resume: bool = False) -> dict:
     """Run ``cfg`` to ``train.steps``; returns the last step's metrics."""
-    groups.init_distributed()
+    groups.init_distributed(timeout_s=cfg.distributed.timeout_s, control_timeout_s=cfg.distributed.control_timeout_s)
     rank0 = dist.get_rank() == 0
     hf_dir = prepare_model_dir(cfg)
-    groups.init_model_parallel(layout_of(cfg), seed=cfg.train.seed)
+    groups.init_model_parallel(layout_of(cfg), seed=cfg.train.seed, timeout_s=cfg.distributed.timeout_s)
     policy = build_policy(cfg, hf_dir)
     reference = build_reference(cfg, policy) if cfg.algo.kl_coef else None
     tokenizer, prompts, eval_prompts = load_prompts(cfg, hf_dir)
     reward_fn = reward_function(cfg)
     algo = algo_config(cfg)
-    engine = rollout_phase.make_engine(cfg, hf_dir, tokenizer) if rank0 else None
+    engine = rollout_phase.make_engine(cfg, hf_dir, tokenizer)  # rank 0's; None elsewhere
     from gspo_megatron.train.metrics_log import MetricsLogger
     from gspo_megatron.train.progress import Progress
 

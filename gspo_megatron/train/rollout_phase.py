@@ -3,10 +3,14 @@
 Rank 0 owns the rollout engine (SGLang servers or the local engine). It samples G responses per prompt,
 scores them and broadcasts the samples and rewards; every rank then builds the same token-aligned batch.
 Weight sync is collective: every rank walks the bridge's export (it gathers over TP/EP), rank 0 sends.
+Whenever the other ranks wait for rank 0's work alone (the engine's start, a rollout, an eval, the servers'
+side of a weight sync) they wait in the control group (``parallel.control``: gloo, with
+``distributed.control_timeout_s``), never in an NCCL collective whose watchdog would abort a long rollout.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,12 +18,19 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from gspo_megatron.train.config import Config
+from gspo_megatron.parallel import control
+from gspo_megatron.train.config import Config, ConfigError
 from gspo_megatron.train.data import Prompt
 
 
 def make_engine(cfg: Config, hf_dir: str | Path, tokenizer):
-    """The configured engine; only global rank 0 calls this."""
+    """The configured engine on global rank 0, None elsewhere (collective: the others wait until it is up)."""
+    engine = _engine(cfg, hf_dir, tokenizer) if dist.get_rank() == 0 else None
+    control.barrier()
+    return engine
+
+
+def _engine(cfg: Config, hf_dir: str | Path, tokenizer):
     from gspo_megatron.rollout import LocalEngine, SGLangConfig, SGLangEngine, WeightSyncConfig
 
     if cfg.rollout.engine == "local":
@@ -29,13 +40,30 @@ def make_engine(cfg: Config, hf_dir: str | Path, tokenizer):
         return LocalEngine(model, tokenizer, seed=cfg.train.seed, version="0")
     server_args = dict(cfg.rollout.server_args)
     server_args.setdefault("seed", cfg.train.seed)
-    return SGLangEngine(SGLangConfig(
+    config = SGLangConfig(
         model_path=str(hf_dir),
         urls=tuple(cfg.rollout.urls),
         request_timeout_s=cfg.rollout.timeout_s,
         weight_sync=WeightSyncConfig(method=cfg.rollout.weight_sync, master_address=cfg.rollout.weight_sync_address),
         **server_args,
-    ))
+    )
+    refuse_colocation(config, trainer_gpus=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return SGLangEngine(config)
+
+
+def refuse_colocation(config, trainer_gpus: int) -> None:
+    """Servers that rank 0 would launch on GPUs its node's training ranks use (GPUs 0..trainer_gpus-1) are refused:
+    the weight-sync group would put a server rank and a trainer rank on one GPU, which NCCL refuses, and SGLang
+    sizes its KV cache from the memory free at its start, which training then needs."""
+    if config.urls or config.device != "cuda":
+        return
+    shared = sorted({gpu for group in config.gpu_groups for gpu in group} & set(range(trainer_gpus)))
+    if shared:
+        raise ConfigError(
+            f"rollout.urls is empty, so rank 0 would launch SGLang servers on GPUs {shared}, which this node's "
+            f"{trainer_gpus} training ranks use: colocated rollouts are not supported. Start servers on their own "
+            "GPUs or nodes (examples/launch_cluster.sh, ROLE=rollout) and set rollout.urls, or launch them past the "
+            f"trainer's GPUs with rollout.server_args.first_gpu={trainer_gpus}")
 
 
 @dataclass
@@ -73,10 +101,10 @@ def _generate_and_score(engine, prompts: list[Prompt], cfg: Config, step: int, t
 
 
 def collect(engine, prompts: list[Prompt], cfg: Config, step: int, tokenizer, reward_fn, pad_multiple: int) -> Rollout:
-    """Rank 0 generates and scores, everyone receives: a collective."""
+    """Rank 0 generates and scores, everyone receives: a collective (the others wait in the control group)."""
     from gspo_megatron.rollout import samples_to_batch
 
-    payload = [None]
+    payload = None
     if dist.get_rank() == 0:
         samples, rewards, seconds, responses = _generate_and_score(
             engine, prompts, cfg, step, tokenizer, reward_fn, cfg.rollout.group_size)
@@ -92,21 +120,19 @@ def collect(engine, prompts: list[Prompt], cfg: Config, step: int, tokenizer, re
             "time/rollout": seconds,
             "example": f"{prompts[0].text!r} -> {responses[0]!r}",
         }
-        payload = [(samples, rewards.values, rewards.valid, metrics)]
-    dist.broadcast_object_list(payload, src=0)
-    samples, values, valid, metrics = payload[0]
+        payload = (samples, rewards.values, rewards.valid, metrics)
+    samples, values, valid, metrics = control.broadcast_from_rank0(payload)
     batch = samples_to_batch(samples, pad_id=0, pad_to_multiple=pad_multiple)
     return Rollout(samples, values, valid, batch, metrics)
 
 
 def evaluate(engine, prompts: list[Prompt], cfg: Config, step: int, tokenizer, reward_fn) -> dict:
     """Mean reward of one response per held-out prompt (rank 0; others get the numbers by broadcast)."""
-    payload = [None]
+    payload = None
     if dist.get_rank() == 0:
         _, rewards, seconds, _ = _generate_and_score(engine, prompts, cfg, -step, tokenizer, reward_fn, 1)
-        payload = [{"eval_reward_mean": float(rewards.values[rewards.valid].mean()), "time/eval": seconds}]
-    dist.broadcast_object_list(payload, src=0)
-    return payload[0]
+        payload = {"eval_reward_mean": float(rewards.values[rewards.valid].mean()), "time/eval": seconds}
+    return control.broadcast_from_rank0(payload)
 
 
 def pipeline_gathered(bridge, model):
@@ -145,15 +171,27 @@ def pipeline_gathered(bridge, model):
 
 
 def sync_weights(policy, engine, version: int) -> dict:
-    """Send the policy's weights to the engine as ``version`` (collective over all ranks)."""
+    """Send the policy's weights to the engine as ``version`` (collective over all ranks).
+
+    Rank 0 talks to the servers before the first tensor (forming the sync group, beginning the update) and after
+    the last (ending it, checking the served version); the others wait for both in the control group. In between
+    they wait in the export's gathers only while rank 0 sends one bucket (``distributed.timeout_s``)."""
     start = time.perf_counter()
-    tensors = pipeline_gathered(policy.bridge, policy.model)
+    tensors = _after_control_barrier(pipeline_gathered(policy.bridge, policy.model))
     if dist.get_rank() == 0:
-        stats = engine.update_weights(tensors, str(version))
+        stats = engine.update_weights(tensors, str(version))  # pulls the first tensor once the servers are ready
         metrics = {f"weight_sync/{k.split('/')[-1]}": v for k, v in stats.metrics().items()}
     else:
         for _ in tensors:  # the export gathers over TP/EP (and PP): every rank walks it in step
             pass
         metrics = {}
+    control.barrier()
     metrics["time/weight_sync"] = time.perf_counter() - start
     return metrics
+
+
+def _after_control_barrier(tensors):
+    """``tensors``, once every rank has reached the control barrier (rank 0 reaches it when the engine asks for
+    the first tensor, after its own set-up)."""
+    control.barrier()
+    yield from tensors

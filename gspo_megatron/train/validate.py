@@ -71,6 +71,30 @@ def validate_model(cfg: Config, hf: dict) -> None:
         _divides(hf["num_hidden_layers"], p.pipeline, "num_hidden_layers", "parallel.pipeline")
 
 
+def validate_timeouts(cfg: Config) -> None:
+    """Each wait must end with the error that explains it: the limits of rank 0's own work (a rollout, a weight-sync
+    call) are shorter than the collective timeouts of the ranks waiting for it."""
+    from gspo_megatron.rollout.config import SGLangConfig, WeightSyncConfig
+
+    d = cfg.distributed
+    for name in ("timeout_s", "control_timeout_s"):
+        value = getattr(d, name)
+        if not (math.isfinite(value) and value > 0):
+            raise ConfigError(f"distributed.{name}={value:g} must be a positive number of seconds")
+    if d.timeout_s <= WeightSyncConfig.timeout_s:
+        raise ConfigError(f"distributed.timeout_s={d.timeout_s:g} must exceed the weight sync's limit per call "
+                          f"({WeightSyncConfig.timeout_s:g} s): the other ranks wait in the export's collectives "
+                          "while rank 0 sends a bucket")
+    if cfg.rollout.engine == "sglang":
+        limit = cfg.rollout.server_args.get("rollout_timeout_s", SGLangConfig.rollout_timeout_s)
+        if isinstance(limit, bool) or not isinstance(limit, (int, float)):
+            raise ConfigError(f"rollout.server_args.rollout_timeout_s={limit!r} must be a number of seconds")
+        if d.control_timeout_s <= limit:
+            raise ConfigError(f"distributed.control_timeout_s={d.control_timeout_s:g} must exceed the rollout's "
+                              f"limit (rollout.server_args.rollout_timeout_s={limit:g}): the other ranks wait that "
+                              "long for rank 0's rollout; raise distributed.control_timeout_s")
+
+
 def validate(cfg: Config, world_size: int, hf: dict | None = None) -> None:
     a, r, o = cfg.algo, cfg.rollout, cfg.optimizer
     _one_of(a.name, ALGORITHMS, "algo.name")
@@ -96,6 +120,7 @@ def validate(cfg: Config, world_size: int, hf: dict | None = None) -> None:
         _positive(getattr(r, name), f"rollout.{name}")
     _positive(a.minibatches, "algo.minibatches")
     _positive(o.lr, "optimizer.lr") if o.lr != 0 else None
+    validate_timeouts(cfg)
     dp = validate_layout(cfg, world_size)
     if hf is not None:
         validate_model(cfg, hf)

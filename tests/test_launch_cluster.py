@@ -1,0 +1,152 @@
+"""examples/launch_cluster.sh, run as on a cluster, on one machine: a rollout node and two training nodes.
+
+The script's own command lines: ROLE=rollout starts the SGLang server (CPU backend, float32) and, at the same
+time, two training "nodes" (two torchrun agents, NNODES=2, two gloo ranks each, rendezvous at 127.0.0.1) wait until
+it generates, then train the tiny CPU example under TP=2 x EP=2 (data parallel across the nodes) for two steps
+attached to that server. Each step syncs the
+updated shards to the server; the rollout's log-probs then equal the trainer's only if the synced weights are the
+trained ones, and the server must report the second weight version. The callers' GLOO_SOCKET_IFNAME names an
+interface that does not exist: the run only works if the script's NET_IF reaches every rank and the server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gspo_megatron.parallel.launch import free_port
+from tests.rollout.helpers import require_sglang
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "examples/launch_cluster.sh"
+EXAMPLE = ROOT / "examples/tiny_moe_cpu.yaml"
+
+
+def _tail(path: Path, lines: int = 40) -> str:
+    text = path.read_text(errors="replace").splitlines() if path.exists() else ["(no log)"]
+    return "\n".join(line[:300] for line in text[-lines:])
+
+
+def _stop(process: subprocess.Popen) -> None:
+    """Kill the process group the script started (the server and its workers, or an agent and its ranks)."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait(timeout=30)
+
+
+def test_two_training_nodes_and_a_rollout_node(tmp_path):
+    require_sglang()
+    from gspo_megatron.rollout.synthetic import save_tiny_model
+
+    model = save_tiny_model(tmp_path / "model", seed=0, **yaml.safe_load(EXAMPLE.read_text())["model"]["tiny"])
+    server_port, master_port = free_port(), free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(VENV=sys.prefix, HF_DIR=str(model), NET_IF="lo", OMP_NUM_THREADS="1",
+               GLOO_SOCKET_IFNAME="no-such-if0", NCCL_SOCKET_IFNAME="no-such-if0")
+    logs = {name: tmp_path / f"{name}.log" for name in ("rollout", "node0", "node1")}
+    processes = {}
+
+    def start(name: str, args: list[str], **extra: str) -> None:
+        with open(logs[name], "wb") as log:
+            processes[name] = subprocess.Popen(["bash", str(SCRIPT), *args], cwd=ROOT, env=dict(env, **extra),
+                                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    try:
+        start("rollout", ["--max-total-tokens", "8192", "--sleep-on-idle", "--random-seed", "0"], ROLE="rollout",
+              DEVICE="cpu", DTYPE="float32", SERVER_TP="1", SERVER_PORT=str(server_port))
+        overrides = ["parallel.tensor=2", "parallel.expert=2", "train.steps=2", "train.eval_every=2",
+                     "rollout.prompts_per_step=4", "parallel.micro_batch_size=8", f"logging.dir={tmp_path / 'run'}",
+                     "checkpoint.dir=", "logging.plot_every=0"]
+        # Both nodes start while the server loads: rank 0 waits for it to answer (as on a cluster).
+        for node in (0, 1):
+            start(f"node{node}", overrides, CONFIG=str(EXAMPLE), NNODES="2", NODE_RANK=str(node), GPUS_PER_NODE="2",
+                  MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port),
+                  ROLLOUT_URLS=f"http://127.0.0.1:{server_port}")
+        deadline = time.monotonic() + 600
+        for node in ("node0", "node1"):
+            try:
+                code = processes[node].wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                code = "timed out"
+            assert code == 0, f"{node}: {code}\n{_tail(logs[node])}\n--- rollout:\n{_tail(logs['rollout'], 15)}"
+
+        records = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in records] == [1, 2]
+        # Step 2 rolls out with the weights synced after step 1's update, gathered from TP x EP shards on two nodes.
+        assert all(r["logprob_diff_max"] < 1e-4 for r in records), [r["logprob_diff_max"] for r in records]
+        assert all(r["weight_sync/tensors"] > 0 for r in records) and "eval_reward_mean" in records[1]
+        assert records[0]["grad_norm"] > 0  # the update moved the weights the server must then serve
+        with urllib.request.urlopen(f"http://127.0.0.1:{server_port}/model_info", timeout=30) as answer:
+            assert json.load(answer)["weight_version"] == "2"
+    finally:
+        for process in processes.values():
+            _stop(process)
+
+
+def test_script_names_what_is_missing_and_refuses_colocation(tmp_path):
+    def run(**env):
+        base = {k: v for k, v in os.environ.items() if k not in ("VENV", "HF_DIR", "ROLLOUT", "CONFIG", "ROLLOUT_URLS")}
+        return subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, env=dict(base, **env), capture_output=True, text=True,
+                              timeout=60)
+
+    out = run(HF_DIR=str(tmp_path))
+    assert out.returncode != 0 and "set VENV to the environment to run (CUDA torch" in out.stderr
+    out = run(VENV=sys.prefix, HF_DIR=str(tmp_path), ROLLOUT="colocated")
+    assert out.returncode == 2 and "ROLLOUT=colocated: colocated rollouts were removed" in out.stderr
+    out = run(VENV=sys.prefix, HF_DIR=str(tmp_path), ROLE="trainer")
+    assert out.returncode == 2 and "ROLE must be train or rollout, got trainer" in out.stderr
+
+
+def test_servers_launched_on_the_training_gpus_are_refused(tmp_path):
+    from gspo_megatron.rollout import SGLangConfig
+    from gspo_megatron.train.config import ConfigError
+    from gspo_megatron.train.rollout_phase import refuse_colocation
+
+    two_servers = SGLangConfig(model_path=str(tmp_path), device="cuda", tp_size=4, num_servers=2)  # GPUs 0-7
+    with pytest.raises(ConfigError, match=r"GPUs \[0, 1\], which this node's 2 training ranks use.*"
+                                          r"rollout.server_args.first_gpu=2"):
+        refuse_colocation(two_servers, trainer_gpus=2)
+    refuse_colocation(SGLangConfig(model_path=str(tmp_path), device="cuda", tp_size=4, first_gpu=4), trainer_gpus=4)
+    refuse_colocation(SGLangConfig(urls=("http://rollout-0:30000",), device="cuda"), trainer_gpus=8)
+    refuse_colocation(SGLangConfig(model_path=str(tmp_path), device="cpu"), trainer_gpus=8)
+
+
+def test_waiting_for_a_server_that_never_answers_names_it():
+    from gspo_megatron.rollout.serve import wait_for
+
+    url = f"http://127.0.0.1:{free_port()}"
+    start = time.monotonic()
+    with pytest.raises(SystemExit, match=f"serve: {url} not ready after 2 s \\(--timeout\\): .*refuses connections"):
+        wait_for([url], timeout_s=2.0, poll_s=0.2)
+    assert time.monotonic() - start < 10
+
+
+H100_GIB = 81559 / 1024  # what an H100 80 GB reports
+SGLANG_STATIC_FRACTION = 0.82  # SGLang 0.5.23's default --mem-fraction-static on it at TP 4-16 (weights + KV cache)
+
+
+@pytest.mark.parametrize("example", ["qwen3_30b_a3b", "qwen3_235b_a22b"])
+def test_documented_rollout_servers_fit_their_gpus(example):
+    """Every SERVER_TP in the example's README leaves SGLang at least 5 GiB of KV cache per GPU next to the bf16
+    weights (235B at --tp 4 would need 110 GiB per GPU for the weights alone)."""
+    from gspo_megatron.train.plan import ModelDims
+
+    directory = ROOT / "examples" / example
+    params = ModelDims.from_hf_config(json.loads((directory / "hf_config/config.json").read_text())).total_params
+    sizes = {int(tp) for tp in re.findall(r"SERVER_TP=(\d+)", (directory / "README.md").read_text())}
+    assert sizes, f"{example}/README.md documents no server command (SERVER_TP=...)"
+    for tp in sizes:
+        weights_gib = params * 2 / tp / 2**30
+        assert SGLANG_STATIC_FRACTION * H100_GIB - weights_gib >= 5, (example, tp, weights_gib)
