@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
         "layout of the config. Every incompatibility is checked before any process group starts.",
     )
     train.add_argument("config", help="YAML config, e.g. examples/tiny_moe_cpu.yaml (sections: model, parallel, "
-                       "rollout, algo, optimizer, data, train, checkpoint, logging)")
+                       "rollout, algo, optimizer, data, train, checkpoint, logging, distributed)")
     train.add_argument("overrides", nargs="*", help="section.field=value overrides, e.g. parallel.tensor=2 algo.name=grpo")
     train.add_argument("--resume", action="store_true", help="continue from checkpoint.dir's latest checkpoint")
     plan = sub.add_parser(
