@@ -7,19 +7,24 @@ loss) and the most loaded is reported. Sizes per rank: t = TP, x = expert-TP, e 
 d = world / (t*c*p) (dense data-parallel), expert-DP = world / (x*e*p); a = bytes per parameter and activation
 (bf16 2, fp32 4).
 
-state (``StageMemory.params`` ...)
+state (``StageMemory``)
   params     a B per local parameter: attention, dense MLP, embedding / output layer split over t (norms and
              routers replicated), experts over e*x, layers over p.
   grads      4 B per local parameter: DDP's fp32 gradient buffer (grad_reduce_in_fp32).
   optimizer  Adam's fp32 moments, and an fp32 master copy when parameters are bf16 (8 or 12 B per parameter),
              sharded over d*c (dense) and expert-DP (experts) by the distributed optimizer.
   reference  the frozen KL reference model (algo.kl_coef > 0): a second a-byte copy of the local parameters.
-activations  what autograd keeps for backward per micro batch (``layer_activations``), times the micro batches in
-             flight: 1F1B keeps min(p - stage, micro batches) on a stage.
-working      the largest transient on top of them: one layer being recomputed or back-propagated (its activations
-             without recompute, plus its output gradient), or on the last stage the fused loss op's buffers.
+  workspace  (local spec) megatron's global buffer, left at its largest request: the unfused attention's scores.
+activations  what autograd keeps for backward per micro batch (``layer_activations``, tensor by tensor, for the
+             configured recompute), times the micro batches in flight: 1F1B keeps min(p - stage, micro batches).
+working      the largest transient on top of them, at the point of the step where it occurs: the attention
+             core's forward, an MLP or attention block's backward (re-creating what recompute dropped), a
+             recomputed chunk's backward, or the fused loss op (last stage). See ``_stage_activations``.
 overhead     GPU-only, fixed: the CUDA context with cuBLAS/TE workspaces, NCCL's communicator buffers, and the
              caching allocator's slack (see ``Overhead``).
+
+Checked against live tensor bytes of real CPU steps (``memory_probe``, bench/plan_memory.py) for the local spec;
+the te tables follow TransformerEngine's code and have not been measured (no GPU).
 
 Tokens: a micro batch is ``b`` rows of the padded length ``s`` (the batcher pads every row to the rollout's longest,
 which with hundreds of samples is max_prompt_tokens + max_new_tokens), N = s*b/c per CP rank; under sequence
@@ -123,8 +128,7 @@ def attention_activations(spec: ModelSpec, m: Micro, impl: str, recompute: froze
         # Unfused attention: q and the GQA-expanded k and v as bmm operands, the fp32 softmax output and its
         # cast to a (the same tensor when a = 4), the [s, s] causal mask.
         out["q_k_v_bmm"] = n * a * 3 * q
-        scores = m.b * heads * (m.s / m.cp) ** 2
-        out["softmax"] = scores * (4 + (a if a != 4 else 0))
+        out["softmax"] = _scores(spec, m) * (4 + (a if a != 4 else 0))
         out["causal_mask"] = (m.s / m.cp) ** 2
     out["context"] = n * a * q  # the out-projection's input
     return out
@@ -178,7 +182,7 @@ def attention_transients(spec: ModelSpec, m: Micro, impl: str) -> tuple[float, f
     qkv_grads = m.tokens / m.tp * a * (spec.num_attention_heads * d + 2 * spec.num_key_value_heads * d)
     if impl == "local":
         scores = _scores(spec, m)
-        forward = scores * (a + 4 + (a if a != 4 else 0) + (4 if a != 4 else 0))
+        forward = scores * (a + 4 + (4 + a if a != 4 else 0))
         return forward, scores * (16 if a == 4 else 12) + qkv_grads
     return 0.0, 2 * qkv_grads
 
