@@ -161,16 +161,15 @@ def measure_training_memory(cfg, hf_dir: str, seq_len: int, update_steps: int = 
     second is the steady state) and ``state`` (after the last step: weights, gradients and optimizer state).
     """
     import gc
+    from pathlib import Path
 
+    from gspo_megatron.model.hf_config import read_hf_config
     from gspo_megatron.train import loop
     from gspo_megatron.train.bootstrap import algo_config
     from gspo_megatron.train.policy import build_policy, build_reference
     from gspo_megatron.train.policy_step import update_step
 
     algo = algo_config(cfg)
-    from gspo_megatron.model.hf_config import read_hf_config
-    from pathlib import Path
-
     batch = synthetic_rollout(cfg, read_hf_config(Path(hf_dir) / "config.json").vocab_size, seq_len)
     out: dict = {"update_peaks": []}
     with peak_memory() as mem:

@@ -13,8 +13,7 @@ from pathlib import Path
 
 from gspo_megatron.train.config import Config, ConfigError
 from gspo_megatron.train.memory import (
-    GIB, MemoryEstimate, Overhead, StageMemory, estimate_memory, micro_batches_per_step, model_parameters,
-    padded_length,
+    GIB, MemoryEstimate, Overhead, StageMemory, estimate_memory, model_parameters, padded_length,
 )
 
 H100_GIB = 79.1
@@ -173,5 +172,3 @@ def format_plan(cfg: Config, world_size: int, gpu_memory_gib: float = H100_GIB, 
     lines += memory_lines(cfg, estimate, world_size, gpu_memory_gib)
     return "\n".join(lines)
 
-
-__all__ = ["format_plan", "rank_groups", "read_hf_config", "micro_batches_per_step", "H100_GIB"]
