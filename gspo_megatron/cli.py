@@ -39,7 +39,7 @@ def _plan(args) -> int:
 
     cfg = load_config(args.config, args.overrides)
     world = args.nodes * args.gpus_per_node if args.gpus_per_node else int(os.environ.get("WORLD_SIZE", "1"))
-    print(format_plan(cfg, world, args.gpu_memory_gb))
+    print(format_plan(cfg, world, args.gpu_memory_gib, impl=args.layer_spec))
     return 0
 
 
@@ -63,14 +63,22 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", action="store_true", help="continue from checkpoint.dir's latest checkpoint")
     plan = sub.add_parser(
         "plan", help="print the resolved parallel layout and per-GPU memory estimate",
-        description="The ranks of every TP/PP/EP/CP/DP group (as megatron-core builds them) and an estimate of "
-        "per-GPU memory for parameters, gradients, optimizer state and activations.",
+        description="The ranks of every TP/PP/EP/CP/DP group (as megatron-core builds them) and the per-GPU memory "
+        "of the most loaded rank: parameters, gradients, optimizer state, the KL reference, activations for the "
+        "configured recompute and padded length, the peak working set, allocator slack and CUDA/NCCL overhead, "
+        "with the assumptions it rests on.",
     )
+    from gspo_megatron.train.plan import H100_GIB
+
     plan.add_argument("config")
     plan.add_argument("overrides", nargs="*", help="section.field=value overrides")
     plan.add_argument("--nodes", type=int, default=1)
     plan.add_argument("--gpus-per-node", type=int, default=0, help="default: $WORLD_SIZE (or 1) ranks in all")
-    plan.add_argument("--gpu-memory-gb", type=float, default=80.0, help="per-GPU memory (H100: 80)")
+    plan.add_argument("--gpu-memory-gib", type=float, default=H100_GIB,
+                      help=f"per-GPU memory as torch reports it (H100 80 GB: {H100_GIB})")
+    plan.add_argument("--layer-spec", choices=("te", "local"), default="te",
+                      help="te: TransformerEngine layers, what GPU runs build (default); local: megatron's local "
+                      "spec (torch norms, unfused attention), what CPU runs build")
     from gspo_megatron import score
 
     score.add_arguments(sub.add_parser("score", help="log-likelihood of responses under a model (JSONL in, JSONL out)"))

@@ -59,6 +59,24 @@ class ParallelConfig:
 
 
 @dataclass
+class RecomputeConfig:
+    """Activation recompute (megatron's recompute_* fields); ``plan`` counts activations for exactly this."""
+
+    granularity: str = "none"
+    """none (megatron's default: keep every activation), selective (recompute ``modules`` in backward) or full
+    (whole layers: ``method``, ``num_layers``). Not selective core_attn by default: TransformerEngine's flash
+    attention keeps no score matrix, so recomputing it would cost time for nothing (megatron warns)."""
+    modules: list = field(default_factory=lambda: ["core_attn"])
+    """For selective: core_attn (attention scores and softmax), moe (whole MoE layers: the routed experts'
+    activations, the largest part at long sequences), mlp (dense MLPs), layernorm (needs TransformerEngine)."""
+    method: str = "uniform"
+    """For full: uniform (keep the input of every chunk of ``num_layers`` layers, recompute each chunk in
+    backward) or block (recompute the first ``num_layers`` layers of each pipeline stage, keep the others whole)."""
+    num_layers: int = 1
+    """For full: layers per recomputed chunk (uniform) or recomputed layers per pipeline stage (block)."""
+
+
+@dataclass
 class RolloutConfig:
     engine: str = "sglang"
     """sglang (servers launched by us on loopback or ``urls``) or local (in-process sampling)."""
@@ -186,6 +204,7 @@ class DistributedConfig:
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algo: AlgoSection = field(default_factory=AlgoSection)
     optimizer: OptimizerSection = field(default_factory=OptimizerSection)

@@ -1,105 +1,41 @@
-"""``gspo-megatron plan``: the resolved parallel layout and a per-GPU memory estimate, before launching.
+"""``gspo-megatron plan``: the resolved parallel layout and the per-GPU memory, before launching.
 
 Ranks per group come from megatron-core's own ``RankGenerator`` (order tp-cp-ep-dp-pp, as
-``initialize_model_parallel`` uses), so what is printed is what the run will build.
-
-Memory per GPU, for the most loaded rank (the first pipeline stage holds the embedding and the most
-in-flight micro batches; the last holds the output layer):
-- parameters: bf16 (2 B) or fp32 (4 B) per parameter held; dense weights are split over TP (and layers
-  over PP), experts over EP x expert-TP;
-- gradients: fp32 main grads (4 B/param; megatron's grad_reduce_in_fp32);
-- optimizer: Adam fp32 master weights + two moments (12 B/param), divided over the data-parallel group
-  (expert-data-parallel for experts) with the distributed optimizer;
-- activations: per layer and micro batch, 34*s*b*h / tp bytes for the transformer block with sequence
-  parallelism and selective recompute (Korthikanti et al. 2022) plus the routed expert activations
-  (top-k * s*b * (h + 3 * moe_ffn) * 2 B / (EP*expert-TP)), times the layers on the stage and the
-  micro batches in flight under 1F1B (up to PP on the first stage). Log-probs use the fused op, so no
-  [tokens, vocab] logits appear: one chunk buffer (256 MiB) is added instead.
-These are estimates (allocator fragmentation, NCCL buffers and the CUDA context add a few GB).
+``initialize_model_parallel`` uses), so what is printed is what the run will build. Memory is counted by
+``train.memory`` for the run's settings (recompute, padded length, micro batches in flight, KL reference), and
+printed with those assumptions and per component.
 """
 
 from __future__ import annotations
 
 import json
-import math
-from dataclasses import dataclass
 from pathlib import Path
 
 from gspo_megatron.train.config import Config, ConfigError
+from gspo_megatron.train.memory import (
+    GIB, MemoryEstimate, Overhead, StageMemory, estimate_memory, model_parameters, padded_length,
+)
 
-GIB = 1024**3
+H100_GIB = 79.1
+"""What torch reports as an H100 80 GB's total capacity (``torch.cuda.get_device_properties(0).total_memory``)."""
 
-
-@dataclass
-class ModelDims:
-    """The sizes the estimate needs, read from a Hugging Face config.json."""
-
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    ffn: int
-    moe_ffn: int
-    experts: int
-    topk: int
-    vocab: int
-    tied: bool
-    moe_layers: int
-
-    @classmethod
-    def from_hf_config(cls, hf: dict) -> "ModelDims":
-        try:
-            hidden, layers, heads = hf["hidden_size"], hf["num_hidden_layers"], hf["num_attention_heads"]
-        except KeyError as missing:
-            raise ConfigError(f"HF config is missing {missing}") from None
-        experts = hf.get("num_experts") or hf.get("num_local_experts") or 0
-        mlp_only = set(hf.get("mlp_only_layers") or [])
-        step = hf.get("decoder_sparse_step", 1) or 1
-        moe_layers = sum(1 for i in range(layers) if experts and i not in mlp_only and (i + 1) % step == 0)
-        return cls(
-            hidden=hidden,
-            layers=layers,
-            heads=heads,
-            kv_heads=hf.get("num_key_value_heads", heads),
-            head_dim=hf.get("head_dim") or hidden // heads,
-            ffn=hf.get("intermediate_size", 4 * hidden),
-            moe_ffn=hf.get("moe_intermediate_size", 0),
-            experts=experts,
-            topk=hf.get("num_experts_per_tok", 0),
-            vocab=hf["vocab_size"],
-            tied=bool(hf.get("tie_word_embeddings", False)),
-            moe_layers=moe_layers,
-        )
-
-    @property
-    def attention_params(self) -> int:
-        q = self.hidden * self.heads * self.head_dim
-        kv = 2 * self.hidden * self.kv_heads * self.head_dim
-        return q + kv + self.heads * self.head_dim * self.hidden + 2 * self.hidden + 2 * self.head_dim
-
-    @property
-    def expert_params_per_layer(self) -> int:
-        return self.experts * 3 * self.hidden * self.moe_ffn
-
-    @property
-    def total_params(self) -> int:
-        dense_mlp = (self.layers - self.moe_layers) * 3 * self.hidden * self.ffn
-        moe = self.moe_layers * (self.expert_params_per_layer + self.experts * self.hidden)
-        embeddings = self.vocab * self.hidden * (1 if self.tied else 2)
-        return self.layers * self.attention_params + dense_mlp + moe + embeddings + self.hidden
-
-    @property
-    def active_params(self) -> int:
-        inactive = self.moe_layers * (self.experts - self.topk) * 3 * self.hidden * self.moe_ffn
-        return self.total_params - inactive
+ACTIVATION_GROUPS = {
+    "routed experts": ("mlp.router", "mlp.routed_tokens", "mlp.experts"),
+    "dense MLPs": ("mlp.mlp",),
+    "attention": ("qkv", "qk_norm", "q_k_rotated", "q_k_v_bmm", "softmax", "causal_mask", "context", "rope_tables"),
+    "norms": ("input_norm", "mlp.pre_mlp_norm", "final_norm"),
+    "recomputed layers' inputs": ("recompute_inputs",),
+}
 
 
 def read_hf_config(cfg: Config) -> dict:
+    """The model's Hugging Face config: ``model.hf_dir``'s config.json, or the one ``model.tiny`` builds."""
     if cfg.model.hf_dir and (Path(cfg.model.hf_dir) / "config.json").is_file():
         return json.loads((Path(cfg.model.hf_dir) / "config.json").read_text())
     if cfg.model.tiny:
-        return dict(cfg.model.tiny)
+        from gspo_megatron.rollout.synthetic import tiny_qwen3_moe_config
+
+        return tiny_qwen3_moe_config(**cfg.model.tiny).to_dict()
     raise ConfigError(
         f"model.hf_dir={cfg.model.hf_dir!r} has no config.json (and model.tiny is empty): point it at a "
         "Hugging Face model directory"
@@ -127,69 +63,102 @@ def rank_groups(world_size: int, cfg: Config) -> dict[str, list[list[int]]]:
     }
 
 
-@dataclass
-class MemoryEstimate:
-    params_gib: float
-    grads_gib: float
-    optimizer_gib: float
-    activations_gib: float
-
-    @property
-    def total_gib(self) -> float:
-        return self.params_gib + self.grads_gib + self.optimizer_gib + self.activations_gib
+def _gib(value: float) -> str:
+    return f"{value / GIB:8.2f} GiB" if value >= 0.1 * GIB or value == 0 else f"{value / 2**20:8.2f} MiB"
 
 
-def estimate_memory(dims: ModelDims, cfg: Config, world_size: int, seq_len: int) -> MemoryEstimate:
+def _recompute(cfg: Config) -> str:
+    r = cfg.recompute
+    if r.granularity == "selective":
+        return f"selective, modules {list(r.modules)}"
+    if r.granularity == "full":
+        return f"full, method {r.method}, {r.num_layers} layer(s)"
+    return "none (every activation kept)"
+
+
+def _activation_breakdown(stage: StageMemory) -> str:
+    per_micro = stage.activation_terms
+    parts = []
+    for group, names in ACTIVATION_GROUPS.items():
+        value = sum(per_micro.get(name, 0.0) for name in names)
+        if value:
+            parts.append(f"{group} {value / GIB:.2f}")
+    return ", ".join(parts)
+
+
+def memory_lines(cfg: Config, estimate: MemoryEstimate, world_size: int, gpu_memory_gib: float) -> list[str]:
+    """The assumptions, the most loaded rank's components, and the verdict."""
     p = cfg.parallel
-    tp, pp, cp, ep = p.tensor, p.pipeline, p.context, p.expert
-    etp = p.expert_tensor or tp
-    dp = world_size // (tp * pp * cp)
-    edp = world_size // (etp * ep * pp)
-    layers_per_stage = math.ceil(dims.layers / pp)
-    moe_layers_per_stage = math.ceil(dims.moe_layers / pp)
-    dense_layers_per_stage = layers_per_stage - moe_layers_per_stage
+    o = estimate.overhead
+    worst = estimate.worst
+    etp = p.expert_tensor or p.tensor
+    dp_cp = world_size // (p.tensor * p.pipeline)
+    edp = world_size // (etp * p.expert * p.pipeline)
+    impl = ("TransformerEngine spec (fused norms, flash attention)" if estimate.impl == "te"
+            else "megatron's local spec (torch norms, unfused attention)")
+    lines = [
+        "assumptions:",
+        f"  layers       {impl}, {cfg.model.dtype}",
+        f"  sequences    every micro batch padded to {estimate.seq_len} tokens (rollout.max_prompt_tokens + "
+        "max_new_tokens: rows are padded to the rollout's longest)",
+        f"  micro batch  {p.micro_batch_size} sequence(s); {estimate.micro_batches} per minibatch per data-parallel "
+        f"rank; in flight (1F1B): "
+        + ", ".join(f"{st.micro_batches_in_flight} on the {st.stage} stage" for st in estimate.stages),
+        f"  recompute    {_recompute(cfg)}",
+        "  KL reference " + ("a frozen copy of the weights (algo.kl_coef > 0)" if cfg.algo.kl_coef > 0
+                             else "none (algo.kl_coef = 0)"),
+        f"  overhead     CUDA context {o.cuda_context_gib:.1f} GiB + NCCL {o.nccl_gib:.1f} GiB, allocator slack "
+        f"{o.allocator_slack:.0%} of the tensors (train.memory.Overhead)",
+    ]
+    lines += [f"  note         {note}" for note in estimate.notes]
+    optimizer = "distributed: dense over DP x CP " + f"{dp_cp}, experts over expert-DP {edp}" \
+        if p.distributed_optimizer else "not distributed"
+    per_micro = worst.activations / max(1, worst.micro_batches_in_flight)
+    lines += [
+        f"memory per GPU, most loaded rank ({worst.stage} pipeline stage):",
+        f"  parameters   {_gib(worst.params)}",
+        f"  gradients    {_gib(worst.grads)}  (fp32 buffer)",
+        f"  optimizer    {_gib(worst.optimizer)}  ({optimizer})",
+    ]
+    if worst.reference:
+        lines.append(f"  reference    {_gib(worst.reference)}  (KL reference model)")
+    if worst.workspace:
+        lines.append(f"  workspace    {_gib(worst.workspace)}  (megatron's global buffer: unfused attention scores)")
+    lines += [
+        f"  activations  {_gib(worst.activations)}  ({worst.micro_batches_in_flight} x {per_micro / GIB:.2f} GiB: "
+        f"{_activation_breakdown(worst)})",
+        f"  working      {_gib(worst.working)}  (peak on top: {worst.working_what})",
+        f"  tensors      {_gib(worst.tensors)}  (what torch.cuda.max_memory_allocated would show)",
+        f"  slack        {_gib(estimate.slack_bytes)}",
+        f"  CUDA + NCCL  {_gib(estimate.fixed_bytes)}",
+    ]
+    fits = estimate.total_bytes <= gpu_memory_gib * GIB
+    lines.append(f"  total        {_gib(estimate.total_bytes)} of {gpu_memory_gib:.1f} GiB: "
+                 + ("fits" if fits else "DOES NOT FIT"))
+    others = [st for st in estimate.stages if st is not worst]
+    for st in others:
+        lines.append(f"  ({st.stage} stage: tensors {st.tensors / GIB:.2f} GiB)")
+    return lines
 
-    dense = layers_per_stage * dims.attention_params + dense_layers_per_stage * 3 * dims.hidden * dims.ffn
-    dense += moe_layers_per_stage * dims.experts * dims.hidden  # routers (replicated over TP)
-    dense += dims.vocab * dims.hidden * (1 if pp > 1 or dims.tied else 2)  # embedding (and output layer)
-    dense_per_rank = dense / tp
-    expert_per_rank = moe_layers_per_stage * dims.expert_params_per_layer / (ep * etp)
 
-    param_bytes = 2 if cfg.model.dtype == "bfloat16" else 4
-    params = (dense_per_rank + expert_per_rank) * param_bytes
-    grads = (dense_per_rank + expert_per_rank) * 4
-    if p.distributed_optimizer:
-        optimizer = 12 * (dense_per_rank / dp + expert_per_rank / edp)
-    else:
-        optimizer = 12 * (dense_per_rank + expert_per_rank)
-    if param_bytes == 4:
-        optimizer -= 4 * (dense_per_rank / (dp if p.distributed_optimizer else 1))  # fp32 params are the master copy
-        optimizer -= 4 * (expert_per_rank / (edp if p.distributed_optimizer else 1))
-
-    tokens = seq_len * p.micro_batch_size / cp
-    block = 34 * tokens * dims.hidden / tp
-    routed = dims.topk * tokens * (dims.hidden + 3 * dims.moe_ffn) * 2 / (ep * etp) if dims.experts else 0
-    in_flight = min(pp, max(1, cfg.rollout.prompts_per_step * cfg.rollout.group_size // max(1, cfg.algo.minibatches)
-                            // max(1, dp * p.micro_batch_size)))
-    activations = in_flight * (layers_per_stage * block + moe_layers_per_stage * routed) + 256 * 1024**2
-    return MemoryEstimate(params / GIB, grads / GIB, optimizer / GIB, activations / GIB)
-
-
-def format_plan(cfg: Config, world_size: int, gpu_memory_gib: float = 80.0) -> str:
+def format_plan(cfg: Config, world_size: int, gpu_memory_gib: float = H100_GIB, impl: str = "te",
+                overhead: Overhead = Overhead()) -> str:
+    from gspo_megatron.model.hf_config import read_hf_config as model_spec
     from gspo_megatron.train.validate import validate
 
     hf = read_hf_config(cfg)
-    dims = ModelDims.from_hf_config(hf)
     validate(cfg, world_size, hf)
-    seq_len = cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens
+    spec = model_spec(hf)
+    total, active = model_parameters(spec)
     groups = rank_groups(world_size, cfg)
-    mem = estimate_memory(dims, cfg, world_size, seq_len)
+    estimate = estimate_memory(spec, cfg, world_size, padded_length(cfg), impl=impl, overhead=overhead)
     p = cfg.parallel
     dp = world_size // (p.tensor * p.pipeline * p.context)
+    moe_layers = sum(spec.moe_layers) if spec.moe_layers else 0
     lines = [
-        f"model: {hf.get('model_type', '?')}  {dims.total_params / 1e9:.2f}B parameters "
-        f"({dims.active_params / 1e9:.2f}B active), {dims.layers} layers ({dims.moe_layers} MoE, "
-        f"{dims.experts} experts, top-{dims.topk}), vocab {dims.vocab}",
+        f"model: {hf.get('model_type', '?')}  {total / 1e9:.2f}B parameters ({active / 1e9:.2f}B active), "
+        f"{spec.num_layers} layers ({moe_layers} MoE, {spec.num_experts} experts, top-{spec.moe_topk}), "
+        f"vocab {spec.vocab_size}",
         f"world: {world_size} ranks = TP {p.tensor} x CP {p.context} x PP {p.pipeline} x DP {dp}; "
         f"experts: EP {p.expert} x expert-TP {p.expert_tensor or p.tensor} x expert-DP "
         f"{world_size // ((p.expert_tensor or p.tensor) * p.expert * p.pipeline)}",
@@ -200,13 +169,6 @@ def format_plan(cfg: Config, world_size: int, gpu_memory_gib: float = 80.0) -> s
 
         shown = ", ".join(fmt(g) for g in ranks[:4]) + (f", ... ({len(ranks)} groups)" if len(ranks) > 4 else "")
         lines.append(f"  {name:<14} groups: {shown}")
-    lines += [
-        f"memory per GPU (most loaded rank; sequences up to {seq_len} tokens, micro batch {p.micro_batch_size}):",
-        f"  parameters  {mem.params_gib:8.2f} GiB",
-        f"  gradients   {mem.grads_gib:8.2f} GiB",
-        f"  optimizer   {mem.optimizer_gib:8.2f} GiB" + ("  (distributed)" if p.distributed_optimizer else ""),
-        f"  activations {mem.activations_gib:8.2f} GiB",
-        f"  total       {mem.total_gib:8.2f} GiB of {gpu_memory_gib:.0f} GiB: "
-        + ("fits" if mem.total_gib <= 0.9 * gpu_memory_gib else "DOES NOT FIT (keep ~10% headroom)"),
-    ]
+    lines += memory_lines(cfg, estimate, world_size, gpu_memory_gib)
     return "\n".join(lines)
+

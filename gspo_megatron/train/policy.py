@@ -94,12 +94,14 @@ def build_reference(cfg: Config, policy: Policy) -> torch.nn.Module:
 def _starting_model(cfg: Config, hf_dir, spec, bridge, dtype, routing_replay: bool) -> torch.nn.Module:
     """This rank's GPTModel with the run's starting weights."""
     from gspo_megatron.model.provider import build_gpt_model
+    from gspo_megatron.train.recompute import transformer_config_fields
 
     model = build_gpt_model(
         spec, layout_of(cfg), dtype=dtype, padded_vocab_size=bridge.padded_vocab_size,
         # Sequences are the unit of normalisation (train.policy_step): megatron's per-token-loss mode.
         calculate_per_token_loss=True,
         moe_enable_routing_replay=routing_replay,
+        **transformer_config_fields(cfg),
     )
     if cfg.model.megatron_checkpoint:
         from gspo_megatron.model.checkpoint import load_weights

@@ -1,0 +1,129 @@
+"""Activation recompute reaches megatron, drops saved activations, and changes nothing else.
+
+The ``recompute`` config section becomes the TransformerConfig fields of the policy the loop builds
+(``train.policy.build_policy``, megatron's local spec on CPU) and megatron's modules act on it: core attention and
+MoE layers run inside checkpoints, dense MLPs for ``mlp``, whole layers for full. What autograd keeps at the end
+of the forward shrinks accordingly, and an update step with each setting gives the loss, gradient norm and every
+gradient of the step without recompute, at world=1 and under TP=2 with sequence parallelism. Tolerance: 1e-6
+relative (recompute re-runs the same fp32 ops on the same inputs; the difference is expected to be exactly 0).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gspo_megatron.parallel.groups import Layout
+from gspo_megatron.parallel.launch import run_on_ranks
+from gspo_megatron.train.config import load_config
+from gspo_megatron.train.recompute import transformer_config_fields
+
+RTOL = 1e-6
+SEQ = 96
+BASE = ["data.task=reverse", "model.dtype=float32", "rollout.prompts_per_step=2", "rollout.group_size=4",
+        "algo.minibatches=2", "parallel.micro_batch_size=2", "parallel.distributed_optimizer=false"]
+CASES = [
+    ("none", []),  # the default
+    ("core_attn", ["recompute.granularity=selective"]),  # modules' default: [core_attn]
+    ("moe", ["recompute.granularity=selective", "recompute.modules=[moe]"]),
+    ("all_selective", ["recompute.granularity=selective", "recompute.modules=[core_attn,moe,mlp]"]),
+    ("full_uniform", ["recompute.granularity=full"]),
+    ("full_block", ["recompute.granularity=full", "recompute.method=block"]),
+]
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """A tiny Qwen3-MoE: layer 0 routed experts (4, top-2), layer 1 a dense MLP."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                            num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1],
+                            tie_word_embeddings=False, max_position_embeddings=256, initializer_range=0.1)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("recompute_model")
+    Qwen3MoeForCausalLM(config).to(torch.float32).save_pretrained(path)
+    return str(path)
+
+
+def run_cases(hf_dir: str, layout_overrides: list[str]) -> dict:
+    """Each recompute setting on this rank: what reached the model, saved bytes after the forward, the step."""
+    from gspo_megatron.model.hidden_output import unwrap
+    from gspo_megatron.train import loop
+    from gspo_megatron.train.bootstrap import algo_config
+    from gspo_megatron.train.memory_probe import peak_memory, synthetic_rollout
+    from gspo_megatron.train.policy import build_policy
+    from gspo_megatron.train.policy_step import update_step
+
+    results = {}
+    for name, overrides in CASES:
+        cfg = load_config(None, BASE + layout_overrides + overrides + [f"model.hf_dir={hf_dir}"])
+        algo = algo_config(cfg)
+        batch = synthetic_rollout(cfg, 128, SEQ)
+        policy = build_policy(cfg, hf_dir)
+        gpt = unwrap(policy.model)
+        layers = list(gpt.decoder.layers)
+        reached = {
+            "fields": {k: getattr(gpt.config, k) for k in
+                       ("recompute_granularity", "recompute_modules", "recompute_method", "recompute_num_layers")},
+            "core_attn": [layer.self_attention.checkpoint_core_attention for layer in layers],
+            "moe": [bool(getattr(layer.mlp, "moe_layer_recompute", False)) for layer in layers],
+            "mlp": [layer.recompute_mlp for layer in layers],
+        }
+        rows = loop._row_plan(batch["input_ids"].shape[0], cfg)
+        loop._old_and_reference_logprobs(policy, None, batch, rows, cfg, algo, {})
+        saved = []
+        with peak_memory() as mem:
+            start = mem.current
+            hook = gpt.register_forward_hook(lambda *_: saved.append(mem.current - start))
+            out = update_step(policy.model, policy.optimizer, loop._micro_batches(batch, rows[0], cfg), algo)
+            hook.remove()
+        grads = torch.cat([p.main_grad.detach().flatten().clone() for p in policy.model.parameters()])
+        results[name] = {"reached": reached, "saved": saved[0], "loss": float(out["loss"]),
+                         "grad_norm": out["grad_norm"], "grads": grads}
+    return results
+
+
+def _check(per_rank: list[dict]) -> None:
+    for rank, results in enumerate(per_rank):
+        ref = results["none"]
+        assert ref["grads"].abs().max() > 0 and ref["grad_norm"] > 0, rank
+        for name, got in results.items():
+            where = f"rank {rank} {name}"
+            assert abs(got["loss"] - ref["loss"]) <= RTOL * abs(ref["loss"]), where
+            assert abs(got["grad_norm"] - ref["grad_norm"]) <= RTOL * ref["grad_norm"], where
+            diff = ((got["grads"] - ref["grads"]).abs().max() / ref["grads"].abs().max()).item()
+            assert diff <= RTOL, f"{where}: grads rel diff {diff:.2e}"
+        reached = {name: r["reached"] for name, r in results.items()}
+        assert reached["none"]["fields"]["recompute_granularity"] is None
+        assert reached["none"]["core_attn"] == [False, False] and reached["none"]["moe"] == [False, False]
+        assert reached["core_attn"]["fields"]["recompute_modules"] == ["core_attn"]
+        assert reached["core_attn"]["core_attn"] == [True, True] and reached["core_attn"]["moe"] == [False, False]
+        assert reached["moe"]["moe"] == [True, False] and reached["moe"]["core_attn"] == [False, False]
+        assert reached["all_selective"]["mlp"] == [False, True]  # the dense MLP of layer 1
+        assert reached["full_uniform"]["fields"] == {"recompute_granularity": "full", "recompute_modules": ["core_attn"],
+                                                     "recompute_method": "uniform", "recompute_num_layers": 1}
+        assert reached["full_block"]["fields"]["recompute_method"] == "block"
+        # Each setting keeps less at the end of the forward than the one before it.
+        saved = {name: r["saved"] for name, r in results.items()}
+        assert saved["none"] > saved["core_attn"] > saved["all_selective"] > saved["full_uniform"], saved
+        assert saved["none"] > saved["moe"] > saved["all_selective"], saved
+        assert saved["none"] > saved["full_block"] > saved["full_uniform"], saved
+
+
+def test_recompute_fields():
+    assert transformer_config_fields(load_config(None)) == {}  # megatron's default: no recompute
+    assert transformer_config_fields(load_config(None, ["recompute.granularity=selective"])) == {
+        "recompute_granularity": "selective", "recompute_modules": ["core_attn"]}
+    assert transformer_config_fields(load_config(None, ["recompute.granularity=full", "recompute.method=block",
+                                                        "recompute.num_layers=2"])) == {
+        "recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 2}
+
+
+def test_recompute_equals_no_recompute_world1(hf_dir):
+    _check(run_on_ranks(run_cases, 1, Layout(), hf_dir, []))
+
+
+def test_recompute_equals_no_recompute_tp2(hf_dir):
+    _check(run_on_ranks(run_cases, 2, Layout(tensor=2, sequence_parallel=True), hf_dir, ["parallel.tensor=2"]))
