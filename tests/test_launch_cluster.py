@@ -141,10 +141,11 @@ SGLANG_STATIC_FRACTION = 0.82  # SGLang 0.5.23's default --mem-fraction-static o
 def test_documented_rollout_servers_fit_their_gpus(example):
     """Every SERVER_TP in the example's README leaves SGLang at least 5 GiB of KV cache per GPU next to the bf16
     weights (235B at --tp 4 would need 110 GiB per GPU for the weights alone)."""
-    from gspo_megatron.train.plan import ModelDims
+    from gspo_megatron.model.hf_config import read_hf_config
+    from gspo_megatron.train.memory import model_parameters
 
     directory = ROOT / "examples" / example
-    params = ModelDims.from_hf_config(json.loads((directory / "hf_config/config.json").read_text())).total_params
+    params, _ = model_parameters(read_hf_config(directory / "hf_config/config.json"))
     sizes = {int(tp) for tp in re.findall(r"SERVER_TP=(\d+)", (directory / "README.md").read_text())}
     assert sizes, f"{example}/README.md documents no server command (SERVER_TP=...)"
     for tp in sizes:
