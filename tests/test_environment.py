@@ -78,12 +78,13 @@ def _broken_transformer_engine(directory: Path) -> None:
     (package / "pytorch" / "__init__.py").write_text("raise OSError('libcuda.so.1: cannot open shared object file')\n")
 
 
-def test_transformer_engine_falls_back_only_where_right(tmp_path, monkeypatch):
+def test_transformer_engine_falls_back_only_where_right(tmp_path, monkeypatch, request):
     assert environment.transformer_engine_available() is False  # not installed here
     _broken_transformer_engine(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
-    for name in [m for m in sys.modules if m.startswith("transformer_engine")]:
-        monkeypatch.delitem(sys.modules, name)
+    # The fake package must not outlive the test (later tests would find TE "installed"): monkeypatch restores
+    # sys.modules entries it replaced, not ones the import adds.
+    request.addfinalizer(lambda: [sys.modules.pop(m) for m in list(sys.modules) if m.startswith("transformer_engine")])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert environment.transformer_engine_available() is False  # no CUDA: TE cannot import, local layers are right
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
