@@ -52,8 +52,8 @@ def policy_run(hf_dir: str, dtype: str, overrides: tuple[str, ...] = ()) -> dict
     from gspo_megatron.train.policy_step import AlgoConfig, logprob_pass, update_step
 
     cfg = load_config(None, [f"model.dtype={dtype}", "parallel.distributed_optimizer=false", "optimizer.lr=1.0",
-                             "optimizer.adam_eps=1.0", "optimizer.clip_grad=0.05", "train.steps=1", "algo.minibatches=1",
-                             *overrides])
+                             "optimizer.adam_eps=1.0", "optimizer.clip_grad=0.05", "train.steps=1",
+                             "algo.minibatches=1", *overrides])
     policy = build_policy(cfg, hf_dir)
     start = _exported(policy)
     batch = rollout()
