@@ -55,15 +55,20 @@ def auto_chunk_size(shard_rows: int, device: torch.device | str = "cpu", bytes_p
     return max(MIN_CHUNK_TOKENS, int(free * GPU_BUFFER_FRACTION) // per_token)
 
 
-def select_backend(backend: str, device: torch.device, dtype: torch.dtype) -> str:
-    """"torch" or "triton" for inputs on ``device`` in ``dtype``; see ``BACKENDS``."""
+def select_backend(backend: str, device: torch.device, dtype: torch.dtype,
+                   weight_dtype: torch.dtype | None = None) -> str:
+    """"torch" or "triton" for inputs on ``device`` in ``dtype`` (the weight in ``weight_dtype``, default the same);
+    see ``BACKENDS``. The kernels take operands of one dtype; "auto" leaves mixed ones to the torch path."""
+    weight_dtype = weight_dtype or dtype
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        return "triton" if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) else "torch"
+        sixteen_bit = dtype in (torch.bfloat16, torch.float16) and weight_dtype == dtype
+        return "triton" if device.type == "cuda" and sixteen_bit else "torch"
     if backend == "triton":
-        if dtype not in (torch.bfloat16, torch.float16, torch.float32):
-            raise ValueError(f"backend='triton' takes bf16, fp16 or fp32 inputs, got {dtype}")
+        if dtype not in (torch.bfloat16, torch.float16, torch.float32) or weight_dtype != dtype:
+            raise ValueError(f"backend='triton' takes bf16, fp16 or fp32 inputs of one dtype, got hidden {dtype} "
+                             f"and weight {weight_dtype}")
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("backend='triton' runs on CUDA tensors (or on CPU tensors under TRITON_INTERPRET=1)")
     return backend
@@ -112,7 +117,7 @@ def vocab_parallel_logprobs(
     shard_rows = _check_inputs(
         hidden, weight, targets, tp, rank, temperature, chunk_size, sequence_parallel, vocab_size
     )
-    backend = select_backend(backend, hidden.device, hidden.dtype)
+    backend = select_backend(backend, hidden.device, hidden.dtype, weight.dtype)
     chunk_size = _chunk_size(chunk_size, backend, hidden, shard_rows, return_entropy)
     out = _implementation(backend).apply(
         hidden.reshape(-1, hidden.shape[-1]),

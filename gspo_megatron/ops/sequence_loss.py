@@ -73,7 +73,7 @@ def vocab_parallel_sequence_loss(
     )
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
-    backend = select_backend(backend, hidden.device, hidden.dtype)
+    backend = select_backend(backend, hidden.device, hidden.dtype, weight.dtype)
     # The torch backend's one-pass chunks hold the logits and, with entropy, a second buffer for the statistics.
     chunk_size = _chunk_size(chunk_size, backend, hidden, shard_rows, with_entropy)
     collected: list = []

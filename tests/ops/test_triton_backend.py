@@ -176,9 +176,12 @@ def test_backend_selection():
     assert select_backend("auto", cuda, torch.float16) == "triton"
     assert select_backend("auto", cuda, torch.float32) == "torch"  # fp32 models keep fp32 GEMMs (TF32 off)
     assert select_backend("auto", cpu, torch.bfloat16) == "torch"  # the CPU path, as benchmarked
+    assert select_backend("auto", cuda, torch.bfloat16, torch.float32) == "torch"  # the kernels take one dtype
     assert select_backend("triton", cpu, torch.float16) == "triton"  # here: TRITON_INTERPRET=1
-    with pytest.raises(ValueError, match="takes bf16, fp16 or fp32"):
+    with pytest.raises(ValueError, match="takes bf16, fp16 or fp32 inputs of one dtype"):
         select_backend("triton", cpu, torch.float64)
+    with pytest.raises(ValueError, match="hidden torch.bfloat16 and weight torch.float32"):
+        select_backend("triton", cpu, torch.bfloat16, torch.float32)
     with pytest.raises(ValueError, match="backend must be one of"):
         select_backend("cuda", cpu, torch.float32)
 
