@@ -25,7 +25,8 @@ setup(
         "gpu": ["transformer-engine[pytorch]>=2.0", "triton"],
         # On GPUs: the normal install. On CPU use tools/install.sh (sglang --no-deps + patches/sglang_cpu).
         "sglang": ["sglang==0.5.23", "sglang-router==0.3.2"],
-        "test": ["pytest"],
+        # triton: the log-prob kernels' tests run them under its interpreter (TRITON_INTERPRET=1) on CPU tensors.
+        "test": ["pytest", "triton"],
     },
     entry_points={"console_scripts": ["gspo-megatron=gspo_megatron.cli:main"]},
 )

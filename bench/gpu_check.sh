@@ -7,8 +7,11 @@
 # It installs the carried wheels (no network there), prints the machine, then runs tests/gpu/ (skipped on machines
 # without CUDA): the update step and the log-prob pass on the GPU equal to the CPU's on the same weights and batch,
 # every parameter and batch on the device (megatron's CPU-created router weights included), bf16 with the
-# non-distributed optimizer, `score` against transformers, and the trainer for two steps on NCCL.
-# What it printed goes into bench/RESULTS.md.
+# non-distributed optimizer, `score` against transformers, the trainer for two steps on NCCL, the triton log-prob
+# backend in bf16 against float64 (tests/gpu/test_logprob_kernel.py) and, where TransformerEngine is installed, the
+# grouped-GEMM experts' step against SequentialMLP's. Then bench/logprob_gpu.py: the triton backend against naive
+# bf16 logits + log_softmax at T=8192, H=2048, V=151936 (time, peak memory, TFLOP/s against a GEMM peak measured
+# in the same run). What it printed goes into bench/RESULTS.md.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 LOG_DIR="${OUT:-/tmp/gpu_check}"
@@ -29,7 +32,12 @@ print(f"python {__import__('sys').version.split()[0]} | torch {torch.__version__
 assert torch.cuda.is_available(), "gpu_check: torch sees no GPU"
 PY
 start=$SECONDS
-timeout 480 python3 -m pytest tests/gpu -q -rA -p no:cacheprovider 2>&1 | tee "$LOG_DIR/gpu_check.log"
+timeout 370 python3 -m pytest tests/gpu -q -rA -p no:cacheprovider 2>&1 | tee "$LOG_DIR/gpu_check.log"
 rc=${PIPESTATUS[0]}
 echo "gpu_check: pytest exit $rc after $((SECONDS - start)) s"
-exit "$rc"
+start=$SECONDS
+timeout 100 python3 bench/logprob_gpu.py --json "$LOG_DIR/logprob_gpu.json" 2>&1 | tee "$LOG_DIR/logprob_gpu.log"
+bench=${PIPESTATUS[0]}
+echo "gpu_check: bench/logprob_gpu.py exit $bench after $((SECONDS - start)) s"
+[[ $rc -ne 0 ]] && exit "$rc"
+exit "$bench"

@@ -29,6 +29,7 @@ PACKAGES=(
   "safetensors"
   "pyyaml"
   "pytest"
+  "triton==3.9.0"     # tests/ops/test_triton_backend.py runs the CUDA kernels under TRITON_INTERPRET=1 (xgrammar pulls the same)
   "matplotlib"        # the trainer's PNG plots
   "tqdm"              # the trainer's progress bar
 )

@@ -111,21 +111,20 @@ class Bridge:
         params = dict(gpt.named_parameters())
         out: list[Placement] = []
 
-        def resolve(rule: mapping.Rule, **where):
-            for pattern in (rule.megatron, rule.te_name):
-                if pattern and pattern.format(**where) in params:
-                    name = pattern.format(**where)
-                    return name, params[name]
-            return None, None
+        def names(rule: mapping.Rule, **where) -> list[str]:
+            """The rule's parameter name under each layer spec: local, TE, grouped experts."""
+            return [pattern.format(**where) for pattern in (rule.megatron, rule.te_name, rule.grouped) if pattern]
 
         def add(rule, megatron_where, hf_where, **extra):
-            name, param = resolve(rule, **megatron_where)
-            if param is None:
+            candidates = names(rule, **megatron_where)
+            name = next((n for n in candidates if n in params), None)
+            if name is None:
                 if rule.tied_copy:  # only a last stage without the embedding holds the copy
                     return
-                raise MappingError(f"the Megatron model has no parameter {rule.megatron.format(**megatron_where)}"
-                                   f"{' (nor ' + rule.te_name.format(**megatron_where) + ')' if rule.te_name else ''} "
+                others = f" (nor {', '.join(candidates[1:])})" if len(candidates) > 1 else ""
+                raise MappingError(f"the Megatron model has no parameter {candidates[0]}{others} "
                                    f"for HF {rule.hf[0].name.format(**hf_where)}")
+            param = params[name]
             out.append(Placement(rule, name, param, tuple(p.name.format(**hf_where) for p in rule.hf), **extra))
 
         def model_rules(stage):

@@ -18,7 +18,13 @@ decoder layer (``layer``), per layer with a dense MLP (``dense``) or routed expe
 (``expert``; split over the expert-tensor-parallel group, experts spread over expert-parallel ranks).
 Names carry ``{layer}`` and ``{expert}``: global indices in HF names, this rank's local indices in Megatron
 names (the bridge translates). ``te_name`` is the parameter's name under TransformerEngine's layer spec, where
-the norm before a linear is fused into it. ``dims`` give each HF tensor's shape in ``ModelSpec.dims()`` terms,
+the norm before a linear is fused into it. ``grouped`` is an expert weight's name when the layer's experts are
+megatron's ``TEGroupedMLP`` (``moe_grouped_gemm`` with TE): one TE ``GroupedLinear`` per projection holding local
+expert i's [out, in] weight as ``weight{i}`` (TE's ``grouped_linear.py`` registers them so), where a
+``SequentialMLP`` holds ``local_experts.{i}.linear_fc1.weight``. The shapes and the TP split are the same in both
+layouts (megatron builds each GEMM of the grouped linear with the expert-TP partition of one expert's linear), and
+megatron's dist-checkpoint keys for experts are the same too (``TEGroupedMLP.sharded_state_dict``), so only the
+in-memory names differ. ``dims`` give each HF tensor's shape in ``ModelSpec.dims()`` terms,
 so a checkpoint is checked (missing / unexpected / mis-shaped tensors) before any model is built.
 
 Conversion, SGLang weight sync and the local engine all use these tables through ``bridge.Bridge``.
@@ -55,6 +61,7 @@ class Rule:
     scope: str = LAYER
     stage: str | None = None  # model scope: the pipeline stage holding it
     te_name: str | None = None
+    grouped: str | None = None  # expert rules: the name under TEGroupedMLP
     when: str | None = None  # "tied" / "untied": only for models with (un)tied embeddings
     # The last pipeline stage's copy of a tied embedding: filled on load where the model has it, never exported
     # (the first stage exports the embedding once).
@@ -106,14 +113,16 @@ DENSE_MLP = (
 )
 _E = f"{_M}.mlp.experts.local_experts.{{expert}}"
 _HE = f"{_L}.mlp.experts.{{expert}}"
+_GE = f"{_M}.mlp.experts"  # TEGroupedMLP: linear_fc1 / linear_fc2 are GroupedLinears, weight{i} per local expert
 MOE_MLP = (
     # TE's MoE layers keep a separate pre-MLP norm, so its name is the same under both specs.
     Rule(f"{_M}.pre_mlp_layernorm.weight", (P(f"{_L}.post_attention_layernorm.weight", "hidden"),), scope=MOE),
     Rule(f"{_M}.mlp.router.weight", (P(f"{_L}.mlp.gate.weight", "experts", "hidden"),), scope=MOE),
     Rule(f"{_E}.linear_fc1.weight",
          (P(f"{_HE}.gate_proj.weight", "moe_ffn", "hidden"), P(f"{_HE}.up_proj.weight", "moe_ffn", "hidden")),
-         join=GLU, split=COLUMN, scope=EXPERT),
-    Rule(f"{_E}.linear_fc2.weight", (P(f"{_HE}.down_proj.weight", "hidden", "moe_ffn"),), split=ROW, scope=EXPERT),
+         join=GLU, split=COLUMN, scope=EXPERT, grouped=f"{_GE}.linear_fc1.weight{{expert}}"),
+    Rule(f"{_E}.linear_fc2.weight", (P(f"{_HE}.down_proj.weight", "hidden", "moe_ffn"),), split=ROW, scope=EXPERT,
+         grouped=f"{_GE}.linear_fc2.weight{{expert}}"),
 )
 
 ARCHITECTURES: dict[str, tuple[Rule, ...]] = {

@@ -9,8 +9,11 @@ up (``parallel.groups.init_model_parallel(layout)``). What each family means in 
 - Qwen3-MoE routing: softmax -> top-k -> renormalise (``norm_topk_prob``) is megatron's softmax over the
   top-k logits (``moe_router_pre_softmax=False``); without renormalisation it is softmax -> top-k
   (``moe_router_pre_softmax=True``). Which layers are MoE (``mlp_only_layers`` / ``decoder_sparse_step``)
-  is ``moe_layer_freq`` as a 0/1 list, through megatron's decoder block spec. Experts are a SequentialMLP
-  (``moe_grouped_gemm=False``): the same parameter names on CPU and GPU.
+  is ``moe_layer_freq`` as a 0/1 list, through megatron's decoder block spec.
+- Experts: with TransformerEngine, megatron's ``TEGroupedMLP`` (``moe_grouped_gemm=True``): each layer's local
+  experts run as one grouped GEMM per projection. Without TE, a ``SequentialMLP`` (a Python loop over the local
+  experts, with a host sync for the split sizes). The mapping names both layouts, and their dist-checkpoint keys
+  are the same, so a checkpoint written by either loads into the other.
 - The vocabulary is padded to ``ModelSpec.padded_vocab_size()`` rows (the bridge zero-fills the padding).
 
 Layer specs: megatron-core's local spec on CPU, TransformerEngine's where ``transformer_engine`` imports.
@@ -52,12 +55,13 @@ def skip_weight_init() -> dict:
 
 
 def transformer_config(spec: ModelSpec, layout: Layout, dtype: torch.dtype = torch.float32, init: bool = False,
-                       **overrides):
+                       grouped_gemm: bool = False, **overrides):
     """Megatron's ``TransformerConfig`` for ``spec`` under ``layout``. ``overrides`` win over the defaults.
 
     Defaults suit RL training and scoring: no dropout, per-token-loss mode (``train.policy_step`` needs it),
     no router auxiliary loss, the alltoall token dispatcher, no weight initialisation unless ``init`` (the
-    weights come from a checkpoint; ``skip_weight_init``).
+    weights come from a checkpoint; ``skip_weight_init``). ``grouped_gemm``: the experts as one grouped GEMM
+    (``build_gpt_model`` decides it and checks that megatron can build it).
     """
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.transformer import TransformerConfig
@@ -72,7 +76,7 @@ def transformer_config(spec: ModelSpec, layout: Layout, dtype: torch.dtype = tor
             moe_router_score_function="softmax",
             moe_router_pre_softmax=not spec.norm_topk_prob,
             moe_layer_freq=[int(m) for m in spec.moe_layers],
-            moe_grouped_gemm=False,
+            moe_grouped_gemm=grouped_gemm,
             moe_token_dispatcher_type="alltoall",
             moe_router_load_balancing_type="none",
             moe_aux_loss_coeff=0.0,
@@ -132,7 +136,28 @@ def decoder_block_spec(config, use_te: bool):
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm")
     if not use_te:
         block = dataclasses.replace(block, layer_specs=[_moe_norm_keeps_its_name(s) for s in block.layer_specs])
+    if config.moe_grouped_gemm:
+        _check_grouped_experts(block)
     return block
+
+
+def experts_modules(block) -> set[str]:
+    """The class names of the expert modules the MoE layers of ``block`` will build."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    mlps = [s.submodules.mlp for s in block.layer_specs]
+    return {m.submodules.experts.module.__name__ for m in mlps if getattr(m, "module", None) is MoELayer}
+
+
+def _check_grouped_experts(block) -> None:
+    """Grouped experts must be TEGroupedMLP. Without TE >= 1.9 megatron builds the legacy GroupedMLP instead (one
+    [H, E*F] weight, the ``grouped_gemm`` package, bf16 only), which the mapping does not name: refuse it here."""
+    built = experts_modules(block) - {"TEGroupedMLP"}
+    if built:
+        raise ValueError(
+            f"grouped_gemm=True needs TransformerEngine >= 1.9 (megatron's TEGroupedMLP), but megatron-core would "
+            f"build {', '.join(sorted(built))}: install the gpu extra, or set model.grouped_gemm=false"
+        )
 
 
 def _check_groups_match(layout: Layout) -> None:
@@ -149,11 +174,12 @@ def _check_groups_match(layout: Layout) -> None:
 
 def build_gpt_model(spec: ModelSpec, layout: Layout = Layout(), dtype: torch.dtype = torch.float32,
                     padded_vocab_size: int | None = None, use_te: bool | None = None, init: bool = False,
-                    **config_overrides):
+                    grouped_gemm: bool | None = None, **config_overrides):
     """This rank's ``GPTModel`` for ``spec`` under ``layout`` (Megatron's groups must already match it).
 
     ``padded_vocab_size`` defaults to ``spec.padded_vocab_size()``; a checkpoint records the value it was
-    converted with. ``use_te`` defaults to whether TransformerEngine imports.
+    converted with. ``use_te`` defaults to whether TransformerEngine imports; ``grouped_gemm`` (MoE experts as
+    TEGroupedMLP) to ``use_te``. ``grouped_gemm=True`` where megatron cannot build TEGroupedMLP is an error.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -166,7 +192,9 @@ def build_gpt_model(spec: ModelSpec, layout: Layout = Layout(), dtype: torch.dty
         environment.note_fallbacks()
     check_layout(spec, layout, dist.get_world_size(), padded_vocab_size=vocab, transformer_engine=use_te)
     _check_groups_match(layout)
-    config = transformer_config(spec, layout, dtype=dtype, init=init, **config_overrides)
+    grouped_gemm = use_te if grouped_gemm is None else grouped_gemm
+    config = transformer_config(spec, layout, dtype=dtype, init=init, grouped_gemm=grouped_gemm and spec.is_moe,
+                                **config_overrides)
     model = GPTModel(
         config=config,
         transformer_layer_spec=decoder_block_spec(config, use_te),

@@ -11,6 +11,10 @@ nothing until every chunk is done; the [tp, T, 4] statistics then combine exactl
     H   = lse - sum_v p_v z_v = sum_r exp(m_r - lse) (s_r (lse - m_r) - u_r)
 
 (the second form uses sum_r exp(m_r - lse) s_r = 1; each of its terms is >= 0, so no cancellation for peaked p).
+The shards can be any partition of the vocabulary: partial statistics of column blocks of one rank's shard merge
+into that rank's (m_r, s_r, z_y, u_r) the same way (``merge_shard_stats``), with
+
+    m = max_i m_i,  s = sum_i s_i exp(m_i - m),  u = sum_i exp(m_i - m) (u_i + (m_i - m) s_i),  z_y = sum_i z_y,i
 
 Backward, per token, with log p_v = z_v - lse, upstream gradients g (log-prob) and g_H (entropy):
 
@@ -33,7 +37,7 @@ import torch
 
 __all__ = [
     "STAT_ENTROPY", "STAT_MAX", "STAT_SUMEXP", "STAT_TARGET", "combine_shard_stats", "logits_grad_",
-    "logprob_grad_from_exp_", "logprob_grad_unsigned_", "shard_stats_",
+    "logprob_grad_from_exp_", "logprob_grad_unsigned_", "merge_shard_stats", "shard_stats_",
 ]
 
 # Columns of the per-token statistics tensor [T, 4].
@@ -76,6 +80,15 @@ def combine_shard_stats(stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     lse = top + torch.log((s * torch.exp(m - top)).sum(dim=0))
     entropy = (torch.exp(m - lse) * (s * (lse - m) - u)).sum(dim=0)
     return lse, target.sum(dim=0), entropy
+
+
+def merge_shard_stats(stats: torch.Tensor) -> torch.Tensor:
+    """[n, T, 4] statistics of n disjoint column blocks (each with at least one column) -> [T, 4] of their union."""
+    m, s, target, u = stats.unbind(dim=2)  # each [n, T]
+    top = m.amax(dim=0)
+    shift = m - top  # <= 0
+    scale = torch.exp(shift)
+    return torch.stack([top, (s * scale).sum(dim=0), target.sum(dim=0), (scale * (u + shift * s)).sum(dim=0)], dim=1)
 
 
 def logits_grad_(

@@ -12,6 +12,7 @@ excluded, as inference engines slice them off the logits before the softmax (e.g
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.distributed as dist
@@ -19,18 +20,66 @@ import torch.distributed as dist
 from . import _tp_comm as comm
 from ._logprob_function import VocabParallelLogprob
 
-__all__ = ["CHUNK_ELEMENTS", "MIN_CHUNK_TOKENS", "auto_chunk_size", "vocab_parallel_logprobs"]
+__all__ = ["BACKENDS", "CHUNK_ELEMENTS", "GPU_BUFFER_FRACTION", "MIN_CHUNK_TOKENS", "auto_chunk_size",
+           "select_backend", "vocab_parallel_logprobs"]
 
-# Auto chunk size (bench/logprob.py, bench/RESULTS.md): a [chunk, V/tp] fp32 buffer of at most 64 MiB, but never
-# fewer than 256 tokens, below which the chunk matmuls lose speed (on CPU: ~25% more time at 110 tokens). For
+# Auto chunk size on CPU (bench/logprob.py, bench/RESULTS.md): a [chunk, V/tp] fp32 buffer of at most 64 MiB, but
+# never fewer than 256 tokens, below which the chunk matmuls lose speed (on CPU: ~25% more time at 110 tokens). For
 # V=151936 that is 256 tokens at TP=1 and 2 (155 / 78 MB per buffer), 883 at TP=8.
 CHUNK_ELEMENTS = 1 << 24
 MIN_CHUNK_TOKENS = 256
+# On CUDA the chunk buffers may take this fraction of the memory free at the call (the driver's free memory plus
+# what PyTorch's allocator holds unused): an RL-length micro batch then fits one chunk, and the rest of the step
+# (activations of the backward still to come, the optimizer) keeps three quarters.
+GPU_BUFFER_FRACTION = 0.25
+
+# "torch": the chunked torch Functions (fp32 statistics and GEMMs; the reference). "triton": bf16/fp16/fp32 operands
+# with fp32 accumulation and the Triton kernels (``_triton_functions``). "auto": triton for 16-bit CUDA inputs.
+BACKENDS = ("auto", "torch", "triton")
 
 
-def auto_chunk_size(shard_rows: int) -> int:
-    """Tokens per chunk for a vocabulary shard of ``shard_rows`` rows."""
-    return max(MIN_CHUNK_TOKENS, CHUNK_ELEMENTS // max(1, shard_rows))
+def auto_chunk_size(shard_rows: int, device: torch.device | str = "cpu", bytes_per_element: int = 4,
+                    buffers: int = 1) -> int:
+    """Tokens per chunk for a vocabulary shard of ``shard_rows`` rows.
+
+    CPU: ``CHUNK_ELEMENTS`` per buffer (at least ``MIN_CHUNK_TOKENS``). CUDA: ``buffers`` [chunk, shard_rows]
+    buffers of ``bytes_per_element`` within ``GPU_BUFFER_FRACTION`` of the free memory (at least
+    ``MIN_CHUNK_TOKENS``).
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return max(MIN_CHUNK_TOKENS, CHUNK_ELEMENTS // max(1, shard_rows))
+    free, _ = torch.cuda.mem_get_info(device)
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    per_token = max(1, shard_rows) * bytes_per_element * buffers
+    return max(MIN_CHUNK_TOKENS, int(free * GPU_BUFFER_FRACTION) // per_token)
+
+
+def select_backend(backend: str, device: torch.device, dtype: torch.dtype,
+                   weight_dtype: torch.dtype | None = None) -> str:
+    """"torch" or "triton" for inputs on ``device`` in ``dtype`` (the weight in ``weight_dtype``, default the same);
+    see ``BACKENDS``. The kernels take operands of one dtype; "auto" leaves mixed ones to the torch path."""
+    weight_dtype = weight_dtype or dtype
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        sixteen_bit = dtype in (torch.bfloat16, torch.float16) and weight_dtype == dtype
+        return "triton" if device.type == "cuda" and sixteen_bit else "torch"
+    if backend == "triton":
+        if dtype not in (torch.bfloat16, torch.float16, torch.float32) or weight_dtype != dtype:
+            raise ValueError(f"backend='triton' takes bf16, fp16 or fp32 inputs of one dtype, got hidden {dtype} "
+                             f"and weight {weight_dtype}")
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("backend='triton' runs on CUDA tensors (or on CPU tensors under TRITON_INTERPRET=1)")
+    return backend
+
+
+def _chunk_size(chunk_size: int | None, backend: str, hidden: torch.Tensor, shard_rows: int, with_entropy: bool):
+    if chunk_size is not None:
+        return chunk_size
+    if backend == "triton":  # one gradient buffer in the operands' dtype
+        return auto_chunk_size(shard_rows, hidden.device, hidden.element_size())
+    return auto_chunk_size(shard_rows, hidden.device, 4, 2 if with_entropy else 1)
 
 
 def vocab_parallel_logprobs(
@@ -43,6 +92,7 @@ def vocab_parallel_logprobs(
     chunk_size: int | None = None,
     sequence_parallel: bool = False,
     vocab_size: int | None = None,
+    backend: str = "auto",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of each target token, and optionally the entropy of each token's distribution.
 
@@ -54,9 +104,11 @@ def vocab_parallel_logprobs(
     targets: [T] or [s, b] global token ids in [0, vocab_size), for all tokens (also under sequence parallel).
     tp_group: the tensor-parallel group the vocabulary is split over; None (or a group of one): no collectives.
     temperature: logits are divided by it before the softmax.
-    chunk_size: tokens per chunk. The op's temporaries are one (log-prob only) or two (with entropy)
-        [chunk, V/tp] fp32 buffers. None: ``auto_chunk_size(V/tp)``.
+    chunk_size: tokens per chunk. The torch backend's temporaries are one (log-prob only) or two (with entropy)
+        [chunk, V/tp] fp32 buffers; the triton backend's forward needs none, its backward one in the inputs' dtype.
+        None: ``auto_chunk_size`` (on CUDA, from the free memory).
     vocab_size: real vocabulary size when ``weight`` holds Megatron's padding rows (default: all V rows are real).
+    backend: "auto" (Triton kernels for bf16/fp16 CUDA inputs, the torch path otherwise), "torch" or "triton".
 
     Returns fp32 (float64 for float64 inputs) tensors of ``targets``' shape, identical on every TP rank:
     logp, or (logp, entropy) if ``return_entropy``. Both are differentiable w.r.t. hidden and weight.
@@ -65,9 +117,9 @@ def vocab_parallel_logprobs(
     shard_rows = _check_inputs(
         hidden, weight, targets, tp, rank, temperature, chunk_size, sequence_parallel, vocab_size
     )
-    if chunk_size is None:
-        chunk_size = auto_chunk_size(shard_rows)
-    out = _implementation(hidden).apply(
+    backend = select_backend(backend, hidden.device, hidden.dtype, weight.dtype)
+    chunk_size = _chunk_size(chunk_size, backend, hidden, shard_rows, return_entropy)
+    out = _implementation(backend).apply(
         hidden.reshape(-1, hidden.shape[-1]),
         weight,
         targets.reshape(-1),
@@ -84,13 +136,13 @@ def vocab_parallel_logprobs(
     return out.view(targets.shape)
 
 
-def _implementation(hidden: torch.Tensor) -> type[torch.autograd.Function]:
-    """The autograd Function to run. The torch chunk loop is the reference and, today, the only one.
+def _implementation(backend: str) -> type[torch.autograd.Function]:
+    """The autograd Function of ``backend`` ("torch": the chunk loop, the reference; "triton": the kernels)."""
+    if backend == "torch":
+        return VocabParallelLogprob
+    from ._triton_functions import TritonVocabParallelLogprob  # imports triton: only where it runs
 
-    A CUDA kernel (e.g. Triton, computing the shard statistics in the matmul epilogue) belongs here: selected only
-    when ``hidden.is_cuda``, with the same arguments and saved tensors, and tested against the torch path.
-    """
-    return VocabParallelLogprob
+    return TritonVocabParallelLogprob
 
 
 def _check_inputs(hidden, weight, targets, tp, rank, temperature, chunk_size, sequence_parallel, vocab_size) -> int:

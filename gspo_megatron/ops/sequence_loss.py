@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from . import _tp_comm as comm
 from ._sequence_loss_function import VocabParallelSequenceLoss
-from .logprob import _check_inputs, auto_chunk_size
+from .logprob import _check_inputs, _chunk_size, select_backend
 
 __all__ = ["SequenceLoss", "vocab_parallel_sequence_loss"]
 
@@ -45,6 +45,7 @@ def vocab_parallel_sequence_loss(
     chunk_size: int | None = None,
     sequence_parallel: bool = False,
     vocab_size: int | None = None,
+    backend: str = "auto",
 ) -> SequenceLoss:
     """The loss ``loss_fn`` gives the target tokens' log-probs (and entropies), fused with the output layer.
 
@@ -55,8 +56,11 @@ def vocab_parallel_sequence_loss(
         sequences and their log-probs [k, s] (entropy [k, s] when ``with_entropy``, else None), with autograd on.
         Every TP rank calls it with the same values; it may run collectives of its own (same order everywhere).
         extras: a dict of detached tensors; [k, ...] ones are concatenated over chunks, scalars summed.
-    chunk_size: tokens per chunk (None: ``auto_chunk_size``). A chunk holds chunk_size // s whole sequences;
-        sequences longer than chunk_size run in two passes (recomputing their logits), like the log-prob op.
+    chunk_size: tokens per chunk (None: ``auto_chunk_size``). torch backend: a chunk holds chunk_size // s whole
+        sequences; sequences longer than chunk_size run in two passes (recomputing their logits), like the log-prob
+        op. triton backend: the statistics of all tokens come first (no buffer), then ``loss_fn`` once for all b
+        sequences, then the gradient in chunks of chunk_size tokens (four GEMMs; see ``_triton_functions``).
+    backend: as ``vocab_parallel_logprobs`` ("auto": Triton kernels for bf16/fp16 CUDA inputs).
 
     Returns SequenceLoss(loss, logp [b, s], entropy [b, s] or None, extras). Only the loss is differentiable
     (w.r.t. hidden and weight); its backward needs no recomputation.
@@ -69,10 +73,14 @@ def vocab_parallel_sequence_loss(
     )
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
-    if chunk_size is None:
-        chunk_size = auto_chunk_size(shard_rows)
+    backend = select_backend(backend, hidden.device, hidden.dtype, weight.dtype)
+    # The torch backend's one-pass chunks hold the logits and, with entropy, a second buffer for the statistics.
+    chunk_size = _chunk_size(chunk_size, backend, hidden, shard_rows, with_entropy)
     collected: list = []
-    loss, logp, entropy = VocabParallelSequenceLoss.apply(
+    function = VocabParallelSequenceLoss
+    if backend == "triton":
+        from ._triton_functions import TritonVocabParallelSequenceLoss as function  # imports triton
+    loss, logp, entropy = function.apply(
         hidden, weight, targets, loss_fn, collected, tp_group, float(temperature), bool(with_entropy),
         int(chunk_size), rank * weight.shape[0], shard_rows, bool(sequence_parallel) and tp > 1,
     )

@@ -36,6 +36,10 @@ class ModelConfig:
     """Start from this Megatron dist checkpoint (tools/convert_hf_to_megatron.py) instead of hf_dir's weights."""
     dtype: str = "float32"
     """Parameter dtype: float32 or bfloat16 (bf16 needs a GPU to be fast)."""
+    grouped_gemm: bool | None = None
+    """MoE experts as one grouped GEMM per projection (megatron's TEGroupedMLP) instead of a Python loop over the
+    local experts (SequentialMLP). null: on where TransformerEngine imports; true without TE is an error.
+    Checkpoints load into either layout."""
 
 
 @dataclass

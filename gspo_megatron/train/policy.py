@@ -101,6 +101,7 @@ def _starting_model(cfg: Config, hf_dir, spec, bridge, dtype, routing_replay: bo
         # Sequences are the unit of normalisation (train.policy_step): megatron's per-token-loss mode.
         calculate_per_token_loss=True,
         moe_enable_routing_replay=routing_replay,
+        grouped_gemm=cfg.model.grouped_gemm,
         **transformer_config_fields(cfg),
     )
     if cfg.model.megatron_checkpoint:

@@ -70,6 +70,9 @@ def validate_model(cfg: Config, hf: dict) -> None:
         raise ConfigError(f"parallel.expert={p.expert} but the model has no experts; set parallel.expert=1")
     if hf.get("num_hidden_layers"):
         _divides(hf["num_hidden_layers"], p.pipeline, "num_hidden_layers", "parallel.pipeline")
+    if cfg.model.grouped_gemm and not transformer_engine_available():
+        raise ConfigError("model.grouped_gemm=true needs TransformerEngine (megatron's TEGroupedMLP): install the gpu "
+                          "extra, or set model.grouped_gemm=null (grouped where TE imports) or false")
 
 
 def validate_timeouts(cfg: Config) -> None:

@@ -11,7 +11,8 @@ Runs on whatever ``environment.device()`` is: the GPU test runs it once on the G
   clipped ``update_step`` (Adam's eps at 1, so the step is continuous in the gradient and comparable across
   devices), the updated weights exported through the bridge;
 - the same in bf16 (the CUDA dtype users train in): finite, and close to the CPU's bf16;
-- ``score`` (Megatron) on the HF directory, against ``transformers``.
+- ``score`` (Megatron) on the HF directory, against ``transformers``;
+- with TransformerEngine: the fp32 policy run again with grouped-GEMM experts and with SequentialMLP.
 Where every tensor lives is recorded too (parameters, what the passes return).
 """
 
@@ -45,13 +46,14 @@ def _exported(policy) -> dict:
     return {name: t.detach().float().cpu().clone() for name, t in policy.bridge.export_hf_weights(policy.model)}
 
 
-def policy_run(hf_dir: str, dtype: str) -> dict:
+def policy_run(hf_dir: str, dtype: str, overrides: tuple[str, ...] = ()) -> dict:
     from gspo_megatron.train.config import load_config
     from gspo_megatron.train.policy import build_policy
     from gspo_megatron.train.policy_step import AlgoConfig, logprob_pass, update_step
 
     cfg = load_config(None, [f"model.dtype={dtype}", "parallel.distributed_optimizer=false", "optimizer.lr=1.0",
-                             "optimizer.adam_eps=1.0", "optimizer.clip_grad=0.05", "train.steps=1", "algo.minibatches=1"])
+                             "optimizer.adam_eps=1.0", "optimizer.clip_grad=0.05", "train.steps=1",
+                             "algo.minibatches=1", *overrides])
     policy = build_policy(cfg, hf_dir)
     start = _exported(policy)
     batch = rollout()
@@ -61,6 +63,7 @@ def policy_run(hf_dir: str, dtype: str) -> dict:
     out = update_step(policy.model, policy.optimizer, micro_batches(batch), AlgoConfig())
     end = _exported(policy)
     return {
+        "expert_params": sorted(n for n, _ in policy.model.named_parameters() if ".mlp.experts." in n),
         "param_devices": sorted({p.device.type for p in policy.model.parameters()}),
         "pass_devices": sorted({t.device.type for t in passes.values()}),
         "update_devices": sorted({v.device.type for v in out.values() if torch.is_tensor(v)}),
@@ -96,6 +99,9 @@ def main(hf_dir: str, out: str) -> None:
     groups.init_model_parallel(groups.Layout(), seed=1234)
     results = {"device": str(environment.device()), "fp32": policy_run(hf_dir, "float32"),
                "bf16": policy_run(hf_dir, "bfloat16"), "score": score_run(hf_dir)}
+    if environment.transformer_engine_available():  # the grouped-GEMM experts (TEGroupedMLP) against SequentialMLP
+        results["grouped"] = {grouped: policy_run(hf_dir, "float32", (f"model.grouped_gemm={grouped}",))
+                              for grouped in ("true", "false")}
     torch.save(results, out)
     groups.destroy()
 

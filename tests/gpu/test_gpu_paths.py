@@ -8,7 +8,8 @@ megatron-core patched for the CPU as in every other test). Compared (fp32, TF32 
   log-ratios (1e-5 absolute), every weight's clipped step (1e-3 of the largest);
 - bf16 (the non-distributed optimizer, whose fp32 master copies are made from the parameters where they are):
   a finite, successful step, loss within 5% of the CPU's bf16;
-- ``score``: Megatron equal to ``transformers`` (1e-4 relative) on each device.
+- ``score``: Megatron equal to ``transformers`` (1e-4 relative) on each device;
+- with TransformerEngine: grouped-GEMM experts (TEGroupedMLP) give SequentialMLP's fp32 passes and step.
 Then the trainer itself for two steps on the GPU (local engine, NCCL world of one).
 
 Skipped without CUDA. ``GSPO_GPU_TESTS_ON_CPU=1`` runs the harness with both sides on the CPU, to check it
@@ -85,6 +86,22 @@ def test_bf16_step_is_finite_and_close(runs):
     d, c = device["bf16"], cpu["bf16"]
     assert d["update_successful"] and torch.isfinite(torch.tensor(d["loss"])) and d["grad_norm"] > 0
     assert rel(d["loss"], c["loss"]) <= 0.05, (d["loss"], c["loss"])
+
+
+def test_grouped_gemm_experts_step_equals_sequential(runs):
+    """With TE: TEGroupedMLP's experts (grouped GEMM) give SequentialMLP's log-probs, loss, gradient norm and step."""
+    device, _ = runs
+    if "grouped" not in device:
+        pytest.skip("TransformerEngine is not installed here: no grouped-GEMM experts to run")
+    grouped, sequential = device["grouped"]["true"], device["grouped"]["false"]
+    assert any(".linear_fc1.weight0" in n for n in grouped["expert_params"]), grouped["expert_params"][:4]
+    assert all(".local_experts." in n for n in sequential["expert_params"])
+    assert (grouped["logprobs"] - sequential["logprobs"]).abs().max() <= 1e-4
+    assert rel(grouped["loss"], sequential["loss"]) <= 1e-4
+    assert rel(grouped["grad_norm"], sequential["grad_norm"]) <= 1e-4
+    scale = max(step.abs().max().item() for step in sequential["step"].values())
+    diff = max((grouped["step"][k] - sequential["step"][k]).abs().max().item() for k in sequential["step"])
+    assert diff <= 1e-3 * scale, (diff, scale)
 
 
 def test_score_equals_transformers(runs):

@@ -60,6 +60,7 @@ def test_bad_fields_are_named(overrides, message):
         (["algo.kl_coef=0.01", "parallel.context=2"], 2, None, r"algo.kl_coef=0.01 with parallel.context=2"),
         (["algo.entropy_coef=-1"], 1, None, r"algo.entropy_coef=-1.0 must be finite and >= 0"),
         (["parallel.context=2"], 2, None, r"parallel.context=2 needs TransformerEngine"),
+        (["model.grouped_gemm=true"], 1, QWEN3_30B_A3B, r"model.grouped_gemm=true needs TransformerEngine"),
         (["parallel.tensor=2", "parallel.sequence_parallel=false"], 2, QWEN3_30B_A3B, r"parallel.sequence_parallel=false"),
         (["recompute.granularity=partial"], 1, None, r"recompute.granularity='partial' is not one of"),
         (["recompute.granularity=selective", "recompute.modules=[]"], 1, None, r"recompute.modules is empty with recompute.granularity=selective"),
