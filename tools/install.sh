@@ -92,8 +92,8 @@ fi
 # The megatron-core 0.19 environment, .venv312/ (or $VENV312): Python 3.12, torch 2.14.1, megatron-core 0.19.2,
 # the packages above, no SGLang. Every megatron-core release after 0.16.1 requires Python >= 3.12, and that is
 # what clusters run; tests/test_megatron_019.py runs the Megatron-side tests in it. PyPI has no CPU build of torch
-# for it, so it gets PyPI's CUDA build, which runs on CPU: ~5.7 GB installed (3.2 GB of nvidia-* libraries),
-# ~2 min to build with downloads, and ~420 MB more resident memory per process than CPU torch.
+# for it, so it gets PyPI's CUDA build, which runs on CPU: 5.7 GB installed (3.2 GB of nvidia-* libraries),
+# 2-4 min to build, and ~420 MB more resident memory per process than CPU torch.
 VENV312="${VENV312:-$ROOT/.venv312}"
 TORCH312="torch==2.14.1"
 MEGATRON312="megatron-core==0.19.2"
