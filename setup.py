@@ -6,11 +6,16 @@ setup(
     name="gspo-megatron",
     version="0.1.0",
     description="GSPO (Group Sequence Policy Optimization) training backend on Megatron-Core with SGLang rollouts",
-    python_requires=">=3.10",
+    # Tested: Python 3.11 with megatron-core 0.16.1 (every test) and Python 3.12 with megatron-core 0.19.2 (the
+    # Megatron-side tests, README "Megatron-Core versions"). 3.10 and 3.13 have never run.
+    python_requires=">=3.11,<3.13",
     packages=find_packages(include=["gspo_megatron", "gspo_megatron.*", "patches", "patches.*"]),
     install_requires=[
         "torch>=2.6",
-        "megatron-core>=0.16.1",
+        # The tested release for each Python: 0.16.1 is the last for 3.11; 0.17 onwards require 3.12.
+        # patches/megatron_cpu.py (CPU only) refuses any other version.
+        "megatron-core==0.16.1; python_version < '3.12'",
+        "megatron-core>=0.19.2,<0.20; python_version >= '3.12'",
         # torch_dist checkpoint writer needs it but megatron-core does not declare it.
         "psutil",
         "numpy",

@@ -2,37 +2,42 @@
 
 megatron-core assumes a CUDA device throughout: ``torch.cuda.current_device()`` as an allocation device,
 literal ``device="cuda"``, CUDA streams/events/RNG, ``Tensor.type() == "torch.cuda.FloatTensor"`` checks,
-and a few gloo-incompatible collectives. ``apply()`` makes the tested version run on CPU so that tests use
-the real Megatron-Core code paths (models, TP/PP/EP/CP mappings, schedules, DDP, optimizers, dist
-checkpointing) with real ``torch.distributed``.
+and a few gloo-incompatible collectives. ``apply()`` makes the tested versions (``TESTED_MEGATRON_VERSIONS``:
+0.16.1 and 0.19.2) run on CPU so that tests use the real Megatron-Core code paths (models, TP/PP/EP/CP
+mappings, schedules, DDP, optimizers, dist checkpointing) with real ``torch.distributed``. Any other version
+is refused with a message naming the one to install.
 
 What it changes, from broad to narrow:
 
-1. A module-scoped device remap. Each loaded ``megatron.core.*`` module's global name ``torch`` is
-   replaced by ``_TorchOnCpu``, a proxy that forwards everything to the real ``torch`` except
+1. A module-scoped device remap (all tested versions). Each ``megatron.core.*`` module's global name
+   ``torch`` is replaced by ``_TorchOnCpu``, a proxy that forwards everything to the real ``torch`` except
    ``torch.cuda`` (a CPU stand-in: ``current_device()`` is the CPU, streams/events are no-ops, RNG calls use
    the CPU generator), ``torch.device("cuda"...)`` (gives the CPU) and tensor factories (a CUDA ``device``
    argument becomes the CPU). This is a remap of ~200 call sites, which no list of narrow patches would
    keep up with; it is scoped to megatron's own module globals, so torch and every other library are
-   untouched. A ``TorchFunctionMode`` would not do: it is inactive inside ``autograd.Function.backward``
-   where many of these calls live.
-2. ``torch.Tensor.cuda`` returns the tensor itself (there is no CUDA device to move to, and megatron calls
-   ``.cuda()`` on checkpoint loads, RoPE tables and tied embeddings). This is the one process-wide change;
-   it is only made when CUDA is absent, where ``.cuda()`` could only have raised.
-3. Narrow patches of named functions:
-   - ``tensor_parallel.random._get_cuda_rng_state/_set_cuda_rng_state``: use the CPU generator (the CUDA
-     versions defer through ``torch.cuda._lazy_call``, which never runs without CUDA).
-   - ``WrappedTorchNorm``: allow sequence parallelism and tag the norm parameters ``sequence_parallel`` so
-     ``finalize_model_grads`` all-reduces their gradients across TP (TENorm does the same on GPU).
-   - ``moe_utils.te_general_gemm``: defined as ``None`` when TransformerEngine is absent (NameError in 0.16).
-   - ``moe_utils.maybe_move_tensor_to_cpu``: honour ``as_numpy`` for CPU tensors, so split sizes reach
-     ``all_to_all_single`` as a list, not a tensor.
-   - ``tensor_parallel.mappings._gather_along_first_dim/_reduce_scatter_along_first_dim`` with uneven
-     split sizes (TP x EP with the alltoall dispatcher): gloo rejects per-rank chunks of different sizes, so
-     the chunks are padded to the largest one.
-   - Optimizer constructors and ``clip_grad_by_total_norm_fp32``, which test ``param.type()`` against
-     ``"torch.cuda.*Tensor"`` strings, are
-     recompiled from their source with the CPU type names.
+   untouched. Modules loaded before ``apply()`` are swept; later ones are remapped as they load, by a
+   meta-path finder that only looks at ``megatron.core.*`` names (megatron imports many modules lazily,
+   e.g. 0.19's checkpoint writer, and which ones differs by version). A ``TorchFunctionMode`` would not do:
+   it is inactive inside ``autograd.Function.backward`` where many of these calls live.
+2. ``torch.Tensor.cuda`` returns the tensor itself (all tested versions: there is no CUDA device to move to,
+   and megatron calls ``.cuda()`` on checkpoint loads, RoPE tables and tied embeddings). This is the one
+   process-wide change; it is only made when CUDA is absent, where ``.cuda()`` could only have raised.
+3. Narrow patches of named functions, each registered with ``@_applies_to(versions)``:
+   - ``tensor_parallel.random._get_cuda_rng_state/_set_cuda_rng_state`` (0.16.1, 0.19.2): use the CPU
+     generator (the CUDA versions defer through ``torch.cuda._lazy_call``, which never runs without CUDA).
+   - ``WrappedTorchNorm`` (0.16.1, 0.19.2): allow sequence parallelism and tag the norm parameters
+     ``sequence_parallel`` so ``finalize_model_grads`` all-reduces their gradients across TP (TENorm does the
+     same on GPU).
+   - ``moe_utils.te_general_gemm`` (0.16.1 only): defined as ``None`` when TransformerEngine is absent
+     (a NameError in 0.16.1; 0.19 defines it itself).
+   - ``moe_utils.maybe_move_tensor_to_cpu`` (0.16.1, 0.19.2): honour ``as_numpy`` for CPU tensors, so split
+     sizes reach ``all_to_all_single`` as a list, not a tensor.
+   - ``tensor_parallel.mappings._gather_along_first_dim/_reduce_scatter_along_first_dim`` (0.16.1, 0.19.2)
+     with uneven split sizes (TP x EP with the alltoall dispatcher): gloo rejects per-rank chunks of
+     different sizes, so the chunks are padded to the largest one.
+   - Optimizer constructors and ``clip_grad_by_total_norm_fp32`` (0.16.1, 0.19.2), which test
+     ``param.type()`` against ``"torch.cuda.*Tensor"`` strings, are recompiled from their source with the CPU
+     type names.
 """
 
 from __future__ import annotations
@@ -47,7 +52,9 @@ from typing import Callable
 
 import torch
 
-TESTED_MEGATRON_VERSIONS = ("0.16.1",)
+# megatron-core releases this module was run against (the full test suite, tests/test_megatron_019.py for
+# 0.19.2). 0.16.1 is the last release for Python 3.11; 0.17 onwards require Python >= 3.12.
+TESTED_MEGATRON_VERSIONS = ("0.16.1", "0.19.2")
 
 _applied = False
 _real_torch = torch
@@ -60,17 +67,21 @@ class MegatronVersionError(RuntimeError):
 def _installed_megatron_version() -> str:
     from megatron.core import package_info
 
-    return package_info.__version__
+    # 0.19 appends "+<git hash>" of whatever repository encloses site-packages (a venv inside a project).
+    return package_info.__version__.split("+")[0]
 
 
-def _check_version() -> None:
+def _check_version() -> str:
     version = _installed_megatron_version()
     if version not in TESTED_MEGATRON_VERSIONS:
+        # The newest tested release this Python can install (0.17+ declare Requires-Python >= 3.12).
+        suggested = TESTED_MEGATRON_VERSIONS[-1] if sys.version_info >= (3, 12) else TESTED_MEGATRON_VERSIONS[0]
         raise MegatronVersionError(
             f"patches.megatron_cpu was tested with megatron-core {', '.join(TESTED_MEGATRON_VERSIONS)}, "
-            f"but {version} is installed. Install megatron-core=={TESTED_MEGATRON_VERSIONS[-1]} "
-            "(tools/install.sh does), or run on a CUDA machine where no patch is needed."
+            f"but {version} is installed. Install megatron-core=={suggested} (tools/install.sh does), "
+            "or run on a CUDA machine where no patch is needed."
         )
+    return version
 
 
 # --------------------------------------------------------------------------------------------------
@@ -254,38 +265,46 @@ def _remap_megatron_modules() -> int:
     return count
 
 
-# Everything our code paths touch; imported before the remap so the sweep covers them.
-_MEGATRON_MODULES = (
-    "megatron.core.parallel_state",
-    "megatron.core.utils",
-    "megatron.core.tensor_parallel",
-    "megatron.core.tensor_parallel.random",
-    "megatron.core.tensor_parallel.mappings",
-    "megatron.core.tensor_parallel.layers",
-    "megatron.core.tensor_parallel.cross_entropy",
-    "megatron.core.transformer.torch_norm",
-    "megatron.core.transformer.moe.moe_utils",
-    "megatron.core.transformer.moe.router",
-    "megatron.core.transformer.moe.token_dispatcher",
-    "megatron.core.transformer.moe.experts",
-    "megatron.core.transformer.moe.moe_layer",
-    "megatron.core.models.gpt",
-    "megatron.core.models.gpt.gpt_layer_specs",
-    "megatron.core.pipeline_parallel",
-    "megatron.core.pipeline_parallel.schedules",
-    "megatron.core.pipeline_parallel.p2p_communication",
-    "megatron.core.distributed",
-    "megatron.core.distributed.finalize_model_grads",
-    "megatron.core.optimizer",
-    "megatron.core.optimizer.distrib_optimizer",
-    "megatron.core.optimizer.clip_grads",
-    "megatron.core.optimizer_param_scheduler",
-    "megatron.core.dist_checkpointing",
-    "megatron.core.dist_checkpointing.serialization",
-    "megatron.core.dist_checkpointing.exchange_utils",
-    "megatron.core.dist_checkpointing.strategies.torch",
-    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
-)
+class _RemapLoader:
+    """Wraps a megatron.core module's loader: the module is remapped as soon as it has executed."""
+
+    def __init__(self, loader):
+        self._loader = loader
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        if getattr(module, "torch", None) is _real_torch:
+            module.torch = _torch_on_cpu
+
+    def __getattr__(self, name):  # get_source, get_filename, ... for inspect and linecache
+        return getattr(self._loader, name)
+
+
+class _RemapOnImport:
+    """A meta-path finder for ``megatron.core.*`` modules imported after ``apply()``.
+
+    megatron imports many modules lazily (0.19's dist-checkpoint writer, for one), and which ones differs by
+    version: remapping at import time covers them all without a per-version list of module names.
+    """
+
+    def find_spec(self, name, path, target=None):
+        if not name.startswith("megatron.core."):
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _RemapLoader(spec.loader)
+                return spec
+        return None
+
+
+_remap_on_import = _RemapOnImport()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -300,10 +319,30 @@ def _tensor_cuda_on_cpu(self, device=None, non_blocking=False, memory_format=_re
 
 
 # --------------------------------------------------------------------------------------------------
-# 3. Narrow patches
+# 3. Narrow patches, each declaring the megatron-core versions it applies to
 # --------------------------------------------------------------------------------------------------
 
+_NARROW_PATCHES: list[tuple[Callable[[], None], tuple[str, ...]]] = []
 
+
+def _applies_to(*versions: str):
+    """Register a narrow patch for these megatron-core versions (each one of TESTED_MEGATRON_VERSIONS)."""
+    unknown = set(versions) - set(TESTED_MEGATRON_VERSIONS)
+    assert not unknown, f"a patch names untested megatron-core versions {sorted(unknown)}"
+
+    def register(patch: Callable[[], None]) -> Callable[[], None]:
+        _NARROW_PATCHES.append((patch, versions))
+        return patch
+
+    return register
+
+
+def patches_for(version: str) -> list[str]:
+    """Names of the narrow patches that ``apply()`` makes on megatron-core ``version``."""
+    return [patch.__name__ for patch, versions in _NARROW_PATCHES if version in versions]
+
+
+@_applies_to("0.16.1", "0.19.2")
 def _patch_rng() -> None:
     from megatron.core.tensor_parallel import random as mrandom
 
@@ -323,6 +362,7 @@ class _DropCpuRngWarning:
         return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
 
 
+@_applies_to("0.16.1", "0.19.2")
 def _patch_torch_norm() -> None:
     from megatron.core.transformer import torch_norm
 
@@ -348,11 +388,17 @@ def _patch_torch_norm() -> None:
     torch_norm.WrappedTorchNorm.__new__ = __new__
 
 
-def _patch_moe_utils() -> None:
+@_applies_to("0.16.1")  # 0.19 defines it as None itself
+def _define_te_general_gemm() -> None:
     from megatron.core.transformer.moe import moe_utils
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+
+@_applies_to("0.16.1", "0.19.2")
+def _patch_moe_split_sizes() -> None:
+    from megatron.core.transformer.moe import moe_utils
 
     def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
         if torch.is_tensor(tensor):
@@ -369,6 +415,7 @@ def _patch_moe_utils() -> None:
         token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
 
 
+@_applies_to("0.16.1", "0.19.2")
 def _patch_uneven_collectives() -> None:
     from megatron.core.tensor_parallel import mappings
 
@@ -436,6 +483,7 @@ def _recompile(owner, name: str, replacements: dict[str, str]) -> None:
     setattr(owner, name, new_func)
 
 
+@_applies_to("0.16.1", "0.19.2")
 def _patch_optimizer_type_checks() -> None:
     from megatron.core.optimizer import clip_grads, optimizer
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
@@ -461,23 +509,18 @@ def needed() -> bool:
 def apply() -> None:
     """Make megatron-core run on CPU. Idempotent; does nothing when a CUDA device is present.
 
-    Call it before building models or optimizers. Modules of megatron-core imported later can be covered
-    by calling it again.
+    Call it before building models or optimizers; megatron-core modules imported later are remapped as they
+    load.
     """
     global _applied
     if not needed():
         return
-    _check_version()
-    import importlib
-
-    for name in _MEGATRON_MODULES:
-        importlib.import_module(name)
+    version = _check_version()
     if not _applied:
+        sys.meta_path.insert(0, _remap_on_import)
         _real_torch.Tensor.cuda = _tensor_cuda_on_cpu
-        _patch_rng()
-        _patch_torch_norm()
-        _patch_moe_utils()
-        _patch_uneven_collectives()
-        _patch_optimizer_type_checks()
+        for patch, versions in _NARROW_PATCHES:
+            if version in versions:
+                patch()
         _applied = True
     _remap_megatron_modules()

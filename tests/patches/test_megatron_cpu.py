@@ -6,6 +6,9 @@ in-process and check the pieces directly.
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+
 import pytest
 import torch
 
@@ -20,14 +23,46 @@ def applied():
 def test_refuses_an_untested_version(monkeypatch):
     monkeypatch.setattr(megatron_cpu, "_installed_megatron_version", lambda: "0.99.0")
     monkeypatch.setattr(megatron_cpu, "_applied", False)
-    with pytest.raises(megatron_cpu.MegatronVersionError, match=r"0\.99\.0.*megatron-core==0\.16\.1"):
+    # The release to install is the one this Python can get: 0.17+ require Python >= 3.12.
+    suggested = "0.19.2" if sys.version_info >= (3, 12) else "0.16.1"
+    with pytest.raises(megatron_cpu.MegatronVersionError, match=rf"0\.99\.0.*megatron-core=={suggested}"):
         megatron_cpu.apply()
 
 
-def test_does_nothing_when_cuda_is_present(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(megatron_cpu, "_check_version", lambda: pytest.fail("must not even check the version"))
-    megatron_cpu.apply()
+def test_version_ignores_the_git_hash_megatron_appends(monkeypatch):
+    # 0.19's package_info appends "+<hash>" of any git repository around site-packages (a venv in a project).
+    from megatron.core import package_info
+
+    monkeypatch.setattr(package_info, "__version__", f"{package_info.__shortversion__}+a2b87de")
+    assert megatron_cpu._installed_megatron_version() == package_info.__shortversion__
+    assert megatron_cpu._installed_megatron_version() in megatron_cpu.TESTED_MEGATRON_VERSIONS
+
+
+def _fresh_import(name: str, monkeypatch):
+    """Import megatron module ``name`` anew through the import system; the test's end restores the old one."""
+    parent_name, _, child = name.rpartition(".")
+    parent = importlib.import_module(parent_name)
+    monkeypatch.setattr(parent, child, getattr(parent, child))
+    monkeypatch.delitem(sys.modules, name)
+    return importlib.import_module(name)
+
+
+def test_modules_loaded_after_apply_are_remapped(monkeypatch):
+    from megatron.core import utils as mutils
+
+    fresh = _fresh_import("megatron.core.transformer.moe.moe_utils", monkeypatch)
+    assert fresh.torch is mutils.torch and fresh.torch is not torch
+
+
+def test_version_specific_patch_is_made_exactly_where_megatron_needs_it(monkeypatch):
+    # te_general_gemm: 0.16.1 only names it when TransformerEngine imports (NameError in the router's gemm),
+    # 0.19 defines it as None itself. A fresh import of moe_utils shows what this version does unpatched.
+    version = megatron_cpu._installed_megatron_version()
+    from megatron.core.transformer.moe import moe_utils
+
+    assert moe_utils.te_general_gemm is None
+    needed = not hasattr(_fresh_import("megatron.core.transformer.moe.moe_utils", monkeypatch), "te_general_gemm")
+    assert ("_define_te_general_gemm" in megatron_cpu.patches_for(version)) == needed
 
 
 def test_idempotent_and_scoped_to_megatron():
