@@ -72,7 +72,8 @@ build_main() {
   "${pip[@]}" install --no-deps "${SGLANG_NO_DEPS[@]}"
   "${pip[@]}" install --no-deps -e "$ROOT"
   "$VENV/bin/python" - <<'PY'
-import torch, megatron.core, transformers, sglang, sglang_router, patches, gspo_megatron  # noqa: F401
+import gspo_megatron  # noqa: F401  (first: it quiets megatron-core's import-time TE/apex warnings)
+import torch, megatron.core, transformers, sglang, sglang_router, patches  # noqa: F401
 from importlib.metadata import version
 assert torch.__version__.startswith("2.13.0"), f"pip replaced torch 2.13.0 with {torch.__version__}"
 assert transformers.__version__ == "5.19.0", f"pip replaced transformers 5.19.0 with {transformers.__version__}"
@@ -98,8 +99,11 @@ fi
 VENV312="${VENV312:-$ROOT/.venv312}"
 TORCH312="torch==2.14.1"
 MEGATRON312="megatron-core==0.19.2"
+# torch 2.14.1's CUDA build pins its own triton: the 3.11 environment's triton pin is not for this one.
+PACKAGES312=()
+for package in "${PACKAGES[@]}"; do [[ $package == triton* ]] || PACKAGES312+=("$package"); done
 STAMP312="$VENV312/.gspo-megatron-install"
-WANT312="$(printf '%s\n' "$TORCH312" "$MEGATRON312" "${PACKAGES[@]}" | sha256sum | cut -d' ' -f1) $(sha256sum "$ROOT/setup.py" | cut -d' ' -f1)"
+WANT312="$(printf '%s\n' "$TORCH312" "$MEGATRON312" "${PACKAGES312[@]}" | sha256sum | cut -d' ' -f1) $(sha256sum "$ROOT/setup.py" | cut -d' ' -f1)"
 CHECK312='import torch, transformers, gspo_megatron, patches, importlib.metadata as m
 assert m.version("megatron-core") == "0.19.2"'
 
@@ -122,7 +126,7 @@ build_312() {
   [[ -x "$VENV312/bin/python" ]] || "$1" -m venv "$VENV312"
   local pip=("$VENV312/bin/python" -m pip --disable-pip-version-check -q)
   "${pip[@]}" install "$TORCH312"
-  "${pip[@]}" install "$TORCH312" "$MEGATRON312" "${PACKAGES[@]}"
+  "${pip[@]}" install "$TORCH312" "$MEGATRON312" "${PACKAGES312[@]}"
   "${pip[@]}" install --no-deps -e "$ROOT"
   "$VENV312/bin/python" -W ignore - <<'PY'
 import torch, transformers, patches, gspo_megatron  # noqa: F401
