@@ -117,12 +117,22 @@ def transformer_config(spec: ModelSpec, layout: Layout, dtype: torch.dtype = tor
     return config
 
 
+def _builds(spec):
+    """The class a megatron layer spec builds: a ``ModuleSpec``'s module (megatron-core 0.16), or the function of
+    a builder ``partial`` (0.19 describes MoE layers and experts that way)."""
+    return getattr(spec, "module", None) or getattr(spec, "func", None)
+
+
+def _submodules(spec):
+    return getattr(spec, "submodules", None) or getattr(spec, "keywords", {}).get("submodules")
+
+
 def _moe_norm_keeps_its_name(layer_spec):
     """Drop the local spec's ``pre_mlp_layernorm. -> mlp.linear_fc1.layer_norm_`` key map on MoE layers."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     submodules = layer_spec.submodules
-    if getattr(submodules.mlp, "module", None) is not MoELayer:
+    if _builds(submodules.mlp) is not MoELayer:
         return layer_spec
     keys_map = {k: v for k, v in submodules.sharded_state_dict_keys_map.items() if k != "pre_mlp_layernorm."}
     submodules = dataclasses.replace(submodules, sharded_state_dict_keys_map=keys_map)
@@ -146,12 +156,13 @@ def experts_modules(block) -> set[str]:
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     mlps = [s.submodules.mlp for s in block.layer_specs]
-    return {m.submodules.experts.module.__name__ for m in mlps if getattr(m, "module", None) is MoELayer}
+    return {_builds(_submodules(m).experts).__name__ for m in mlps if _builds(m) is MoELayer}
 
 
 def _check_grouped_experts(block) -> None:
-    """Grouped experts must be TEGroupedMLP. Without TE >= 1.9 megatron builds the legacy GroupedMLP instead (one
-    [H, E*F] weight, the ``grouped_gemm`` package, bf16 only), which the mapping does not name: refuse it here."""
+    """Grouped experts must be TEGroupedMLP. Without TE >= 1.9 megatron builds something else: the legacy
+    GroupedMLP (0.16: one [H, E*F] weight, the ``grouped_gemm`` package, bf16 only, which the mapping does not
+    name) or a SequentialMLP (0.19): refuse either, rather than run ungrouped experts the config asked to group."""
     built = experts_modules(block) - {"TEGroupedMLP"}
     if built:
         raise ValueError(

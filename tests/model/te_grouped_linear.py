@@ -18,6 +18,7 @@ when ``moe_grouped_gemm`` is set (where TE's spec would): the rest of the model 
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import textwrap
 import types
@@ -116,11 +117,16 @@ def local_spec_with_grouped_experts():
     classes = grouped_linear_classes()
     original = LocalSpecProvider.grouped_mlp_modules
 
-    def grouped_mlp_modules(self, moe_use_grouped_gemm, moe_use_legacy_grouped_gemm):
+    def grouped_mlp_modules(self, moe_use_grouped_gemm, *legacy):  # 0.16 also passes moe_use_legacy_grouped_gemm
         if not moe_use_grouped_gemm:
-            return original(self, moe_use_grouped_gemm, moe_use_legacy_grouped_gemm)
-        return TEGroupedMLP, MLPSubmodules(linear_fc1=classes.TEColumnParallelGroupedLinear,
-                                           linear_fc2=classes.TERowParallelGroupedLinear)
+            return original(self, moe_use_grouped_gemm, *legacy)
+        if legacy:  # megatron-core 0.16: (module, submodules)
+            return TEGroupedMLP, MLPSubmodules(linear_fc1=classes.TEColumnParallelGroupedLinear,
+                                               linear_fc2=classes.TERowParallelGroupedLinear)
+        from megatron.core.transformer.moe.experts import GroupedMLPSubmodules  # 0.19: a builder
+
+        return functools.partial(TEGroupedMLP, submodules=GroupedMLPSubmodules(
+            linear_fc1=classes.TEColumnParallelGroupedLinear, linear_fc2=classes.TERowParallelGroupedLinear))
 
     with mock.patch.object(LocalSpecProvider, "grouped_mlp_modules", grouped_mlp_modules):
         yield
