@@ -57,6 +57,9 @@ def test_bad_fields_are_named(overrides, message):
         (["algo.entropy_coef=-1"], 1, None, r"algo.entropy_coef=-1.0 must be finite and >= 0"),
         (["parallel.context=2"], 2, None, r"parallel.context=2 needs TransformerEngine"),
         (["parallel.tensor=2", "parallel.sequence_parallel=false"], 2, QWEN3_30B_A3B, r"parallel.sequence_parallel=false"),
+        (["algo.token_advantages=turns"], 1, None, r"algo.token_advantages='turns' is not one of"),
+        (["algo.token_advantages=segments"], 1, None, r"algo.token_advantages='segments' needs a loss with per-token"),
+        (["algo.name=gspo_token", "algo.token_advantages=segments"], 1, None, r"needs data.segment_reward"),
     ],
 )
 def test_incompatibilities_name_the_field(overrides, world, hf, message):
