@@ -80,8 +80,8 @@ def old_logprobs(policy, batch: dict, rows: list[torch.Tensor], cfg: Config, alg
                  metrics: dict):
     """pi_old into ``batch["old_logprobs"]``: the trainer's pass over this rank's rows, or the engine's log-probs
     with rollout.reuse_rollout_logprobs (no pass). The pass also gives the policy's entropy and the
-    rollout-vs-trainer mismatch over the whole batch. Returns this rank's recorded routing (rows in the order of
-    ``rows``) when Routing Replay or expert volatility needs it, else None."""
+    rollout-vs-trainer mismatch over the whole batch. Returns this rank's recorded routing when Routing Replay
+    (all its rows, in the order of ``rows``) or expert volatility (the second minibatch's rows) needs it, else None."""
     if not runs_old_pass(cfg):
         batch["old_logprobs"] = batch["rollout_logprobs"]  # the mismatch is measured by the first update instead
         return None
@@ -97,6 +97,9 @@ def old_logprobs(policy, batch: dict, rows: list[torch.Tensor], cfg: Config, alg
     metrics["entropy"] = float(all_rows(trainer["entropy"], total, cfg)[mask].mean()) if mask.any() else 0.0
     metrics.update(algo.mismatch_metrics(algo.sequence_stats(trainer_logprobs, batch["rollout_logprobs"], mask)))
     batch["old_logprobs"] = batch["rollout_logprobs"] if cfg.rollout.reuse_rollout_logprobs else trainer_logprobs
+    if record and not cfg.algo.routing_replay:  # volatility compares the second minibatch's rows only
+        first = rows[0].numel()
+        return trainer["routing"][first:first + rows[1].numel()].clone()
     return trainer.get("routing")
 
 
@@ -115,16 +118,16 @@ def reference_logprobs(reference, batch: dict, rows: list[torch.Tensor], cfg: Co
 def update(policy, batch: dict, rows: list[torch.Tensor], routing, cfg: Config, algo_config: AlgoConfig) -> dict:
     """``algo.minibatches`` optimizer steps over the rollout batch, and their metrics over every sequence of every
     rank (``algo.update_metrics``). ``routing``: this rank's old-policy record (``old_logprobs``), replayed with
-    Routing Replay, else compared with the second minibatch's own routing (expert_volatility: after one step)."""
+    Routing Replay, else the second minibatch's, compared with its own routing (expert_volatility: after one step)."""
     losses, norms, stats = [], [], []
     skipped, offset, metrics = 0, 0, {}
     for m, minibatch_rows in enumerate(rows):
-        record = None if routing is None else routing[offset:offset + minibatch_rows.numel()]
-        offset += minibatch_rows.numel()
         if cfg.algo.routing_replay:
+            record = routing[offset:offset + minibatch_rows.numel()]
             micro = micro_batches(batch, minibatch_rows, cfg, record, "routing")
         else:  # the second minibatch's forward runs on weights one step past the old policy's
-            micro = micro_batches(batch, minibatch_rows, cfg, record if m == 1 else None, "old_routing")
+            micro = micro_batches(batch, minibatch_rows, cfg, routing if m == 1 else None, "old_routing")
+        offset += minibatch_rows.numel()
         out = update_step(policy.model, policy.optimizer, micro, algo_config)
         policy.scheduler.step(increment=1)
         losses.append(float(out["loss"]))
