@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -52,7 +51,9 @@ def plot(runs: dict, labels: dict[str, str], path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(PANELS), figsize=(4.4 * len(PANELS), 3.6))
+    fig, grid = plt.subplots(2, 3, figsize=(14, 7.6))
+    axes = grid.ravel()
+    colors = {name: f"C{i}" for i, name in enumerate(labels)}  # one color per run in every panel
     for ax, (title, key, scale) in zip(axes, PANELS):
         for name, seeds in runs.items():
             per_seed = [_series(r, key) for r in seeds]
@@ -64,17 +65,19 @@ def plot(runs: dict, labels: dict[str, str], path: Path) -> Path:
             if not steps:
                 continue
             values = [[p[s] for p in per_seed] for s in steps]
-            line, = ax.plot(steps, [sum(v) / len(v) for v in values], label=labels[name], linewidth=1.5,
-                            marker="o" if key == "eval_reward_mean" else None, markersize=3)
+            ax.plot(steps, [sum(v) / len(v) for v in values], label=labels[name], linewidth=1.5, color=colors[name],
+                    marker="o" if key == "eval_reward_mean" else None, markersize=3)
             if len(per_seed) > 1:
-                ax.fill_between(steps, [min(v) for v in values], [max(v) for v in values], color=line.get_color(),
-                                alpha=0.15, linewidth=0)
+                ax.fill_between(steps, [min(v) for v in values], [max(v) for v in values], color=colors[name],
+                                alpha=0.12, linewidth=0)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("step")
         if scale == "log" and ax.lines:
             ax.set_yscale("log")
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
+    handles, names = axes[0].get_legend_handles_labels()
+    axes[-1].axis("off")  # the sixth cell holds the legend
+    axes[-1].legend(handles, names, loc="center", fontsize=10, frameon=False)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
@@ -91,34 +94,31 @@ def _over(records: list[dict], key: str, first: int | None = None, last: int | N
     return _mean(values)
 
 
-def _cell(values: list[float], digits: int = 2, scientific: bool = False) -> str:
+def _cell(values: list[float], fmt) -> str:
     values = [v for v in values if math.isfinite(v)]
     if not values:
         return "-"
-    fmt = (lambda v: f"{v:.1e}") if scientific else (lambda v: f"{v:.{digits}f}")
     mean = sum(values) / len(values)
-    if len(values) == 1:
-        return fmt(mean)
-    return f"{fmt(mean)} ({fmt(min(values))}-{fmt(max(values))})"
+    return fmt(mean) if len(values) == 1 else f"{fmt(mean)} ({fmt(min(values))} to {fmt(max(values))})"
 
 
 def table(runs: dict, labels: dict[str, str]) -> str:
     """One row per algorithm: mean over seeds (the seeds' range in brackets)."""
+    number, percent, small = (lambda v: f"{v:.2f}"), (lambda v: f"{100 * v:.1f}%"), (lambda v: f"{v:.1e}")
     rows = [
-        "| run | reward, first 10 steps | reward, last 20 steps | held-out reward, end | clip fraction: tokens | "
-        "clip fraction: loss's unit | expert volatility | log-prob diff per token | s / step |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| run | reward, first 10 steps | reward, last 20 steps | held-out reward, end | clipped tokens | "
+        "clipped, loss's unit | expert volatility | log-prob gap per token |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, seeds in runs.items():
         cols = [
-            _cell([_over(r, "reward_mean", first=10) for r in seeds]),
-            _cell([_over(r, "reward_mean", last=20) for r in seeds]),
-            _cell([_over(r, "eval_reward_mean", last=1) for r in seeds]),
-            _cell([_over(r, "clip_frac_tokens") for r in seeds], scientific=True),
-            _cell([_over(r, "clip_frac") for r in seeds], scientific=True),
-            _cell([_over(r, "expert_volatility") for r in seeds], 3),
-            _cell([_over(r, "logprob_diff_mean") for r in seeds], scientific=True),
-            _cell([_over(r, "time/step", last=len(r) - 1) for r in seeds]),  # the first step warms up
+            _cell([_over(r, "reward_mean", first=10) for r in seeds], number),
+            _cell([_over(r, "reward_mean", last=20) for r in seeds], number),
+            _cell([_over(r, "eval_reward_mean", last=1) for r in seeds], number),
+            _cell([_over(r, "clip_frac_tokens") for r in seeds], percent),
+            _cell([_over(r, "clip_frac") for r in seeds], percent),
+            _cell([_over(r, "expert_volatility") for r in seeds], lambda v: f"{100 * v:.2f}%"),
+            _cell([_over(r, "logprob_diff_mean") for r in seeds], small),
         ]
         rows.append(f"| {labels[name]} | " + " | ".join(cols) + " |")
     return "\n".join(rows)
@@ -132,12 +132,12 @@ def report(out: Path, names: list[str], seeds: int, steps: int, readme: Path) ->
     if not runs:
         raise SystemExit(f"examples/paper: no finished runs under {out}")
     figure = plot(runs, labels, readme.parent / "paper_comparison.png")
-    wall = out / "wall_time.json"
-    took = json.loads(wall.read_text()) if wall.is_file() else None
-    counts = ", ".join(f"{len(s)} seed{'s' if len(s) > 1 else ''}" for s in runs.values())
+    walls = [out / f"{name}_seed{s}" / "wall_seconds" for name in runs for s in range(1, seeds + 1)]
+    seconds = sum(float(w.read_text()) for w in walls if w.is_file())
+    done = sorted({len(s) for s in runs.values()})
     lines = [START, "", f"![comparison]({figure.name})", "",
-             f"{steps} steps per run, seeds: {counts.split(', ')[0] if len(set(counts.split(', '))) == 1 else counts}"
-             + (f"; the whole command took {took['seconds'] / 60:.0f} min" if took else "") + ".", "",
+             f"{steps} steps per run, {' or '.join(map(str, done))} seed(s) per run; the runs took "
+             f"{seconds / 60:.0f} min in all (start-up included). Each cell: mean over seeds (the seeds' range).", "",
              table(runs, labels), "", END]
     text = readme.read_text() if readme.is_file() else f"{START}\n{END}\n"
     if START not in text or END not in text:

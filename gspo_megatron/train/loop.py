@@ -12,7 +12,6 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from gspo_megatron.parallel import groups
