@@ -41,8 +41,8 @@ RUNS = {
 }
 
 
-def command(name: str, seed: int, steps: int, out: Path) -> list[str]:
-    return [sys.executable, "-m", "gspo_megatron.cli", "train", str(BASE), *COMMON, *RUNS[name][1],
+def command(name: str, seed: int, steps: int, out: Path, config: Path = BASE) -> list[str]:
+    return [sys.executable, "-m", "gspo_megatron.cli", "train", str(config), *COMMON, *RUNS[name][1],
             f"train.steps={steps}", f"train.seed={seed}", f"data.seed={1234 + seed}",
             f"model.hf_dir={out / f'model_seed{seed}'}", f"logging.dir={out / f'{name}_seed{seed}'}"]
 
@@ -61,6 +61,7 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=150, help="RL steps per run (default 150)")
     parser.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {list(RUNS)}")
     parser.add_argument("--out", default=str(ROOT / "runs/paper"), help="run directories (default runs/paper)")
+    parser.add_argument("--config", default=str(BASE), help="the base config (default examples/tiny_moe_cpu.yaml)")
     parser.add_argument("--readme", default=str(ROOT / "examples/paper/README.md"),
                         help="where the results table goes (between its results markers)")
     parser.add_argument("--report-only", action="store_true", help="only plot and tabulate the finished runs")
@@ -81,8 +82,8 @@ def main(argv=None) -> int:
                     continue
                 t = time.perf_counter()
                 with open(out / f"{run.name}.log", "w") as log:
-                    code = subprocess.call(command(name, seed, args.steps, out), cwd=ROOT, env=env, stdout=log,
-                                           stderr=subprocess.STDOUT)
+                    code = subprocess.call(command(name, seed, args.steps, out, Path(args.config)), cwd=ROOT, env=env,
+                                           stdout=log, stderr=subprocess.STDOUT)
                 if code != 0:
                     print(f"{run.name}: failed (exit {code}); see {out / f'{run.name}.log'}", file=sys.stderr)
                     return code
