@@ -15,11 +15,13 @@ import sys
 
 
 def _train(args) -> int:
+    from gspo_megatron.train.bootstrap import model_hf_config
     from gspo_megatron.train.config import load_config
     from gspo_megatron.train.validate import validate
 
     cfg = load_config(args.config, args.overrides)
-    validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    # The layout against the model's config too, before any process group starts.
+    validate(cfg, int(os.environ.get("WORLD_SIZE", "1")), model_hf_config(cfg))
     from gspo_megatron.train.loop import train
 
     # SIGTERM (a scheduler's stop, `kill`) unwinds like Ctrl-C, so the loop's `finally` stops the SGLang

@@ -33,3 +33,17 @@ def test_missing_config_is_named():
 def test_stray_arguments_are_refused():
     out = run("plan", "examples/tiny_moe_cpu.yaml", "--bogus")
     assert out.returncode == 2 and "unrecognized arguments: --bogus" in out.stderr
+
+
+def test_train_checks_the_layout_against_the_model_before_starting(tmp_path):
+    """The tiny model (2 key/value heads) cannot split over 4 TP ranks: refused from its config, before any process
+    group starts (WORLD_SIZE=4 without torchrun would otherwise wait for ranks that never come)."""
+    import os
+
+    env = dict(os.environ, WORLD_SIZE="4")
+    out = subprocess.run([sys.executable, "-m", "gspo_megatron.cli", "train", "examples/tiny_moe_cpu.yaml",
+                          "parallel.tensor=4", f"model.hf_dir={tmp_path / 'model'}"],
+                         capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "num_key_value_heads=2 is not divisible by parallel.tensor=4" in out.stderr
+    assert not (tmp_path / "model").exists()  # nothing was built

@@ -37,6 +37,8 @@ def test_cpu_example_under_torchrun_tp2_ep2(tmp_path):
     # Steps 2 and 3 roll out with weights synced from the TP x EP shards after an update: fp32 agreement.
     assert max(r["logprob_diff_max"] for r in records) < 1e-4, [r["logprob_diff_max"] for r in records]
     assert all(r["weight_sync/tensors"] > 0 for r in records)
+    # Metrics over both data-parallel ranks' sequences, and expert volatility summed over TP x EP ranks' routers.
+    assert all(0 < r["clip_frac_seqs"] < 1 and 0 <= r["expert_volatility"] <= 1 for r in records), records
     assert "eval_reward_mean" in records[1]
     assert (tmp_path / "metrics.png").read_bytes()[:4] == b"\x89PNG"
     assert (tmp_path / "ck" / "latest").read_text() == "step_000003"

@@ -5,10 +5,12 @@ surrogate (the clipped min shared by all losses), gspo (GSPO and GSPO-token), gr
 kl (reference-policy KL estimators), aggregation (denominators), metrics (diagnostics).
 """
 
-from .advantages import group_advantages
+from .advantages import group_advantages, segment_advantages
 from .aggregation import AGGREGATIONS, aggregate, seq_mean_token_mean, sequence_mean, token_mean
-from .grpo import grpo_loss
-from .gspo import GSPOTerms, gspo_loss, gspo_loss_from_sums, gspo_sequence_objective, gspo_token_loss
+from .grpo import grpo_loss, grpo_terms
+from .gspo import (GSPOTerms, TokenTerms, gspo_loss, gspo_loss_from_sums, gspo_sequence_objective, gspo_token_loss,
+                   gspo_token_terms)
+from .metrics import SEQUENCE_STATS, mismatch_metrics, sequence_stats, update_metrics
 from .kl import KL_ESTIMATORS, kl_k1, kl_k2, kl_k3, kl_penalty
 from .ratios import masked_log_ratio_sums, sequence_log_ratio, sequence_log_ratio_from_sums
 from .surrogate import clipped_surrogate
@@ -16,23 +18,31 @@ from .surrogate import clipped_surrogate
 __all__ = [
     "AGGREGATIONS",
     "GSPOTerms",
+    "SEQUENCE_STATS",
+    "TokenTerms",
     "KL_ESTIMATORS",
     "aggregate",
     "clipped_surrogate",
     "group_advantages",
     "grpo_loss",
+    "grpo_terms",
     "gspo_loss",
     "gspo_loss_from_sums",
     "gspo_sequence_objective",
     "gspo_token_loss",
+    "gspo_token_terms",
     "kl_k1",
     "kl_k2",
     "kl_k3",
     "kl_penalty",
     "masked_log_ratio_sums",
+    "mismatch_metrics",
+    "segment_advantages",
+    "sequence_stats",
     "seq_mean_token_mean",
     "sequence_log_ratio",
     "sequence_log_ratio_from_sums",
     "sequence_mean",
     "token_mean",
+    "update_metrics",
 ]

@@ -15,9 +15,10 @@ from .kl import kl_loss_term
 from .masking import masked_token_log_ratio, to_compute_dtype, zero_masked
 from .metrics import approx_kl, clip_fractions, masked_stats, to_floats
 from .ratios import sequence_log_ratio_from_sums
+from .gspo import TokenTerms
 from .surrogate import clipped_surrogate
 
-__all__ = ["grpo_loss"]
+__all__ = ["grpo_loss", "grpo_terms"]
 
 
 def _token_advantages(advantages: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -30,6 +31,41 @@ def _token_advantages(advantages: torch.Tensor, mask: torch.Tensor, dtype: torch
             f"advantages must be [B] or [B, T] = {tuple(mask.shape)}, got shape {tuple(advantages.shape)}"
         )
     return zero_masked(advantages.to(dtype), mask)
+
+
+def grpo_terms(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    eps_low: float = 0.2,
+    eps_high: float = 0.27,
+    aggregation: str = "token-mean",
+    max_log_ratio: float = 10.0,
+    num_tokens: Denominator = None,
+    num_sequences: Denominator = None,
+    ref_logprobs: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+) -> TokenTerms:
+    """grpo_loss without its metrics (no host transfer): the loss and the token clip masks."""
+    check_aggregation(aggregation)
+    check_clip_range(eps_low, eps_high, max_log_ratio)
+    mask = check_token_inputs(logprobs, old_logprobs, response_mask, ref_logprobs=ref_logprobs)
+    logprobs, old_logprobs = to_compute_dtype(logprobs), to_compute_dtype(old_logprobs)
+    token_advantages = _token_advantages(advantages, mask, logprobs.dtype)
+
+    token_log_ratio = masked_token_log_ratio(logprobs, old_logprobs, mask)
+    objective, clipped_low, clipped_high = clipped_surrogate(
+        token_log_ratio, token_advantages, eps_low, eps_high, max_log_ratio
+    )
+    loss = -aggregate(objective, mask, aggregation, num_tokens, num_sequences)
+    kl_term, kl_value = kl_loss_term(
+        logprobs, ref_logprobs, mask, kl_coef, kl_estimator, aggregation, max_log_ratio, num_tokens, num_sequences
+    )
+    if kl_term is not None:
+        loss = loss + kl_term
+    return TokenTerms(loss, clipped_low & mask, clipped_high & mask, kl_value)
 
 
 def grpo_loss(
@@ -60,35 +96,23 @@ def grpo_loss(
     seq_ratio_min/mean/max (the GSPO sequence ratio, for comparison), approx_kl (token mean of k3 for
     KL(pi_old || pi_theta)), num_sequences, num_tokens (local), kl_ref when ref_logprobs is given.
     """
-    check_aggregation(aggregation)
-    check_clip_range(eps_low, eps_high, max_log_ratio)
-    mask = check_token_inputs(logprobs, old_logprobs, response_mask, ref_logprobs=ref_logprobs)
+    terms = grpo_terms(logprobs, old_logprobs, advantages, response_mask, eps_low, eps_high, aggregation,
+                       max_log_ratio, num_tokens, num_sequences, ref_logprobs, kl_coef, kl_estimator)
+    mask = response_mask.bool()
     logprobs, old_logprobs = to_compute_dtype(logprobs), to_compute_dtype(old_logprobs)
-    token_advantages = _token_advantages(advantages, mask, logprobs.dtype)
-
-    token_log_ratio = masked_token_log_ratio(logprobs, old_logprobs, mask)
-    objective, clipped_low, clipped_high = clipped_surrogate(
-        token_log_ratio, token_advantages, eps_low, eps_high, max_log_ratio
-    )
-    loss = -aggregate(objective, mask, aggregation, num_tokens, num_sequences)
-    kl_term, kl_value = kl_loss_term(
-        logprobs, ref_logprobs, mask, kl_coef, kl_estimator, aggregation, max_log_ratio, num_tokens, num_sequences
-    )
-    if kl_term is not None:
-        loss = loss + kl_term
-
     with torch.no_grad():
+        token_log_ratio = masked_token_log_ratio(logprobs.detach(), old_logprobs, mask)
         token_count = mask.sum(dim=-1).to(logprobs.dtype)
-        seq_log_ratio = sequence_log_ratio_from_sums(token_log_ratio.detach().sum(dim=-1), token_count)
+        seq_log_ratio = sequence_log_ratio_from_sums(token_log_ratio.sum(dim=-1), token_count)
         clamp = (-max_log_ratio, max_log_ratio)
         metrics = {
-            **clip_fractions(clipped_low, clipped_high, mask, logprobs.dtype),
-            **masked_stats(torch.exp(token_log_ratio.detach().clamp(*clamp)), mask, "ratio"),
+            **clip_fractions(terms.clipped_low, terms.clipped_high, mask, logprobs.dtype),
+            **masked_stats(torch.exp(token_log_ratio.clamp(*clamp)), mask, "ratio"),
             **masked_stats(torch.exp(seq_log_ratio.clamp(*clamp)), token_count > 0, "seq_ratio"),
             "approx_kl": approx_kl(logprobs, old_logprobs, mask, max_log_ratio),
             "num_sequences": (token_count > 0).sum(),
             "num_tokens": mask.sum(),
         }
-    if kl_value is not None:
-        metrics["kl_ref"] = kl_value
-    return loss, to_floats(metrics)
+    if terms.kl is not None:
+        metrics["kl_ref"] = terms.kl
+    return terms.loss, to_floats(metrics)

@@ -25,7 +25,8 @@ from .metrics import approx_kl, clip_fractions, masked_stats, to_floats
 from .ratios import masked_log_ratio_sums, sequence_log_ratio, sequence_log_ratio_from_sums
 from .surrogate import clipped_surrogate
 
-__all__ = ["GSPOTerms", "gspo_loss", "gspo_loss_from_sums", "gspo_sequence_objective", "gspo_token_loss"]
+__all__ = ["GSPOTerms", "TokenTerms", "gspo_loss", "gspo_loss_from_sums", "gspo_sequence_objective",
+           "gspo_token_loss", "gspo_token_terms"]
 
 
 def gspo_sequence_objective(
@@ -140,6 +141,50 @@ def gspo_loss(
     return loss, to_floats(metrics)
 
 
+class TokenTerms(NamedTuple):
+    """The scalar loss of a token-level clip (GSPO-token, GRPO) and the [B, T] pieces the metrics need."""
+
+    loss: torch.Tensor  # scalar, -J (+ the KL term)
+    clipped_low: torch.Tensor  # [B, T] bool, masked positions False
+    clipped_high: torch.Tensor  # [B, T] bool
+    kl: torch.Tensor | None  # the KL penalty's value (detached) when ref_logprobs is given
+
+
+def gspo_token_terms(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    token_advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    eps_low: float = 3e-4,
+    eps_high: float = 4e-4,
+    max_log_ratio: float = 10.0,
+    num_sequences: Denominator = None,
+    ref_logprobs: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+) -> TokenTerms:
+    """gspo_token_loss without its metrics (no host transfer): the loss and the token clip masks."""
+    mask = check_token_inputs(
+        logprobs, old_logprobs, response_mask, token_advantages=token_advantages, ref_logprobs=ref_logprobs
+    )
+    check_clip_range(eps_low, eps_high, max_log_ratio)
+    logprobs, old_logprobs = to_compute_dtype(logprobs), to_compute_dtype(old_logprobs)
+    seq_log_ratio = sequence_log_ratio(logprobs, old_logprobs, mask)
+    safe_logprobs = zero_masked(logprobs, mask)
+    token_log_ratio = seq_log_ratio.detach().unsqueeze(-1) + (safe_logprobs - safe_logprobs.detach())
+    objective, clipped_low, clipped_high = clipped_surrogate(
+        token_log_ratio, zero_masked(token_advantages.to(logprobs.dtype), mask), eps_low, eps_high, max_log_ratio
+    )
+    loss = -seq_mean_token_mean(objective, mask, num_sequences)
+    kl_term, kl_value = kl_loss_term(
+        logprobs, ref_logprobs, mask, kl_coef, kl_estimator, "seq-mean-token-mean", max_log_ratio,
+        num_sequences=num_sequences,
+    )
+    if kl_term is not None:
+        loss = loss + kl_term
+    return TokenTerms(loss, clipped_low & mask, clipped_high & mask, kl_value)
+
+
 def gspo_token_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -164,31 +209,16 @@ def gspo_token_loss(
     Metrics as gspo_loss, except clip_frac/_low/_high are fractions of response *tokens* (clipping is per token
     here), as the paper counts them.
     """
-    mask = check_token_inputs(
-        logprobs, old_logprobs, response_mask, token_advantages=token_advantages, ref_logprobs=ref_logprobs
-    )
-    check_clip_range(eps_low, eps_high, max_log_ratio)
+    terms = gspo_token_terms(logprobs, old_logprobs, token_advantages, response_mask, eps_low, eps_high,
+                             max_log_ratio, num_sequences, ref_logprobs, kl_coef, kl_estimator)
+    mask = response_mask.bool()
     logprobs, old_logprobs = to_compute_dtype(logprobs), to_compute_dtype(old_logprobs)
-    seq_log_ratio = sequence_log_ratio(logprobs, old_logprobs, mask)
-    safe_logprobs = zero_masked(logprobs, mask)
-    token_log_ratio = seq_log_ratio.detach().unsqueeze(-1) + (safe_logprobs - safe_logprobs.detach())
-    objective, clipped_low, clipped_high = clipped_surrogate(
-        token_log_ratio, zero_masked(token_advantages.to(logprobs.dtype), mask), eps_low, eps_high, max_log_ratio
-    )
-    loss = -seq_mean_token_mean(objective, mask, num_sequences)
-    kl_term, kl_value = kl_loss_term(
-        logprobs, ref_logprobs, mask, kl_coef, kl_estimator, "seq-mean-token-mean", max_log_ratio,
-        num_sequences=num_sequences,
-    )
-    if kl_term is not None:
-        loss = loss + kl_term
-
-    valid = mask.any(dim=-1)
+    seq_log_ratio = sequence_log_ratio(logprobs.detach(), old_logprobs, mask)
     metrics = {
-        **clip_fractions(clipped_low, clipped_high, mask, logprobs.dtype),
-        **_sequence_metrics(seq_log_ratio, valid, max_log_ratio),
+        **clip_fractions(terms.clipped_low, terms.clipped_high, mask, logprobs.dtype),
+        **_sequence_metrics(seq_log_ratio, mask.any(dim=-1), max_log_ratio),
         "approx_kl": approx_kl(logprobs, old_logprobs, mask, max_log_ratio),
     }
-    if kl_value is not None:
-        metrics["kl_ref"] = kl_value
-    return loss, to_floats(metrics)
+    if terms.kl is not None:
+        metrics["kl_ref"] = terms.kl
+    return terms.loss, to_floats(metrics)

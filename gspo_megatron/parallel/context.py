@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 # Recorded per rank for Routing Replay: already this rank's tokens, never split again.
-_LOCAL_KEYS = ("routing",)
+_LOCAL_KEYS = ("routing", "old_routing")
 
 
 def token_index(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:

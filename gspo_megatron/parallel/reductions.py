@@ -101,3 +101,30 @@ def broadcast_from_last_stage(tensors: dict[str, torch.Tensor] | None, pp_group)
         dist.broadcast(t, src=last, group=pp_group)
         out[name] = t
     return out
+
+
+@torch.no_grad()
+def all_reduce_sequence_stats(stats: torch.Tensor, max_columns: tuple[int, ...], group=None) -> torch.Tensor:
+    """Per-sequence statistics [B, K] whose columns are partial over ``group`` (the CP group: each rank saw a slice
+    of every sequence) -> whole-sequence values on every rank: SUM for every column but ``max_columns`` (MAX).
+    No autograd (metrics only). A group of size 1 returns ``stats`` unchanged."""
+    if group is None or dist.get_world_size(group) == 1:
+        return stats
+    total = stats.detach().clone()
+    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+    if max_columns:
+        columns = list(max_columns)
+        largest = stats.detach()[:, columns].contiguous()
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)
+        total[:, columns] = largest
+    return total
+
+
+def all_gather_rows(local: torch.Tensor, group=None) -> torch.Tensor:
+    """[n, ...] on each rank of ``group`` (equal n) -> [n * size, ...] on every rank, in group-rank order.
+    No autograd; on the tensor's device."""
+    if group is None or dist.get_world_size(group) == 1:
+        return local
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    return torch.cat(parts)

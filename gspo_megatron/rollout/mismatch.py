@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from gspo_megatron.algo.metrics import mismatch_metrics, sequence_stats
+
 
 @torch.no_grad()
 def logprob_mismatch(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor,
@@ -24,17 +26,11 @@ def logprob_mismatch(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Ten
     if not (trainer_logprobs.shape == rollout_logprobs.shape == mask.shape):
         raise ValueError(f"logprob_mismatch: shapes {tuple(trainer_logprobs.shape)}, {tuple(rollout_logprobs.shape)}, "
                          f"{tuple(mask.shape)} differ")
-    mask = mask.bool()
-    diff = (trainer_logprobs.double() - rollout_logprobs.double()).masked_fill(~mask, 0.0)
-    tokens = mask.sum(dim=-1)
-    valid = tokens > 0
-    seq = diff.sum(dim=-1)[valid] / tokens[valid]
-    log_r = (rollout_logprobs.double() - trainer_logprobs.double())[mask]  # log pi_rollout - log pi_train
-    kl_k3 = (torch.exp(-log_r) - 1 + log_r).mean() if log_r.numel() else torch.zeros(())
-    absdiff = diff.abs()[mask]
+    # The trainer's definitions (algo.metrics), so these numbers are the ones the training run logs.
+    m = mismatch_metrics(sequence_stats(trainer_logprobs.double(), rollout_logprobs.double(), mask.bool()))
     return {
-        f"{prefix}token_max_abs": float(absdiff.max()) if absdiff.numel() else 0.0,
-        f"{prefix}token_mean_abs": float(absdiff.mean()) if absdiff.numel() else 0.0,
-        f"{prefix}seq_log_ratio_max_abs": float(seq.abs().max()) if seq.numel() else 0.0,
-        f"{prefix}kl_k3": float(kl_k3),
+        f"{prefix}token_max_abs": m["logprob_diff_max"],
+        f"{prefix}token_mean_abs": m["logprob_diff_mean"],
+        f"{prefix}seq_log_ratio_max_abs": m["logprob_diff_seq_log_ratio"],
+        f"{prefix}kl_k3": m["logprob_diff_kl"],
     }

@@ -7,6 +7,11 @@ data set attaches to the prompt). Built in (``load_reward_fn`` by name):
     exact_match   1.0 if the stripped response equals the stripped label
     synthetic     the CPU example's tasks (``synthetic.position_credit``): partial credit in [0, 1]
 
+Per-segment rewards (GSPO-token's per-token advantages, ``algo.token_advantages=segments``) come from
+``fn(prompt: str, response_tokens: list[str], label) -> [(end, reward), ...]``: ``end`` counts the response
+tokens up to and including the segment's last one (rising, at most the response length). Built in:
+``synthetic`` (``synthetic.position_credit_segments``: each character's credit on its token).
+
 User functions are given as ``"package.module:function"``. ``score`` never lets a bad reward through: a function
 that raises or returns a non-finite (or non-numeric) value is a ``RewardError`` naming the sample, or, with
 ``on_error="mask"``, that sample's reward is 0 and its ``valid`` flag False, for the trainer to drop it from the
@@ -26,7 +31,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .errors import RewardError
-from .synthetic import position_credit
+from .synthetic import position_credit, position_credit_segments
 from .types import Sample
 
 RewardFn = Callable[[str, str, Any], float]
@@ -95,12 +100,20 @@ def synthetic_reward(prompt: str, response: str, label) -> float:
 BUILTIN: dict[str, RewardFn] = {"math": math_reward, "exact_match": exact_match, "synthetic": synthetic_reward}
 
 
-def load_reward_fn(spec: str) -> RewardFn:
-    """A built-in name (``math``, ``exact_match``, ``synthetic``) or ``"module:function"``."""
-    if spec in BUILTIN:
-        return BUILTIN[spec]
+SegmentRewardFn = Callable[[str, list, Any], Sequence]
+BUILTIN_SEGMENTS: dict[str, SegmentRewardFn] = {
+    "synthetic": lambda prompt, response_tokens, label: position_credit_segments(response_tokens, str(label)),
+}
+
+
+def load_reward_fn(spec: str, builtin: dict | None = None) -> RewardFn:
+    """A built-in name (``math``, ``exact_match``, ``synthetic``; ``builtin`` replaces that table, e.g.
+    ``BUILTIN_SEGMENTS``) or ``"module:function"``."""
+    builtin = BUILTIN if builtin is None else builtin
+    if spec in builtin:
+        return builtin[spec]
     if ":" not in spec:
-        raise ValueError(f"reward={spec!r} is neither a built-in ({sorted(BUILTIN)}) nor 'module:function'")
+        raise ValueError(f"reward={spec!r} is neither a built-in ({sorted(builtin)}) nor 'module:function'")
     module_name, _, attr = spec.partition(":")
     try:
         module = importlib.import_module(module_name)
@@ -162,3 +175,46 @@ def score(fn: RewardFn, samples: Sequence[Sample], labels: Sequence[Any], prompt
             values.append(value)
             valid.append(True)
     return Rewards(torch.tensor(values, dtype=torch.float32), torch.tensor(valid, dtype=torch.bool), errors)
+
+
+def _segment_problem(segments, num_tokens: int) -> str | None:
+    """Why ``segments`` is not a rising list of (end, finite reward) within the response, or None."""
+    if not isinstance(segments, (list, tuple)):
+        return f"returned {segments!r} ({type(segments).__name__}), not a list of (end, reward)"
+    last = 0
+    for item in segments:
+        if not (isinstance(item, (list, tuple)) and len(item) == 2):
+            return f"returned the segment {item!r}, not (end, reward)"
+        end, value = item
+        if isinstance(end, bool) or not isinstance(end, numbers.Integral) or not last < end <= num_tokens:
+            return f"returned the segment end {end!r}: ends must rise within 1..{num_tokens} (response tokens)"
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+            return f"returned the segment reward {value!r}, not a finite number"
+        last = end
+    return None
+
+
+def score_segments(fn: SegmentRewardFn, samples: Sequence[Sample], labels: Sequence[Any],
+                   prompt_texts: Sequence[str], token_texts: Sequence[list], on_error: str = "raise"):
+    """Per-segment rewards of every sample: (list of [(end, reward)] per sample, valid [N] bool). A function that
+    raises or returns a malformed list is a ``RewardError`` naming the sample, or with ``on_error="mask"`` that
+    sample gets no segments and valid False (the trainer drops it, as ``score`` does)."""
+    if on_error not in ("raise", "mask"):
+        raise ValueError(f"reward on_error={on_error!r} must be 'raise' or 'mask'")
+    out, valid = [], []
+    for sample, label, prompt, tokens in zip(samples, labels, prompt_texts, token_texts):
+        try:
+            segments = fn(prompt, list(tokens), label)
+            problem = _segment_problem(segments, len(sample.response_ids))
+        except Exception as e:  # a user function may raise anything: report it with the sample
+            problem = f"raised {type(e).__name__}: {e}"
+        if problem is not None:
+            message = f"segment reward {_name(fn)} {problem} for sample {sample.name} (label {str(label)[:80]!r})"
+            if on_error == "raise":
+                raise RewardError(message + "; set on_error='mask' to drop such samples from the loss instead")
+            out.append([])
+            valid.append(False)
+        else:
+            out.append([(int(end), float(value)) for end, value in segments])
+            valid.append(True)
+    return out, torch.tensor(valid, dtype=torch.bool)

@@ -118,3 +118,22 @@ def position_credit(response: str, answer: str) -> float:
         return 1.0
     right = sum(a == b for a, b in zip(response, answer))
     return 0.9 * right / max(1, len(answer), len(response))
+
+
+def position_credit_segments(response_tokens: list[str], answer: str) -> list[tuple[int, float]]:
+    """``position_credit`` split over the response's tokens, each token a segment: a token earns the credit of the
+    answer characters it puts in their place, the last token also the exact answer's bonus, so the rewards sum
+    to ``position_credit`` of the whole response. Returns [(end, reward)] with end = 1 .. len(response_tokens)."""
+    text = "".join(response_tokens)
+    response = text.split(EOS, 1)[0]
+    stripped = response.strip()
+    offset = len(response) - len(response.lstrip())
+    owner = [j for j, token in enumerate(response_tokens) for _ in token]  # the token of each character
+    longer = max(1, len(answer), len(stripped))
+    rewards = [0.0] * len(response_tokens)
+    for i, (got, want) in enumerate(zip(stripped, answer)):
+        if got == want:
+            rewards[owner[offset + i]] += 0.9 / longer
+    if rewards:
+        rewards[-1] += position_credit(text, answer) - sum(rewards)
+    return [(j + 1, r) for j, r in enumerate(rewards)]

@@ -33,6 +33,26 @@ def reward_function(cfg: Config):
     return load_reward_fn(cfg.data.reward)
 
 
+def model_hf_config(cfg: Config) -> dict:
+    """The model's Hugging Face config without building or loading it: ``model.hf_dir``'s config.json, or the
+    config ``model.tiny`` will build there. For checking the layout against the model before anything starts."""
+    from gspo_megatron.model.hf_config import load_config_json
+
+    config = Path(cfg.model.hf_dir) / "config.json" if cfg.model.hf_dir else None
+    if config is not None and config.is_file():
+        return load_config_json(config)
+    if cfg.model.tiny:
+        from gspo_megatron.rollout.synthetic import tiny_qwen3_moe_config
+
+        try:
+            return tiny_qwen3_moe_config(**cfg.model.tiny).to_dict()
+        except TypeError as e:
+            raise ConfigError(f"model.tiny: {e}") from None
+    if not cfg.model.hf_dir:
+        raise ConfigError("model.hf_dir must be set (a Hugging Face model directory, or where to build model.tiny)")
+    raise ConfigError(f"model.hf_dir={cfg.model.hf_dir!r} has no config.json and model.tiny is empty")
+
+
 def prepare_model_dir(cfg: Config) -> Path:
     """``model.hf_dir``, built first (on rank 0) from ``model.tiny`` when it does not exist yet."""
     hf_dir = Path(cfg.model.hf_dir)

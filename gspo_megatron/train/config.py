@@ -119,6 +119,11 @@ class AlgoSection:
     """Upper clip; default 4e-4 for GSPO, 0.27 for GRPO."""
     max_log_ratio: float = 10.0
     grpo_aggregation: str = "token-mean"
+    """GRPO's normalisation: token-mean (every token weighs the same) or seq-mean-token-mean (every sequence)."""
+    token_advantages: str = "sequence"
+    """Where per-token advantages come from (gspo_token, grpo): sequence (A_i on every token; GSPO-token then equals
+    GSPO) or segments (``data.segment_reward``'s per-segment rewards, group-normalised, summed over the segments at
+    and after each token: DeepSeekMath's process supervision)."""
     routing_replay: bool = False
     """GRPO + Routing Replay: replay the old policy's experts in the update pass (MoE)."""
     kl_coef: float = 0.0
@@ -161,7 +166,12 @@ class DataConfig:
     reward: str = "math"
     """math, exact_match, synthetic (the built-in tasks' partial-credit score), or module:function."""
     on_reward_error: str = "raise"
-    """raise: a reward that raises or is not finite stops the step naming the sample; mask: drop the sample."""
+    """raise: a reward that raises or is not finite stops the step naming the sample; mask: drop the sample (it also
+    leaves its group's mean and std)."""
+    segment_reward: str = ""
+    """Per-segment rewards for algo.token_advantages=segments: synthetic (the built-in tasks' credit per character)
+    or module:function, fn(prompt, response_tokens: list[str], label) -> [(end, reward), ...] with ``end`` the
+    number of response tokens up to and including the segment's last one, rising."""
     seed: int = 1234
 
 
@@ -188,6 +198,10 @@ class LoggingConfig:
     wandb_project: str = ""
     """Log to Weights & Biases when set (and wandb is installed)."""
     plot_every: int = 5
+    expert_volatility: bool = True
+    """MoE with algo.minibatches >= 2 and the old-policy pass: log the fraction of (token, layer) routing decisions
+    whose top-k experts one optimizer step changed (the old pass's experts vs the second minibatch's forward, no
+    extra forward; the old pass keeps the record, int16, until that forward)."""
 
 
 @dataclass

@@ -1,7 +1,9 @@
 """PNG plots of a run's metrics (and several runs side by side, for tools/compare_runs.py).
 
-Panels: reward (mean, and eval when present), clip fraction (low/high), sequence-ratio range (min/mean/max),
-KL (old vs new policy per update, and policy vs reference when algo.kl_coef > 0), the policy's entropy, and the rollout-vs-trainer log-prob difference.
+Panels: reward (mean, and eval when present), clip fraction (of response tokens and of sequences, log axis: GSPO
+and GRPO differ by orders of magnitude), sequence-ratio range (min/mean/max), KL (old vs new policy per update, and
+policy vs reference when algo.kl_coef > 0), expert volatility (MoE routing decisions one step changed), the
+policy's entropy, and the rollout-vs-trainer log-prob difference.
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ from gspo_megatron.train.metrics_log import read_metrics
 # (title, [(metric, label)], y scale)
 PANELS = [
     ("reward", [("reward_mean", "train"), ("eval_reward_mean", "eval")], "linear"),
-    ("clip fraction", [("clip_frac", "total"), ("clip_frac_low", "low"), ("clip_frac_high", "high")], "linear"),
+    ("clip fraction", [("clip_frac_tokens", "tokens"), ("clip_frac_seqs", "sequences")], "log"),
     ("sequence ratio", [("seq_ratio_min", "min"), ("seq_ratio_mean", "mean"), ("seq_ratio_max", "max")], "linear"),
     ("KL", [("approx_kl", "old || new (per update)"), ("kl_ref", "policy || reference")], "linear"),
+    ("expert volatility (one step)", [("expert_volatility", "routing decisions changed")], "linear"),
     ("entropy per response token", [("entropy", "policy")], "linear"),
     ("rollout vs trainer log-prob |diff|", [("logprob_diff_mean", "mean per token"), ("logprob_diff_max", "max")], "log"),
 ]

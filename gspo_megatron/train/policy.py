@@ -56,7 +56,11 @@ def build_policy(cfg: Config, hf_dir: str | Path) -> Policy:
     spec = read_hf_config(Path(hf_dir) / "config.json")
     dtype = DTYPES[cfg.model.dtype]
     bridge = Bridge(spec)
-    model = _starting_model(cfg, hf_dir, spec, bridge, dtype, routing_replay=cfg.algo.routing_replay)
+    from gspo_megatron.train.update_phase import measures_volatility
+
+    # Routers record (or replay) their experts through megatron's RouterReplay only when built for it.
+    records_routing = cfg.algo.routing_replay or measures_volatility(cfg, spec)
+    model = _starting_model(cfg, hf_dir, spec, bridge, dtype, routing_replay=records_routing)
     model.config.finalize_model_grads_func = finalize_model_grads
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=cfg.parallel.distributed_optimizer

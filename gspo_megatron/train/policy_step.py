@@ -6,10 +6,12 @@ A rollout minibatch is a list of micro batches, each a dict of tensors:
     labels        [b, S] long   the next token at each position (input_ids shifted left)
     loss_mask     [b, S] bool   True where labels[t] is a response token
     old_logprobs  [b, S] float  log pi_old(labels[t]), aligned with labels (ignored where not loss_mask)
-    advantages    [b] float     ([b, S] token advantages for gspo_token)
+    advantages    [b] float     (or [b, S] per-token advantages for gspo_token and grpo)
     ref_logprobs  [b, S] float  optional, for a KL penalty
-    routing       [b, L, s_local, k] long  optional: experts the old policy chose (``logprob_pass`` with
+    routing       [b, L, s_local, k] int  optional: experts the old policy chose (``logprob_pass`` with
                   ``record_routing=True``); when present the update pass replays them (GRPO + Routing Replay)
+    old_routing   [b, L, s_local, k] int  optional, instead: the same record, compared with the experts the update
+                  pass chooses (expert volatility: how many routing decisions one update changed)
 
 Normalisation: megatron-core's per-token-loss mode is used with *sequences* as the unit (tokens for GRPO
 token-mean). Each micro batch's loss function returns (sum of its sequences' losses, number of sequences);
@@ -40,7 +42,8 @@ from gspo_megatron import algo, environment
 from gspo_megatron.model.hidden_output import hidden_states_instead_of_logits
 from gspo_megatron.ops import vocab_parallel_logprobs, vocab_parallel_sequence_loss
 from gspo_megatron.parallel import context
-from gspo_megatron.parallel.reductions import all_reduce_sequence_sums, broadcast_from_last_stage
+from gspo_megatron.parallel.reductions import (all_gather_rows, all_reduce_sequence_stats, all_reduce_sequence_sums,
+                                              broadcast_from_last_stage)
 
 ALGORITHMS = ("gspo", "gspo_token", "grpo")
 
@@ -65,6 +68,11 @@ class AlgoConfig:
             raise ValueError(f"algo.name={self.name!r} is not one of {ALGORITHMS}")
         if self.temperature <= 0:
             raise ValueError(f"algo.temperature={self.temperature} must be > 0")
+
+    @property
+    def unit(self) -> str:
+        """What the loss clips: "sequence" (GSPO) or "token" (GRPO, GSPO-token); the unit of ``clip_frac``."""
+        return "sequence" if self.name == "gspo" else "token"
 
     @classmethod
     def grpo(cls, **kwargs) -> "AlgoConfig":
@@ -96,21 +104,22 @@ def token_logprobs(output_tensor: torch.Tensor, captured, labels: torch.Tensor, 
 
 
 def _loss_terms(algo_config: AlgoConfig, batch: dict, logprobs: torch.Tensor):
-    """(loss summed over this micro batch's units, number of units, per-sequence stats) for one micro batch."""
+    """(loss summed over this micro batch's units, number of units, per-sequence stats [b, len(SEQUENCE_STATS)])
+    for one micro batch (or a chunk of its sequences)."""
     _, cp_group, ps = _groups()
     cfg = algo_config
-    mask = batch["loss_mask"]
+    mask, old = batch["loss_mask"], batch["old_logprobs"]
     ref = batch.get("ref_logprobs")
     kl = dict(ref_logprobs=ref, kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator)
     clip = dict(eps_low=cfg.eps_low, eps_high=cfg.eps_high, max_log_ratio=cfg.max_log_ratio)
-    counts_here = ps.get_context_parallel_rank() == 0
-    if ps.get_context_parallel_world_size() > 1 and (cfg.name != "gspo" or cfg.kl_coef or cfg.entropy_coef):
+    cp = ps.get_context_parallel_world_size()
+    if cp > 1 and (cfg.name != "gspo" or cfg.kl_coef or cfg.entropy_coef):
         raise NotImplementedError(
             f"algo.name={cfg.name!r} (kl_coef={cfg.kl_coef}, entropy_coef={cfg.entropy_coef}) under context "
             "parallelism: only gspo without KL or entropy terms reduces over CP ranks so far"
         )
     if cfg.name == "gspo":
-        sums, counts = algo.masked_log_ratio_sums(logprobs, batch["old_logprobs"], mask)
+        sums, counts = algo.masked_log_ratio_sums(logprobs, old, mask)
         sums, counts = all_reduce_sequence_sums(sums, counts, cp_group)
         terms = algo.gspo_loss_from_sums(sums, counts, batch["advantages"], num_sequences=1.0, **clip)
         loss = terms.loss
@@ -120,27 +129,33 @@ def _loss_terms(algo_config: AlgoConfig, batch: dict, logprobs: torch.Tensor):
                 num_sequences=1.0,
             )
             loss = loss + kl_term
-        units = terms.valid.sum() if counts_here else torch.zeros((), dtype=torch.long, device=terms.valid.device)
-        stats = {
-            "seq_log_ratio": terms.seq_log_ratio.detach(),
-            "clipped_low": terms.clipped_low & terms.valid,
-            "clipped_high": terms.clipped_high & terms.valid,
-            "valid": terms.valid,
-        }
-        return loss, units, stats
-    if cfg.name == "gspo_token":
-        loss, _ = algo.gspo_token_loss(logprobs, batch["old_logprobs"], batch["advantages"], mask,
-                                       num_sequences=1.0, **clip, **kl)
-        units = mask.any(dim=-1).sum()
+        # Only CP rank 0 counts the sequences (the count is summed over DP x CP).
+        units = terms.valid.sum() if ps.get_context_parallel_rank() == 0 else torch.zeros_like(terms.valid.sum())
+        clipped = (terms.clipped_low & terms.valid, terms.clipped_high & terms.valid)
+    elif cfg.name == "gspo_token":
+        terms = algo.gspo_token_terms(logprobs, old, _token_advantages(batch), mask, num_sequences=1.0,
+                                      **clip, **kl)
+        loss, units, clipped = terms.loss, mask.any(dim=-1).sum(), (terms.clipped_low, terms.clipped_high)
     else:
         per_token = cfg.grpo_aggregation == "token-mean"
         denominator = dict(num_tokens=1.0) if per_token else dict(num_sequences=1.0)
-        loss, _ = algo.grpo_loss(logprobs, batch["old_logprobs"], batch["advantages"], mask,
-                                 aggregation=cfg.grpo_aggregation, **denominator, **clip, **kl)
+        terms = algo.grpo_terms(logprobs, old, batch["advantages"], mask, aggregation=cfg.grpo_aggregation,
+                                **denominator, **clip, **kl)
+        loss, clipped = terms.loss, (terms.clipped_low, terms.clipped_high)
         units = mask.sum() if per_token else mask.any(dim=-1).sum()
-    valid = mask.any(dim=-1)
-    stats = {"seq_log_ratio": algo.sequence_log_ratio(logprobs.detach(), batch["old_logprobs"], mask), "valid": valid}
+    stats = algo.sequence_stats(logprobs, old, mask, *clipped, max_log_ratio=cfg.max_log_ratio).float()
+    if cp > 1:  # this rank's columns are partial sums over its slice of each sequence
+        max_columns = tuple(algo.SEQUENCE_STATS.index(name) for name in algo.metrics.MAX_STATS)
+        stats = all_reduce_sequence_stats(stats, max_columns, cp_group)
     return loss, units, stats
+
+
+def _token_advantages(batch: dict) -> torch.Tensor:
+    """GSPO-token's [b, S] advantages; a [b] sequence advantage is broadcast over the response (= GSPO)."""
+    advantages = batch["advantages"]
+    if advantages.dim() == 1:
+        return advantages.unsqueeze(1).expand(batch["loss_mask"].shape)
+    return advantages
 
 
 def _entropy_sum(entropy: torch.Tensor, mask: torch.Tensor, cfg: AlgoConfig) -> torch.Tensor:
@@ -156,13 +171,14 @@ def _sequences_loss(cfg: AlgoConfig, batch: dict, sequences: slice, logprobs: to
                     entropy: torch.Tensor | None):
     """The loss of the micro batch's ``sequences`` (a sum over them: the normaliser is applied after the schedule)
     from their log-probs [k, S] (and entropies), with the per-sequence statistics and the unit count."""
-    part = {key: value[sequences] for key, value in batch.items()}
+    part = {key: value[sequences] for key, value in batch.items() if torch.is_tensor(value)}
     loss, units, stats = _loss_terms(cfg, part, logprobs)
+    extras = {"units": units, "stats": stats}
     if entropy is not None:
         entropy_sum = _entropy_sum(entropy, part["loss_mask"], cfg)
         loss = loss - cfg.entropy_coef * entropy_sum
-        stats["entropy_sum"] = entropy_sum.detach()
-    return loss, {"units": units, **stats}
+        extras["entropy_sum"] = entropy_sum.detach()
+    return loss, extras
 
 
 def _loss_func(algo_config: AlgoConfig, batch: dict, captured, output_tensor: torch.Tensor):
@@ -187,7 +203,7 @@ def _loss_func(algo_config: AlgoConfig, batch: dict, captured, output_tensor: to
     return loss, units, {"loss_sum": reported, "units": units.clone(), **stats}
 
 
-# ---- routing replay (megatron-core's RouterReplay; the model needs moe_enable_routing_replay=True) ----------
+# ---- routing record / replay (megatron-core's RouterReplay; the model needs moe_enable_routing_replay=True) ----
 
 
 def _router_replay():
@@ -197,30 +213,57 @@ def _router_replay():
 
 
 def _recorded_routing(batch_size: int) -> torch.Tensor:
-    """This rank's routers' recorded top-k after one forward: [b, L_local, s_local, k].
+    """This rank's routers' recorded top-k after one forward: [b, L_local, s_local, k] int16.
 
     Each router saw its tokens flattened s-major ([s_local * b, k]); regrouping them per sequence lets the
-    update pass split the rollout into different micro batches than the old-policy pass did.
+    update pass split the rollout into different micro batches than the old-policy pass did. int16 (expert ids
+    < 32768) keeps a rollout's routing at a quarter of int64's memory; ``_replay`` widens it again.
     """
     RouterReplay, _ = _router_replay()
-    layers = [t.detach().reshape(-1, batch_size, t.shape[-1]).transpose(0, 1) for t in RouterReplay.get_recorded_data()]
+    layers = [t.detach().reshape(-1, batch_size, t.shape[-1]).transpose(0, 1) for t in RouterReplay.get_recorded_data()
+              if t is not None]
     if not layers:  # a pipeline stage without MoE layers
-        return torch.zeros(batch_size, 0, 0, 0, dtype=torch.long)
-    return torch.stack(layers, dim=1).clone()
+        return torch.zeros(batch_size, 0, 0, 0, dtype=torch.int16)
+    return torch.stack(layers, dim=1).to(torch.int16)
+
+
+def _set_routing_action(action_name: str) -> None:
+    RouterReplay, Action = _router_replay()
+    RouterReplay.set_global_router_replay_action(getattr(Action, action_name))
 
 
 def _replay(routing: torch.Tensor) -> None:
     """Make this rank's routers use ``routing`` [b, L_local, s_local, k] in the next forward."""
-    RouterReplay, Action = _router_replay()
-    per_layer = [routing[:, layer].transpose(0, 1).reshape(-1, routing.shape[-1]) for layer in range(routing.shape[1])]
+    RouterReplay, _ = _router_replay()
+    per_layer = [routing[:, layer].transpose(0, 1).reshape(-1, routing.shape[-1]).long()
+                 for layer in range(routing.shape[1])]
     RouterReplay.set_replay_data(per_layer)
-    RouterReplay.set_global_router_replay_action(Action.REPLAY_FORWARD)
+    _set_routing_action("REPLAY_FORWARD")
 
 
 def _end_routing_replay() -> None:
     RouterReplay, _ = _router_replay()
     RouterReplay.clear_global_router_replay_action()
     RouterReplay.clear_global_indices()
+
+
+def _router_token_mask(loss_mask: torch.Tensor, s_local: int) -> torch.Tensor:
+    """The tokens of this rank's routers [b, s_local] from the micro batch's (CP-local) [b, S] token mask: under
+    sequence parallelism each TP rank's routers see its contiguous 1/tp of the sequence."""
+    if s_local == loss_mask.shape[1]:
+        return loss_mask
+    tp_rank = _groups()[2].get_tensor_model_parallel_rank()
+    return loss_mask[:, tp_rank * s_local:(tp_rank + 1) * s_local]
+
+
+def routing_changes(old: torch.Tensor, new: torch.Tensor, token_mask: torch.Tensor) -> torch.Tensor:
+    """[changed, decisions]: how many (token, layer) routing decisions of the tokens in ``token_mask`` [b, s]
+    chose a different top-k *set* in ``new`` than in ``old`` (both [b, L, s, k]), out of how many. float64 [2]."""
+    if new.numel() == 0:
+        return torch.zeros(2, dtype=torch.float64, device=token_mask.device)
+    differs = (old.sort(dim=-1).values != new.sort(dim=-1).values).any(dim=-1)  # [b, L, s]
+    keep = token_mask.bool().unsqueeze(1).expand_as(differs)
+    return torch.stack([(differs & keep).sum(), keep.sum()]).double()
 
 
 def batch_for_model(batch: dict) -> dict:
@@ -248,8 +291,14 @@ def policy_forward_step(algo_config: AlgoConfig):
         if "routing" in batch:
             _replay(batch["routing"])
         output, captured = _forward(model, batch)
+        if "old_routing" in batch:  # recorded by this forward (update_step set RECORD): expert volatility
+            new = _recorded_routing(batch["input_ids"].shape[0])
+            volatility.append(routing_changes(batch["old_routing"].to(new.device), new,
+                                              _router_token_mask(batch["loss_mask"], new.shape[2])))
         return output, partial(_loss_func, algo_config, batch, captured)
 
+    volatility: list[torch.Tensor] = []
+    forward_step.volatility = volatility
     return forward_step
 
 
@@ -271,35 +320,47 @@ def _run_schedule(model, forward_step, micro_batches: list[dict], forward_only: 
 def update_step(model, optimizer, micro_batches: list[dict], algo_config: AlgoConfig) -> dict:
     """One optimizer step on one minibatch (its share on this data-parallel rank, as micro batches).
 
-    Returns, on every rank: ``loss`` (the minibatch's mean loss per unit, over all DP ranks),
-    ``seq_log_ratio`` [n] of this DP rank's sequences, clip fractions, ``grad_norm`` and ``update_successful``.
-    If the step is skipped (non-finite gradients), the weights are left as they were.
+    Micro batches may carry ``routing`` (replayed: GRPO + Routing Replay) or ``old_routing`` [b, L_local, s_local,
+    k] (the old policy's experts, compared with the experts this forward chooses: expert volatility).
+
+    Returns, on every rank (CPU tensors): ``loss`` (the minibatch's mean loss per unit, over all DP ranks),
+    ``stats`` [N, len(algo.SEQUENCE_STATS)] for every sequence of the minibatch (gathered over DP ranks in
+    rank order: ``algo.update_metrics`` turns them into the logged metrics), ``seq_log_ratio`` and ``valid`` [N]
+    from them, ``grad_norm``, ``update_successful``, and with ``old_routing`` ``routing_changes``
+    [changed, decisions] summed over all ranks. If the step is skipped (non-finite gradients), the weights are left
+    as they were.
     """
     _, _, ps = _groups()
     model.zero_grad_buffer()
     optimizer.zero_grad()
+    forward_step = policy_forward_step(algo_config)
+    volatility = "old_routing" in micro_batches[0] and "routing" not in micro_batches[0]
+    if volatility:
+        _set_routing_action("RECORD")
     try:
-        results = _run_schedule(model, policy_forward_step(algo_config), micro_batches, forward_only=False)
+        results = _run_schedule(model, forward_step, micro_batches, forward_only=False)
     finally:
-        if "routing" in micro_batches[0]:
+        if "routing" in micro_batches[0] or volatility:
             _end_routing_replay()
     update_successful, grad_norm, _ = optimizer.step()
     summary = None
     if ps.is_pipeline_last_stage():
         totals = torch.stack([sum(r["loss_sum"] for r in results).float(), sum(r["units"] for r in results).float()])
         torch.distributed.all_reduce(totals, group=ps.get_data_parallel_group(with_context_parallel=True))
-        valid = torch.cat([r["valid"] for r in results])
-        summary = {
-            "loss": totals[0] / totals[1].clamp_min(1),
-            "seq_log_ratio": torch.cat([r["seq_log_ratio"] for r in results]),
-            "valid": valid,
-        }
-        if "clipped_low" in results[0]:
-            n = valid.sum().clamp_min(1)
-            summary["clip_frac_low"] = torch.cat([r["clipped_low"] for r in results]).sum() / n
-            summary["clip_frac_high"] = torch.cat([r["clipped_high"] for r in results]).sum() / n
+        # Every CP rank holds whole-sequence stats of the same sequences: gathered over DP ranks only.
+        stats = all_gather_rows(torch.cat([r["stats"] for r in results]), ps.get_data_parallel_group())
+        summary = {"loss": totals[0] / totals[1].clamp_min(1), "stats": stats}
     # A handful of numbers a step: back on the CPU for the trainer's metrics.
     out = {k: v.cpu() for k, v in broadcast_from_last_stage(summary, ps.get_pipeline_model_parallel_group()).items()}
+    columns = algo.SEQUENCE_STATS
+    tokens, sums = out["stats"][:, columns.index("tokens")], out["stats"][:, columns.index("log_ratio_sum")]
+    out["valid"] = tokens > 0
+    out["seq_log_ratio"] = torch.where(out["valid"], sums / tokens.clamp_min(1), torch.zeros_like(sums))
+    if volatility:
+        # Each rank's routers saw distinct (token, layer) pairs (TP/SP, CP and DP split tokens, PP splits layers).
+        counts = torch.stack(forward_step.volatility).sum(dim=0).to(environment.device())
+        torch.distributed.all_reduce(counts)
+        out["routing_changes"] = counts.cpu()
     out["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
     out["update_successful"] = bool(update_successful)
     return out

@@ -72,9 +72,10 @@ class Rollout:
 
     samples: list
     rewards: torch.Tensor  # [N] float32
-    reward_valid: torch.Tensor  # [N] bool (False: the reward failed and was masked)
+    reward_valid: torch.Tensor  # [N] bool (False: the reward, or the segment reward, failed and was masked)
     batch: dict  # samples_to_batch(...): input_ids, labels, loss_mask, rollout_logprobs [N, S]
     metrics: dict
+    segments: list | None = None  # per sample [(end, reward), ...] with algo.token_advantages=segments
 
 
 def _sampling(cfg: Config, step: int, eos_ids):
@@ -100,6 +101,16 @@ def _generate_and_score(engine, prompts: list[Prompt], cfg: Config, step: int, t
     return samples, rewards, seconds, responses
 
 
+def _segment_rewards(samples, prompts: list[Prompt], cfg: Config, tokenizer):
+    """Per-segment rewards (algo.token_advantages=segments): ([(end, reward), ...] per sample, valid [N])."""
+    from gspo_megatron.rollout.rewards import BUILTIN_SEGMENTS, load_reward_fn, score_segments
+
+    fn = load_reward_fn(cfg.data.segment_reward, BUILTIN_SEGMENTS)
+    tokens = [[tokenizer.decode([t], skip_special_tokens=True) for t in s.response_ids] for s in samples]
+    return score_segments(fn, samples, [prompts[s.prompt_index].label for s in samples],
+                          [prompts[s.prompt_index].text for s in samples], tokens, on_error=cfg.data.on_reward_error)
+
+
 def collect(engine, prompts: list[Prompt], cfg: Config, step: int, tokenizer, reward_fn, pad_multiple: int) -> Rollout:
     """Rank 0 generates and scores, everyone receives: a collective (the others wait in the control group)."""
     from gspo_megatron.rollout import samples_to_batch
@@ -108,10 +119,14 @@ def collect(engine, prompts: list[Prompt], cfg: Config, step: int, tokenizer, re
     if dist.get_rank() == 0:
         samples, rewards, seconds, responses = _generate_and_score(
             engine, prompts, cfg, step, tokenizer, reward_fn, cfg.rollout.group_size)
+        segments, valid = None, rewards.valid
+        if cfg.algo.token_advantages == "segments":
+            segments, segments_valid = _segment_rewards(samples, prompts, cfg, tokenizer)
+            valid = valid & segments_valid
         lengths = [len(s.response_ids) for s in samples]
         metrics = {
             "reward_mean": float(rewards.values[rewards.valid].mean()) if rewards.valid.any() else float("nan"),
-            "reward_masked": float((~rewards.valid).sum()),
+            "reward_masked": float((~valid).sum()),
             "response_length_mean": sum(lengths) / len(lengths),
             "truncated_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
             # Groups whose responses all score the same have zero advantage: no learning signal from them.
@@ -120,10 +135,10 @@ def collect(engine, prompts: list[Prompt], cfg: Config, step: int, tokenizer, re
             "time/rollout": seconds,
             "example": f"{prompts[0].text!r} -> {responses[0]!r}",
         }
-        payload = (samples, rewards.values, rewards.valid, metrics)
-    samples, values, valid, metrics = control.broadcast_from_rank0(payload)
+        payload = (samples, rewards.values, valid, metrics, segments)
+    samples, values, valid, metrics, segments = control.broadcast_from_rank0(payload)
     batch = samples_to_batch(samples, pad_id=0, pad_to_multiple=pad_multiple)
-    return Rollout(samples, values, valid, batch, metrics)
+    return Rollout(samples, values, valid, batch, metrics, segments)
 
 
 def evaluate(engine, prompts: list[Prompt], cfg: Config, step: int, tokenizer, reward_fn) -> dict:

@@ -12,6 +12,7 @@ from gspo_megatron.train.recompute import check_recompute
 
 ENGINES = ("sglang", "local")
 WEIGHT_SYNCS = ("distributed", "disk")
+TOKEN_ADVANTAGES = ("sequence", "segments")
 LR_DECAYS = ("constant", "linear", "cosine")
 
 
@@ -108,6 +109,14 @@ def validate(cfg: Config, world_size: int, hf: dict | None = None) -> None:
     _one_of(r.weight_sync, WEIGHT_SYNCS, "rollout.weight_sync")
     _one_of(o.lr_decay, LR_DECAYS, "optimizer.lr_decay")
     _one_of(cfg.data.on_reward_error, ("raise", "mask"), "data.on_reward_error")
+    _one_of(a.token_advantages, TOKEN_ADVANTAGES, "algo.token_advantages")
+    if a.token_advantages == "segments":
+        if a.name == "gspo":
+            raise ConfigError("algo.token_advantages='segments' needs a loss with per-token advantages: GSPO's "
+                              "sequence ratio takes one advantage per sequence; set algo.name=gspo_token (or grpo)")
+        if not cfg.data.segment_reward:
+            raise ConfigError("algo.token_advantages='segments' needs data.segment_reward (synthetic, or "
+                              "module:function returning [(end, reward), ...] per response)")
     if a.routing_replay and a.name != "grpo":
         raise ConfigError(f"algo.routing_replay=true is the GRPO baseline's fix; GSPO does not need it "
                           f"(algo.name={a.name!r}): set algo.name=grpo or algo.routing_replay=false")

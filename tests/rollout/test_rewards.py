@@ -96,3 +96,34 @@ def test_bad_rewards_are_masked_when_configured():
 def test_score_checks_lengths():
     with pytest.raises(ValueError, match="2 samples but 1 labels"):
         score(load_reward_fn("exact_match"), _samples(2), ["a"], ["p", "p"], ["a", "b"])
+
+
+@pytest.mark.parametrize("tokens, answer", [
+    (["c", "b", "a", ""], "cba"),  # exact, then the end token (decodes to "")
+    (["c", "a", "a", "x", "y"], "cba"),  # two characters in place, longer than the answer
+    ([" ", "b", "c"], "bc"),  # a leading space is stripped, as position_credit does
+    ([], "ab"),
+])
+def test_synthetic_segments_sum_to_the_sequence_reward(tokens, answer):
+    from gspo_megatron.rollout.synthetic import position_credit_segments
+
+    segments = position_credit_segments(tokens, answer)
+    assert [end for end, _ in segments] == list(range(1, len(tokens) + 1))
+    assert sum(r for _, r in segments) == pytest.approx(position_credit("".join(tokens), answer), abs=1e-12)
+    if tokens[:3] == ["c", "a", "a"]:  # credit sits on the tokens that put an answer character in place
+        longer = 5
+        assert [r for _, r in segments] == pytest.approx([0.9 / longer, 0.0, 0.9 / longer, 0.0, 0.0])
+
+
+def test_segment_rewards_are_checked_and_masked():
+    from gspo_megatron.rollout.rewards import BUILTIN_SEGMENTS, score_segments
+
+    samples = [Sample([1], [2, 3], [-0.1, -0.2], "stop", "v", i, 0) for i in range(4)]
+    answers = {0: [(1, 0.5), (2, 1.0)], 1: [(2, 0.1), (1, 0.2)], 2: [(3, 1.0)], 3: [(2, float("nan"))]}
+    fn = lambda prompt, tokens, label: answers[label]  # noqa: E731
+    segments, valid = score_segments(fn, samples, [0, 1, 2, 3], [""] * 4, [["a", "b"]] * 4, on_error="mask")
+    assert valid.tolist() == [True, False, False, False] and segments[0] == [(1, 0.5), (2, 1.0)]
+    with pytest.raises(RewardError, match=r"segment end 1: ends must rise within 1..2 .* sample prompt 1, sample 0"):
+        score_segments(fn, samples[1:2], [1], [""], [["a", "b"]])
+    segments, valid = score_segments(BUILTIN_SEGMENTS["synthetic"], samples[:1], ["ab"], [""], [["a", "b"]])
+    assert valid.tolist() == [True] and sum(r for _, r in segments[0]) == pytest.approx(1.0)

@@ -71,6 +71,9 @@ def test_bad_fields_are_named(overrides, message):
          r"recompute.num_layers=25 must be in 1..24 \(layers per pipeline stage\)"),
         (["algo.name=grpo", "algo.routing_replay=true", "recompute.granularity=selective", "recompute.modules=[moe]"], 1, None,
          r"algo.routing_replay=true with recompute.granularity='selective' and recompute.modules containing 'moe'"),
+        (["algo.token_advantages=turns"], 1, None, r"algo.token_advantages='turns' is not one of"),
+        (["algo.token_advantages=segments"], 1, None, r"algo.token_advantages='segments' needs a loss with per-token"),
+        (["algo.name=gspo_token", "algo.token_advantages=segments"], 1, None, r"needs data.segment_reward"),
     ],
 )
 def test_incompatibilities_name_the_field(overrides, world, hf, message):

@@ -59,8 +59,10 @@ def test_train_logs_plots_and_resumes_exactly(tmp_path):
     assert [r["step"] for r in records] == [1, 2, 3]
     for key in ("reward_mean", "clip_frac", "seq_ratio_min", "seq_ratio_max", "approx_kl", "logprob_diff_max",
                 "time/rollout", "time/old_logprobs", "time/update", "time/weight_sync", "tokens_per_s", "loss",
-                "entropy", "groups_zero_advantage"):
+                "entropy", "groups_zero_advantage", "clip_frac_tokens", "clip_frac_seqs", "expert_volatility"):
         assert all(r.get(key) is not None for r in records), key
+    # GSPO clips sequences: its clip fraction is the sequence one; one step changes some routing decisions' experts.
+    assert all(r["clip_frac"] == r["clip_frac_seqs"] and 0 <= r["expert_volatility"] <= 1 for r in records)
     # Trainer and engine score the same tokens with the same weights (fp32): the gap is rounding only.
     assert max(r["logprob_diff_max"] for r in records) < 1e-4
     # Entropy per token lies in (0, log V]; a fraction of groups lies in [0, 1].
@@ -102,3 +104,27 @@ def test_kl_penalty_runs_a_frozen_reference_pass(tmp_path):
     without = tmp_path / "no_kl"
     _train(without, 1, "checkpoint.every=0", "train.eval_every=0")
     assert "kl_ref" not in json.loads((without / "metrics.jsonl").read_text().splitlines()[0])
+
+
+def _records(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_gspo_token_with_segment_rewards_on_the_rollout_logprobs_and_grpo_with_routing_replay(tmp_path):
+    """GSPO-token with per-token advantages from per-segment rewards, taking pi_old from the engine: no old-policy
+    pass (the mismatch is measured by the first update instead); GRPO + Routing Replay, whose pass records the
+    experts. Both log their clip fraction per token, the paper's unit for token-level clipping."""
+    quick = ("checkpoint.every=0", "train.eval_every=0", "logging.plot_every=0")
+    token = tmp_path / "gspo_token"
+    _train(token, 2, "algo.name=gspo_token", "algo.token_advantages=segments", "data.segment_reward=synthetic",
+           "rollout.reuse_rollout_logprobs=true", *quick)
+    for r in _records(token):
+        assert "time/old_logprobs" not in r and "entropy" not in r and "expert_volatility" not in r, sorted(r)
+        # pi_old is the engine's: at unchanged weights the first minibatch sees only the fp32 rounding gap.
+        assert r["logprob_diff_max"] < 1e-4 and r["logprob_diff_mean"] < 1e-5, r
+        assert r["clip_frac"] == r["clip_frac_tokens"] and 0 <= r["clip_frac_seqs"] <= 1
+    replay = tmp_path / "grpo_rr"
+    _train(replay, 2, "algo.name=grpo", "algo.routing_replay=true", *quick)
+    for r in _records(replay):
+        assert r["time/old_logprobs"] > 0 and "expert_volatility" not in r, sorted(r)  # replay pins the routing
+        assert r["clip_frac"] == r["clip_frac_tokens"] and r["logprob_diff_max"] < 1e-4

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def fake_run(directory: Path, slope: float) -> Path:
     logger = MetricsLogger(directory, tensorboard=False)
     for step in range(1, 11):
-        logger.log(step, {"reward_mean": slope * step, "clip_frac": 0.1, "clip_frac_low": 0.04, "clip_frac_high": 0.06,
+        logger.log(step, {"reward_mean": slope * step, "clip_frac_tokens": 0.1, "clip_frac_seqs": 0.2, "expert_volatility": 0.1,
                           "seq_ratio_min": 0.999, "seq_ratio_mean": 1.0, "seq_ratio_max": 1.001,
                           "approx_kl": 1e-4 * step, "logprob_diff_mean": 1e-5, "logprob_diff_max": float("nan")})
     logger.log(10, {"reward_mean": 99.0})  # a resumed run re-logs step 10

@@ -8,6 +8,13 @@ gradient norm (1e-5 relative) and a step clipped to half of it (1e-5 of the larg
 built as the trainer builds models it loads weights into (no initialisation: ``provider.skip_weight_init``).
 Also: 1, 2 or 4 micro batches give the same gradient, the log-prob pass equals the loss's log-probs, and the
 fused loss (the default) equals the log-prob op followed by the loss (``fused_loss=False``).
+
+The other algorithms in the same launches (``ALGORITHMS``, on one more model per layout at lr 0, so every one sees
+the loaded weights): GRPO token-mean and seq-mean-token-mean, GSPO-token with per-token advantages, GRPO + Routing
+Replay of experts recorded under perturbed routers, and GSPO recording its routing against that record (expert
+volatility). Each equals world=1 in loss, gradients (gradient norm under the distributed optimizer) and the
+per-sequence statistics behind the logged metrics, which every rank holds for the whole minibatch (gathered over
+data-parallel ranks). Context parallelism runs GSPO only (and expert volatility, a GSPO step).
 """
 
 from __future__ import annotations
@@ -17,10 +24,10 @@ import os
 
 import torch
 
-from gspo_megatron.algo import group_advantages
+from gspo_megatron.algo import SEQUENCE_STATS, group_advantages, update_metrics
 from gspo_megatron.parallel.groups import Layout
 from gspo_megatron.parallel.launch import run_on_ranks
-from gspo_megatron.train.policy_step import AlgoConfig, logprob_pass, update_step
+from gspo_megatron.train.policy_step import AlgoConfig, logprob_pass, routing_changes, update_step
 from tests import megatron_tiny as tiny
 
 NUM_SEQUENCES, GROUP, MICRO = 8, 4, 2
@@ -34,6 +41,18 @@ PASS_ATOL = 2e-5
 CLIPPED_RTOL = 1e-5
 ALGO = AlgoConfig(eps_low=3e-4, eps_high=4e-4)
 ENTROPY_COEF = 0.5
+# Token-level clips at 1e-3: the old log-probs' 1e-3 noise clips some tokens (0.2 would clip none).
+TOKEN_CLIP = dict(eps_low=1e-3, eps_high=1e-3)
+ALGORITHMS = {
+    "grpo": AlgoConfig(name="grpo", **TOKEN_CLIP),
+    "grpo_seq_mean": AlgoConfig(name="grpo", grpo_aggregation="seq-mean-token-mean", **TOKEN_CLIP),
+    "gspo_token": AlgoConfig(name="gspo_token"),  # with per-token advantages
+    "grpo_routing_replay": AlgoConfig(name="grpo", **TOKEN_CLIP),  # replays experts recorded under drifted routers
+    "gspo_volatility": ALGO,  # records its routing, compared with that record
+}
+CP_ALGORITHMS = ("gspo_volatility",)
+# Per-sequence stats: token counts and clip counts are exact; sums of up to 16 fp32 log-ratios / k3 terms.
+STATS_ATOL = 2e-5
 
 
 def make_rollout() -> dict:
@@ -56,13 +75,62 @@ def micro_batches(rollout: dict, first: int, count: int, size: int) -> list[dict
     return [{k: v[i : i + size] for k, v in rollout.items()} for i in range(first, first + count, size)]
 
 
+def _routers(ddp):
+    """(global layer number, router) of this pipeline stage's MoE layers."""
+    return [(layer.layer_number, layer.mlp.router) for layer in tiny.unwrap_layers(ddp)]
+
+
+def drifted_routing(ddp, rollout: dict, first: int, count: int) -> torch.Tensor:
+    """The experts this rank's routers choose for rows [first, first + count) after a seeded drift of every router
+    (seeded by its global layer number: the same drift under every layout), recorded by the log-prob pass; the
+    routers are restored afterwards. [count, L_local, s_local, k]: an old policy whose routing differs."""
+    saved = []
+    with torch.no_grad():
+        for layer_number, router in _routers(ddp):
+            saved.append(router.weight.detach().clone())
+            noise = torch.randn(router.weight.shape, generator=torch.Generator().manual_seed(layer_number))
+            router.weight.add_(0.5 * noise)
+    routing = logprob_pass(ddp, micro_batches(rollout, first, count, MICRO), record_routing=True)["routing"]
+    with torch.no_grad():
+        for (_, router), weight in zip(_routers(ddp), saved):
+            router.weight.copy_(weight)
+    return routing
+
+
+def algorithm_steps(ckpt_dir: str, rollout: dict, token_advantages: torch.Tensor, first: int, count: int,
+                    names, dispatcher: str = "alltoall", distributed_optimizer: bool = False):
+    """Each of ``names`` (ALGORITHMS) as one update step on rows [first, first + count) of the same loaded weights:
+    one model built for routing record/replay, Adam at lr 0 so no step moves it.
+    Returns ({name: (out, sharded grads)}, the model, its optimizer, the drifted routing)."""
+    ddp, optimizer = build(ckpt_dir, dispatcher, distributed_optimizer, lr=0.0, routing_replay=True)
+    routing = drifted_routing(ddp, rollout, first, count)
+    results = {}
+    for name in names:
+        batch = dict(rollout, advantages=token_advantages) if name == "gspo_token" else rollout
+        micro = micro_batches(batch, first, count, MICRO)
+        key = {"grpo_routing_replay": "routing", "gspo_volatility": "old_routing"}.get(name)
+        for i, mb in enumerate(micro):
+            if key:
+                mb[key] = routing[i * MICRO:(i + 1) * MICRO]
+        out = update_step(ddp, optimizer, micro, ALGORITHMS[name])
+        results[name] = (out, tiny.grads_sharded_state_dict(ddp.module))
+    return results, ddp, optimizer, routing
+
+
+def metrics_diff(stats: torch.Tensor, expected: torch.Tensor, unit: str) -> float:
+    """The largest difference of any logged metric (algo.update_metrics) between two minibatches' stats."""
+    got, want = update_metrics(stats, unit), update_metrics(expected, unit)
+    return max(abs(got[k] - want[k]) for k in want)
+
+
 def build(ckpt_dir: str, dispatcher: str = "alltoall", distributed_optimizer: bool = False, clip_grad: float = 1.0,
-          lr: float = 1e-3, adam_eps: float = 1e-6):
+          lr: float = 1e-3, adam_eps: float = 1e-6, routing_replay: bool = False):
     """The world=1 weights under this rank's layout, built as the trainer builds a model it loads (no init)."""
     from megatron.core import dist_checkpointing
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    model = tiny.build_model(dispatcher, seed=1 + torch.distributed.get_rank(), per_sequence_loss=True, init=False)
+    model = tiny.build_model(dispatcher, seed=1 + torch.distributed.get_rank(), per_sequence_loss=True, init=False,
+                             routing_replay=routing_replay)
     loaded = dist_checkpointing.load(tiny.tensors_only(model.sharded_state_dict()), f"{ckpt_dir}/weights")
     model.load_state_dict(loaded)
     ddp = tiny.wrap_ddp(model, distributed_optimizer)
@@ -96,6 +164,10 @@ def reference(ckpt_dir: str):
     rollout["old_logprobs"] = passes["logprobs"] + noise
     torch.save(rollout, f"{ckpt_dir}/rollout.pt")
     torch.save(passes, f"{ckpt_dir}/passes.pt")
+    # GSPO-token's per-token advantages: the sequence's plus token noise, on response tokens.
+    noise = 0.5 * torch.randn(rollout["loss_mask"].shape, generator=torch.Generator().manual_seed(5))
+    token_advantages = (rollout["advantages"].unsqueeze(1) + noise) * rollout["loss_mask"]
+    torch.save(token_advantages, f"{ckpt_dir}/token_advantages.pt")
 
     before = {k: v.clone() for k, v in tiny.flat(tiny.tensors_only(ddp.module.sharded_state_dict())).items()}
     out = update_step(ddp, optimizer, micro_batches(rollout, 0, NUM_SEQUENCES, MICRO), ALGO)
@@ -151,8 +223,31 @@ def reference(ckpt_dir: str):
     os.makedirs(f"{ckpt_dir}/clipped")
     dist_checkpointing.save(tiny.tensors_only(ddp.module.sharded_state_dict()), f"{ckpt_dir}/clipped")
     torch.save({"clip_grad": clip_grad, "grad_norm": clipped["grad_norm"]}, f"{ckpt_dir}/clipped.pt")
+    # The other algorithms on the same weights, saved for the layouts to compare with.
+    algos, ddp, optimizer, drifted = algorithm_steps(ckpt_dir, rollout, token_advantages, 0, NUM_SEQUENCES, ALGORITHMS)
+    for name, (_, grads) in algos.items():
+        os.makedirs(f"{ckpt_dir}/grads_{name}")
+        dist_checkpointing.save(grads, f"{ckpt_dir}/grads_{name}")
+    torch.save({name: o for name, (o, _) in algos.items()}, f"{ckpt_dir}/algorithms.pt")
+    # GSPO-token with the sequence advantage on every token is GSPO: loss, clipping and gradient.
+    same_weights = {}
+    for name, cfg in (("gspo", ALGO), ("gspo_token", AlgoConfig(name="gspo_token"))):
+        o = update_step(ddp, optimizer, micro_batches(rollout, 0, NUM_SEQUENCES, MICRO), cfg)
+        same_weights[name] = (o, tiny.flat(tiny.grads_sharded_state_dict(ddp.module)))
+    (gspo, gspo_grads), (token, token_grads) = same_weights["gspo"], same_weights["gspo_token"]
+    broadcast = {
+        "loss": abs(token["loss"].item() - gspo["loss"].item()) / abs(gspo["loss"].item()),
+        "grads": max(tiny.max_rel_diff(token_grads[k], gspo_grads[k]) for k in gspo_grads),
+        "clipped_tokens": (token["stats"] - gspo["stats"]).abs().max().item(),
+        "clip_frac_tokens": update_metrics(gspo["stats"], "sequence")["clip_frac_tokens"],
+    }
+    # Expert volatility counted by the update equals the record compared by hand with a fresh pass's routing.
+    fresh = logprob_pass(ddp, micro_batches(rollout, 0, NUM_SEQUENCES, MICRO), record_routing=True)["routing"]
+    volatility = {"update": algos["gspo_volatility"][0]["routing_changes"].tolist(),
+                  "by_hand": routing_changes(drifted, fresh, rollout["loss_mask"]).tolist()}
     return {"out": out, "split_diff": split_diff, "ratio_one": ratio_one, "moved": moved, "entropy": entropy,
-            "unfused": unfused, "clipped_norm": clipped["grad_norm"]}
+            "unfused": unfused, "clipped_norm": clipped["grad_norm"], "broadcast": broadcast,
+            "volatility": volatility, "algorithms": {name: o for name, (o, _) in algos.items()}}
 
 
 def compare(ckpt_dir: str, cases) -> dict:
@@ -165,6 +260,8 @@ def compare(ckpt_dir: str, cases) -> dict:
     rollout = torch.load(f"{ckpt_dir}/rollout.pt")
     clipped_ref = torch.load(f"{ckpt_dir}/clipped.pt")
     ref_passes = torch.load(f"{ckpt_dir}/passes.pt")
+    ref_algos = torch.load(f"{ckpt_dir}/algorithms.pt")
+    token_advantages = torch.load(f"{ckpt_dir}/token_advantages.pt")
     results = {}
     for name, layout, dispatcher, distributed_optimizer in cases:
         groups.init_model_parallel(layout)
@@ -182,8 +279,10 @@ def compare(ckpt_dir: str, cases) -> dict:
         weights = tiny.flat(tiny.tensors_only(ddp.module.sharded_state_dict()))
         results[name] = {
             "loss": abs(out["loss"].item() - ref["loss"].item()) / abs(ref["loss"].item()),
-            "seq_log_ratio": (out["seq_log_ratio"] - ref["seq_log_ratio"][first : first + per_dp]).abs().max().item(),
-            "clip_frac": (out["clip_frac_low"] + out["clip_frac_high"]).item(),
+            # Every rank holds the whole minibatch's per-sequence stats (gathered over DP), as world=1 does.
+            "seq_log_ratio": (out["seq_log_ratio"] - ref["seq_log_ratio"]).abs().max().item(),
+            "stats": (out["stats"] - ref["stats"]).abs().max().item(),
+            "metrics": metrics_diff(out["stats"], ref["stats"], "sequence"),
             # With the distributed optimizer each DP rank holds only its reduce-scattered slice of the grad
             # buffer, so the full gradients are not there to compare; the updated weights (all-gathered) are.
             "grads": None if distributed_optimizer else max(tiny.max_rel_diff(grads[k], ref_grads[k]) for k in grads),
@@ -202,6 +301,28 @@ def compare(ckpt_dir: str, cases) -> dict:
         results[name]["clipped_step"] = max(((end[k] - start[k]) - (ref_end[k] - start[k])).abs().max().item()
                                             for k in start) / scale
         results[name]["clipped_grad_norm"] = abs(clipped["grad_norm"] - clipped_ref["grad_norm"]) / clipped_ref["grad_norm"]
+
+        names = CP_ALGORITHMS if layout.context > 1 else tuple(ALGORITHMS)
+        algos, ddp, _, _ = algorithm_steps(ckpt_dir, rollout, token_advantages, first, per_dp, names, dispatcher,
+                                           distributed_optimizer)
+        for algo_name, (got, grads) in algos.items():
+            want = ref_algos[algo_name]
+            r = {
+                "loss": abs(got["loss"].item() - want["loss"].item()) / abs(want["loss"].item()),
+                "stats": (got["stats"] - want["stats"]).abs().max().item(),
+                "metrics": metrics_diff(got["stats"], want["stats"], ALGORITHMS[algo_name].unit),
+                "grad_norm": abs(got["grad_norm"] - want["grad_norm"]) / want["grad_norm"],
+                "update_successful": got["update_successful"],
+                "grads": None,
+            }
+            if not distributed_optimizer:
+                ref_grads = tiny.flat(dist_checkpointing.load(tiny.empty_like_sharded(ddp.module),
+                                                              f"{ckpt_dir}/grads_{algo_name}"))
+                grads = tiny.flat(grads)
+                r["grads"] = max(tiny.max_rel_diff(grads[k], ref_grads[k]) for k in grads)
+            if "routing_changes" in want:
+                r["routing_changes"] = (got["routing_changes"] - want["routing_changes"]).abs().tolist()
+            results[f"{name}/{algo_name}"] = r
     return results
 
 
@@ -216,13 +337,34 @@ def reference_dir(tmp_path_factory) -> tuple[str, dict]:
     return _reference_cache["dir"], _reference_cache["result"]
 
 
+def _check_algorithms(results, cases):
+    for name, layout, *_ in cases:
+        names = CP_ALGORITHMS if layout.context > 1 else tuple(ALGORITHMS)
+        for rank, res in enumerate(results):
+            for algo_name in names:
+                r, where = res[f"{name}/{algo_name}"], f"{name}/{algo_name} rank {rank}"
+                assert r["update_successful"], where
+                assert r["loss"] <= RTOL, f"{where}: loss rel diff {r['loss']:.2e}"
+                assert r["stats"] <= STATS_ATOL, f"{where}: per-sequence stats abs diff {r['stats']:.2e}"
+                assert r["metrics"] <= STATS_ATOL, f"{where}: logged metrics abs diff {r['metrics']:.2e}"
+                assert r["grad_norm"] <= RTOL, f"{where}: grad norm rel diff {r['grad_norm']:.2e}"
+                if r["grads"] is not None:
+                    assert r["grads"] <= RTOL, f"{where}: grads rel diff {r['grads']:.2e}"
+                if "routing_changes" in r:
+                    # (changed, decisions) summed over all ranks: the same tokens and layers, the same experts.
+                    assert r["routing_changes"] == [0.0, 0.0], f"{where}: routing changes differ {r['routing_changes']}"
+
+
 def _check(results, cases):
+    _check_algorithms(results, cases)
     for name, *_ in cases:
         for rank, r in enumerate(res[name] for res in results):
             where = f"{name} rank {rank}"
             assert r["update_successful"], where
             assert r["loss"] <= RTOL, f"{where}: loss rel diff {r['loss']:.2e}"
             assert r["seq_log_ratio"] <= RATIO_ATOL, f"{where}: seq log-ratio abs diff {r['seq_log_ratio']:.2e}"
+            assert r["stats"] <= STATS_ATOL, f"{where}: per-sequence stats abs diff {r['stats']:.2e}"
+            assert r["metrics"] <= STATS_ATOL, f"{where}: logged metrics abs diff {r['metrics']:.2e}"
             if r["grads"] is not None:
                 assert r["grads"] <= RTOL, f"{where}: grads rel diff {r['grads']:.2e}"
             assert r["weights"] <= WEIGHT_ATOL, f"{where}: updated weights abs diff {r['weights']:.2e}"
@@ -245,13 +387,38 @@ def test_world1_reference_properties(tmp_path_factory):
     assert abs(result["clipped_norm"] - out["grad_norm"]) <= RTOL * out["grad_norm"], result["clipped_norm"]
     assert not out["valid"][5] and out["valid"].sum() == NUM_SEQUENCES - 1
     # The perturbed old policy clips some sequences but not all: both GSPO branches are exercised.
-    assert 0 < (out["clip_frac_low"] + out["clip_frac_high"]).item() < 1
+    assert 0 < update_metrics(out["stats"], "sequence")["clip_frac"] < 1
     entropy = result["entropy"]
     assert entropy["expected_gap"] < -0.1, entropy  # the tiny model's entropy is ~log(vocab): a large bonus
     assert abs(entropy["loss_gap"] - entropy["expected_gap"]) <= 1e-5 * abs(entropy["expected_gap"]), entropy
     assert entropy["ratio_diff"] <= 1e-6 and entropy["grad_change"] > 1e-3, entropy
     for name, diff in result["unfused"].items():
         assert diff["loss"] <= RTOL and diff["ratio"] <= RATIO_ATOL and diff["grads"] <= RTOL, (name, diff)
+
+
+def test_world1_algorithm_properties(tmp_path_factory):
+    ckpt_dir, result = reference_dir(tmp_path_factory)
+    # GSPO-token with A_i on every token is GSPO in loss, gradient and clipping (some of it clipped).
+    same = result["broadcast"]
+    assert same["loss"] <= 1e-6 and same["grads"] <= 1e-6 and same["clipped_tokens"] == 0.0, same
+    assert same["clip_frac_tokens"] > 0, same
+    algos = result["algorithms"]
+    loss = {name: o["loss"].item() for name, o in algos.items()}
+    # Each token-level loss clips some tokens but not all, so the layouts' comparisons cover both branches.
+    for name in ("grpo", "grpo_seq_mean", "gspo_token", "grpo_routing_replay"):
+        assert 0 < update_metrics(algos[name]["stats"], "token")["clip_frac_tokens"] < 1, name
+    # The variants are different losses: aggregation, per-token advantages and replayed experts each change it.
+    assert abs(loss["grpo_seq_mean"] - loss["grpo"]) > 1e-3 * abs(loss["grpo"]), loss
+    assert abs(loss["gspo_token"] - loss["gspo_volatility"]) > 1e-3 * abs(loss["gspo_volatility"]), loss
+    assert abs(loss["grpo_routing_replay"] - loss["grpo"]) > 1e-4 * abs(loss["grpo"]), loss
+    # Expert volatility: the update's count equals the record compared by hand with a fresh pass, over every
+    # (response-predicting token, layer); the drifted routers changed some decisions, not all.
+    volatility = result["volatility"]
+    assert volatility["update"] == volatility["by_hand"], volatility
+    changed, decisions = volatility["update"]
+    rollout = torch.load(f"{ckpt_dir}/rollout.pt")
+    assert decisions == 2 * rollout["loss_mask"].sum().item(), volatility  # 2 MoE layers
+    assert 0.05 < changed / decisions < 0.95, volatility
 
 
 TWO = [

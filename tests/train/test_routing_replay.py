@@ -50,6 +50,11 @@ def _check(layouts):
         free = update_step(
             model, optimizer, micro_batches({k: v for k, v in rollout.items() if k != "routing"}, 0, NUM_SEQUENCES, 2), GRPO
         )
+        # update_step gathers every DP rank's sequences (each rank here trains on all 8): keep this rank's.
+        from megatron.core import parallel_state as ps
+
+        mine = slice(ps.get_data_parallel_rank() * NUM_SEQUENCES, (ps.get_data_parallel_rank() + 1) * NUM_SEQUENCES)
+        same, replayed, free = ({k: out_[k][mine] for k in ("valid", "seq_log_ratio")} for out_ in (same, replayed, free))
         valid = same["valid"]
         out[name] = {
             "same_ratio": same["seq_log_ratio"][valid].abs().max().item(),

@@ -1,0 +1,146 @@
+"""The trainer side of a step: which rows each data-parallel rank trains on, the old-policy (and reference)
+log-prob passes, the minibatch updates, and the metrics of all of it over every rank.
+
+Rows: minibatch m is rows [m*M, (m+1)*M) of the rollout batch; DP rank r trains on the r-th contiguous share of
+each (``row_plan``). The old-policy pass visits the same rows in the same order, so routing it records lines up
+with the update's micro batches.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from gspo_megatron import algo
+from gspo_megatron.algo import kl_penalty
+from gspo_megatron.train.config import Config
+from gspo_megatron.train.policy_step import AlgoConfig, logprob_pass, update_step
+
+
+def row_plan(total: int, cfg: Config) -> list[torch.Tensor]:
+    """The rollout rows this data-parallel rank trains on, one index tensor per minibatch."""
+    from megatron.core import parallel_state as ps
+
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    per_minibatch = total // cfg.algo.minibatches
+    share = per_minibatch // dp
+    return [torch.arange(m * per_minibatch + dp_rank * share, m * per_minibatch + (dp_rank + 1) * share)
+            for m in range(cfg.algo.minibatches)]
+
+
+def micro_batches(batch: dict, rows: torch.Tensor, cfg: Config, routing: torch.Tensor | None = None,
+                  routing_key: str = "routing") -> list[dict]:
+    """``rows`` of the batch as micro batches of ``parallel.micro_batch_size``; ``routing`` (this rank's record for
+    exactly these rows) goes in as ``routing_key``: "routing" (replayed) or "old_routing" (compared)."""
+    keys = [k for k in ("input_ids", "labels", "loss_mask", "old_logprobs", "ref_logprobs", "advantages")
+            if k in batch]
+    size = cfg.parallel.micro_batch_size
+    out = []
+    for i in range(0, rows.numel(), size):
+        micro = {k: batch[k][rows[i:i + size]] for k in keys}
+        if routing is not None:
+            micro[routing_key] = routing[i:i + size]
+        out.append(micro)
+    return out
+
+
+def all_rows(local: torch.Tensor, total: int, cfg: Config) -> torch.Tensor:
+    """Per-row results of this DP rank's ``row_plan`` rows (on the device) -> [total, ...] on every rank's CPU."""
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_data_parallel_group()
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, local.contiguous(), group=group)  # on the model's device (NCCL)
+    per_minibatch = total // cfg.algo.minibatches
+    share = per_minibatch // len(parts)
+    out = torch.empty((total,) + tuple(local.shape[1:]), dtype=local.dtype)  # the rollout batch's side: CPU
+    for r, part in enumerate(parts):
+        rows = torch.cat([torch.arange(m * per_minibatch + r * share, m * per_minibatch + (r + 1) * share)
+                          for m in range(cfg.algo.minibatches)])
+        out[rows] = part.cpu()
+    return out
+
+
+def runs_old_pass(cfg: Config) -> bool:
+    """The trainer recomputes pi_old unless rollout.reuse_rollout_logprobs takes the engine's; Routing Replay needs
+    the pass anyway (it records the experts to replay)."""
+    return not cfg.rollout.reuse_rollout_logprobs or cfg.algo.routing_replay
+
+
+def measures_volatility(cfg: Config, spec) -> bool:
+    """Expert volatility needs routed experts, a second minibatch (a forward after one step), the old pass's
+    record, and free routing in the update (Routing Replay pins it)."""
+    return (cfg.logging.expert_volatility and spec.is_moe and cfg.algo.minibatches >= 2
+            and runs_old_pass(cfg) and not cfg.algo.routing_replay)
+
+
+def old_logprobs(policy, batch: dict, rows: list[torch.Tensor], cfg: Config, algo_config: AlgoConfig,
+                 metrics: dict):
+    """pi_old into ``batch["old_logprobs"]``: the trainer's pass over this rank's rows, or the engine's log-probs
+    with rollout.reuse_rollout_logprobs (no pass). The pass also gives the policy's entropy and the
+    rollout-vs-trainer mismatch over the whole batch. Returns this rank's recorded routing when Routing Replay
+    (all its rows, in the order of ``rows``) or expert volatility (the second minibatch's rows) needs it, else None."""
+    if not runs_old_pass(cfg):
+        batch["old_logprobs"] = batch["rollout_logprobs"]  # the mismatch is measured by the first update instead
+        return None
+    total = batch["input_ids"].shape[0]
+    record = cfg.algo.routing_replay or measures_volatility(cfg, policy.spec)
+    t = time.perf_counter()
+    trainer = logprob_pass(policy.model, micro_batches(batch, torch.cat(rows), cfg), algo_config.temperature,
+                           record_routing=record, with_entropy=True)
+    trainer_logprobs = all_rows(trainer["logprobs"], total, cfg)
+    metrics["time/old_logprobs"] = time.perf_counter() - t
+    mask = batch["loss_mask"]
+    # The policy's entropy per response token: a collapsing policy stops exploring (and learning).
+    metrics["entropy"] = float(all_rows(trainer["entropy"], total, cfg)[mask].mean()) if mask.any() else 0.0
+    metrics.update(algo.mismatch_metrics(algo.sequence_stats(trainer_logprobs, batch["rollout_logprobs"], mask)))
+    batch["old_logprobs"] = batch["rollout_logprobs"] if cfg.rollout.reuse_rollout_logprobs else trainer_logprobs
+    if record and not cfg.algo.routing_replay:  # volatility compares the second minibatch's rows only
+        first = rows[0].numel()
+        return trainer["routing"][first:first + rows[1].numel()].clone()
+    return trainer.get("routing")
+
+
+def reference_logprobs(reference, batch: dict, rows: list[torch.Tensor], cfg: Config, algo_config: AlgoConfig,
+                       metrics: dict) -> None:
+    """The frozen reference's log-probs into ``batch["ref_logprobs"]`` and ``kl_ref``: KL(policy || reference)
+    before this step's updates, as the loss estimates it."""
+    t = time.perf_counter()
+    ref = logprob_pass(reference, micro_batches(batch, torch.cat(rows), cfg), algo_config.temperature)
+    batch["ref_logprobs"] = all_rows(ref["logprobs"], batch["input_ids"].shape[0], cfg)
+    metrics["time/ref_logprobs"] = time.perf_counter() - t
+    metrics["kl_ref"] = float(kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], batch["loss_mask"],
+                                         algo_config.kl_estimator, max_log_ratio=algo_config.max_log_ratio))
+
+
+def update(policy, batch: dict, rows: list[torch.Tensor], routing, cfg: Config, algo_config: AlgoConfig) -> dict:
+    """``algo.minibatches`` optimizer steps over the rollout batch, and their metrics over every sequence of every
+    rank (``algo.update_metrics``). ``routing``: this rank's old-policy record (``old_logprobs``), replayed with
+    Routing Replay, else the second minibatch's, compared with its own routing (expert_volatility: after one step)."""
+    losses, norms, stats = [], [], []
+    skipped, offset, metrics = 0, 0, {}
+    for m, minibatch_rows in enumerate(rows):
+        if cfg.algo.routing_replay:
+            record = routing[offset:offset + minibatch_rows.numel()]
+            micro = micro_batches(batch, minibatch_rows, cfg, record, "routing")
+        else:  # the second minibatch's forward runs on weights one step past the old policy's
+            micro = micro_batches(batch, minibatch_rows, cfg, routing if m == 1 else None, "old_routing")
+        offset += minibatch_rows.numel()
+        out = update_step(policy.model, policy.optimizer, micro, algo_config)
+        policy.scheduler.step(increment=1)
+        losses.append(float(out["loss"]))
+        norms.append(out["grad_norm"])
+        stats.append(out["stats"])
+        skipped += not out["update_successful"]
+        if "routing_changes" in out:
+            changed, decisions = out["routing_changes"].tolist()
+            metrics["expert_volatility"] = changed / max(decisions, 1.0)
+        if m == 0 and not runs_old_pass(cfg):
+            # pi_old is the engine's and the weights are still the rollout's: the first minibatch's ratios are the
+            # rollout-vs-trainer mismatch (over its sequences), measured without an old-policy pass.
+            metrics.update(algo.mismatch_metrics(out["stats"]))
+    metrics.update(algo.update_metrics(torch.cat(stats), algo_config.unit, algo_config.max_log_ratio))
+    metrics.update(loss=sum(losses) / len(losses), grad_norm=sum(norms) / len(norms), skipped_updates=float(skipped))
+    return metrics
