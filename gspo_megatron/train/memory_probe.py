@@ -164,7 +164,7 @@ def measure_training_memory(cfg, hf_dir: str, seq_len: int, update_steps: int = 
     from pathlib import Path
 
     from gspo_megatron.model.hf_config import read_hf_config
-    from gspo_megatron.train import loop
+    from gspo_megatron.train import update_phase
     from gspo_megatron.train.bootstrap import algo_config
     from gspo_megatron.train.policy import build_policy, build_reference
     from gspo_megatron.train.policy_step import update_step
@@ -178,13 +178,15 @@ def measure_training_memory(cfg, hf_dir: str, seq_len: int, update_steps: int = 
         gc.collect()
         out["model"] = mem.current
         mem.reset_peak()
-        rows = loop._row_plan(batch["input_ids"].shape[0], cfg)
-        loop._old_and_reference_logprobs(policy, reference, batch, rows, cfg, algo, {})
+        rows = update_phase.row_plan(batch["input_ids"].shape[0], cfg)
+        update_phase.old_logprobs(policy, batch, rows, cfg, algo, {})
+        if reference is not None:
+            update_phase.reference_logprobs(reference, batch, rows, cfg, algo, {})
         out["logprob_pass_peak"] = mem.peak
         for minibatch_rows in rows[:update_steps]:
             gc.collect()
             mem.reset_peak()
-            update_step(policy.model, policy.optimizer, loop._micro_batches(batch, minibatch_rows, cfg), algo)
+            update_step(policy.model, policy.optimizer, update_phase.micro_batches(batch, minibatch_rows, cfg), algo)
             out["update_peaks"].append(mem.peak)
         gc.collect()
         out["state"] = mem.current

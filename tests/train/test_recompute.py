@@ -50,7 +50,7 @@ def hf_dir(tmp_path_factory):
 def run_cases(hf_dir: str, layout_overrides: list[str]) -> dict:
     """Each recompute setting on this rank: what reached the model, saved bytes after the forward, the step."""
     from gspo_megatron.model.hidden_output import unwrap
-    from gspo_megatron.train import loop
+    from gspo_megatron.train import update_phase
     from gspo_megatron.train.bootstrap import algo_config
     from gspo_megatron.train.memory_probe import peak_memory, synthetic_rollout
     from gspo_megatron.train.policy import build_policy
@@ -71,13 +71,13 @@ def run_cases(hf_dir: str, layout_overrides: list[str]) -> dict:
             "moe": [bool(getattr(layer.mlp, "moe_layer_recompute", False)) for layer in layers],
             "mlp": [layer.recompute_mlp for layer in layers],
         }
-        rows = loop._row_plan(batch["input_ids"].shape[0], cfg)
-        loop._old_and_reference_logprobs(policy, None, batch, rows, cfg, algo, {})
+        rows = update_phase.row_plan(batch["input_ids"].shape[0], cfg)
+        update_phase.old_logprobs(policy, batch, rows, cfg, algo, {})
         saved = []
         with peak_memory() as mem:
             start = mem.current
             hook = gpt.register_forward_hook(lambda *_: saved.append(mem.current - start))
-            out = update_step(policy.model, policy.optimizer, loop._micro_batches(batch, rows[0], cfg), algo)
+            out = update_step(policy.model, policy.optimizer, update_phase.micro_batches(batch, rows[0], cfg), algo)
             hook.remove()
         grads = torch.cat([p.main_grad.detach().flatten().clone() for p in policy.model.parameters()])
         results[name] = {"reached": reached, "saved": saved[0], "loss": float(out["loss"]),
