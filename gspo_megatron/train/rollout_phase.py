@@ -176,7 +176,10 @@ def sync_weights(policy, engine, version: int) -> dict:
     Rank 0 talks to the servers before the first tensor (forming the sync group, beginning the update) and after
     the last (ending it, checking the served version); the others wait for both in the control group. In between
     they wait in the export's gathers only while rank 0 sends one bucket (``distributed.timeout_s``)."""
+    from gspo_megatron.train.performance import params_current
+
     start = time.perf_counter()
+    params_current(policy.model)  # under overlap_param_gather the last step's all-gather is still to come
     tensors = _after_control_barrier(pipeline_gathered(policy.bridge, policy.model))
     if dist.get_rank() == 0:
         stats = engine.update_weights(tensors, str(version))  # pulls the first tensor once the servers are ready
