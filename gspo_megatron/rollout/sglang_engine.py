@@ -235,8 +235,11 @@ class SGLangEngine:
     def sync_target(self) -> weight_sync.SyncTarget:
         """What another trainer rank needs to send its part of a distributed update."""
         if self._target is None:
+            import socket
+
             self._target = weight_sync.SyncTarget(tuple(self.worker_urls), tuple(self._server_ranks()),
-                                                  self.config.weight_sync, self.config.sync_backend)
+                                                  self.config.weight_sync, self.config.sync_backend,
+                                                  host=socket.gethostname())
         return self._target
 
     def begin_distributed_update(self, version: str) -> weight_sync.DistributedSender:

@@ -107,15 +107,26 @@ class SyncTarget:
     server_ranks: tuple[int, ...]
     config: WeightSyncConfig
     backend: str
+    host: str = ""  # the host whose address ``config.master_address`` is (the engine's)
+
+    def address(self) -> str:
+        """Where the servers reach a sender in this process: ``config.master_address`` on the engine's host (it
+        names that host), else ``trainer_address``'s choice for this host."""
+        import socket
+        from dataclasses import replace
+
+        config = self.config
+        if config.master_address and self.host and socket.gethostname() != self.host:
+            config = replace(config, master_address=None)
+        return trainer_address(self.urls, config)
 
     def connect(self, device: torch.device, tag: str = "") -> "DistributedSender":
-        """A sender from this process: its own group with every server, reached at this host's address."""
+        """A sender from this process: its own group with every server, reached at ``address()``."""
         from gspo_megatron.parallel.launch import free_port
 
         clients = [HttpClient(u, RetryPolicy(0), self.config.timeout_s) for u in self.urls]
         return DistributedSender(clients, list(self.server_ranks), self.config, self.backend, device,
-                                 master_port=free_port(), master_address=trainer_address(self.urls, self.config),
-                                 tag=tag)
+                                 master_port=free_port(), master_address=self.address(), tag=tag)
 
 
 @dataclass

@@ -139,8 +139,9 @@ class RolloutConfig:
     weight_sync: str = "distributed"
     """distributed (broadcast to the servers) or disk (save HF safetensors, server reloads)."""
     weight_sync_address: str | None = None
-    """The trainer's address as the servers see it, for the distributed sync; None: 127.0.0.1 for local servers,
-    else this host's fully qualified name. Set it for servers on other nodes when that name does not resolve."""
+    """Rank 0's address as the servers see it, for the distributed sync; None: 127.0.0.1 for local servers, else
+    this host's fully qualified name. Set it for servers on other nodes when that name does not resolve. (Each
+    pipeline stage sends from its first rank; stages on other nodes are reached at their own names.)"""
     server_args: dict = field(default_factory=dict)
     """Extra sglang.launch_server arguments for servers we launch."""
     timeout_s: float = 300.0

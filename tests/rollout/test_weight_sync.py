@@ -105,3 +105,18 @@ def test_buckets_bound_bytes_and_keep_one_dtype():
     # Cast to bf16 before sending: sizes count the sent dtype (a+b+c = 1000 B fit one bucket then).
     out = [[n for n, _ in b] for b in buckets(iter(tensors), bucket_bytes=1024, dtype=torch.bfloat16)]
     assert out == [["a", "b", "c", "d"], ["e"], ["f"]]
+
+
+def test_a_sender_on_another_host_is_reached_at_its_own_name():
+    """``rollout.weight_sync_address`` names rank 0's host; a pipeline stage's sender elsewhere keeps its own name."""
+    import socket
+
+    from gspo_megatron.rollout.weight_sync import SyncTarget
+
+    remote = ("http://10.0.0.5:30000",)
+    here = SyncTarget(remote, (8,), WeightSyncConfig(master_address="10.0.0.1"), "nccl", host=socket.gethostname())
+    assert here.address() == "10.0.0.1"
+    elsewhere = SyncTarget(remote, (8,), WeightSyncConfig(master_address="10.0.0.1"), "nccl", host="rank0-node")
+    assert elsewhere.address() == socket.getfqdn()
+    local = SyncTarget(("http://127.0.0.1:30000",), (1,), WeightSyncConfig(), "gloo", host="rank0-node")
+    assert local.address() == "127.0.0.1"
