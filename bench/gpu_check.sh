@@ -9,7 +9,7 @@
 # every parameter and batch on the device (megatron's CPU-created router weights included), bf16 with the
 # non-distributed optimizer, `score` against transformers, the trainer for two steps on NCCL, the triton log-prob
 # backend in bf16 against float64 (tests/gpu/test_logprob_kernel.py) and, where TransformerEngine is installed, the
-# grouped-GEMM experts' step against SequentialMLP's. Then bench/logprob_gpu.py: the triton backend against naive
+# grouped-GEMM experts' step against SequentialMLP's and TE's fused permutation and RoPE against the unfused step. Then bench/logprob_gpu.py: the triton backend against naive
 # bf16 logits + log_softmax at T=8192, H=2048, V=151936 (time, peak memory, TFLOP/s against a GEMM peak measured
 # in the same run). What it printed goes into bench/RESULTS.md.
 set -uo pipefail

@@ -1,23 +1,34 @@
-"""Weight sync into a real CPU SGLang server: distributed broadcast (gloo) vs from disk, for a ~200M model.
+"""Weight sync into a real CPU SGLang server: distributed broadcast (gloo) vs from disk, for a ~200M model, and the
+trainer's own sync (one sender per pipeline stage, gathers onto the senders only) against the old way (every rank
+all-gathers, rank 0 sends) from a Megatron policy on 2 gloo ranks.
 
-    .venv/bin/python bench/weight_sync.py              # ~204M-parameter Qwen3-MoE, bf16, 5 rounds (~1.5 min)
+    .venv/bin/python bench/weight_sync.py              # ~204M-parameter Qwen3-MoE, bf16, 5 rounds (~3 min)
     .venv/bin/python bench/weight_sync.py --quick      # tiny model, seconds after the server is up
     .venv/bin/python bench/weight_sync.py --record     # also append the result to bench/RESULTS.md
 
 One server (``--device cpu``, ``--dtype bfloat16``) of a random Qwen3-MoE (hidden 1024, 5 layers, 16 experts of
-512, vocab 32000: 204M parameters, 409 MB in bf16). The trainer is the same model in this process (bf16); each
-round sends all its weights every way, in turn, as new versions:
+512, vocab 32000: 204M parameters, 409 MB in bf16).
 
-  distributed       the engine's DistributedSender, default settings: POST begin, then per 256 MiB bucket
-                    POST update_weights_from_distributed while broadcasting each tensor of it over gloo, then
-                    POST end / update_weight_version / flush_cache
-  distributed_flat  the same with ``flatten=True``: each bucket packed into one buffer, one broadcast per bucket
+Part 1, the trainer is the same model in this process (bf16); each round sends all its weights every way, in
+turn, as new versions:
+
+  distributed       the engine's DistributedSender, gloo's default (per-tensor broadcasts): POST begin, then per
+                    256 MiB bucket POST update_weights_from_distributed while broadcasting each tensor of it over
+                    gloo (bucket k+1 produced while bucket k is on the wire), then POST end / update_weight_version /
+                    flush_cache
+  distributed_flat  the same with ``flatten=True`` (NCCL's default): each bucket packed into one of two reused
+                    buffers, one broadcast per bucket
   disk              safetensors shards (256 MiB) + config under /tmp, POST update_weights_from_disk (the files
                     are not fsynced: the server reads them back from the page cache)
 
-Each time is the whole ``engine.update_weights`` call, including the version check. The first distributed
-update also forms the process group: it is timed separately and not counted. Reported: the median of the
-rounds, per phase too, and disk / distributed.
+Part 2 (``--ranks 2``, the default; 0 skips it): the loop's policy (``build_policy``, bf16) under EP=2 on 2 gloo
+ranks, synced alternately by ``rollout_phase``'s stage senders (experts gathered onto rank 0 only) and through
+rank 0 (``pipeline_gathered``: every rank all-gathers every expert, the way weight sync worked before). Reported:
+time, phases, and the bytes each rank received in the export's collectives.
+
+Each time is the whole update call, including the version check. The first distributed update also forms the
+process group: it is timed separately and not counted. Reported: the median of the rounds, per phase too, and
+ratios against the same run's baselines (disk, and the through-rank-0 sync).
 """
 
 from __future__ import annotations
@@ -47,6 +58,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--bucket-mb", type=int, default=256)
     parser.add_argument("--record", action="store_true", help="append the result to bench/RESULTS.md")
+    parser.add_argument("--ranks", type=int, default=2, choices=(0, 2),
+                        help="part 2: the Megatron policy's sync on 2 gloo ranks (EP=2); 0 skips it")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
 
@@ -79,6 +92,14 @@ def main() -> None:
                     phases = " ".join(f"{k} {v:.2f}" for k, v in stats.phases.items())
                     print(f"round {r} {method:11s} {stats.seconds:7.2f} s  {stats.num_bytes / 1e9:.3f} GB  "
                           f"{stats.num_buckets} buckets  {stats.gb_per_s:.3f} GB/s  ({phases})", flush=True)
+            megatron = None
+            if args.ranks:
+                from gspo_megatron.parallel.groups import Layout
+                from gspo_megatron.parallel.launch import run_on_ranks
+
+                engine.update_weights(hf_weights.checkpoint_tensors(trainer), "before-megatron")
+                megatron = run_on_ranks(megatron_rounds, args.ranks, Layout(expert=args.ranks), str(model_dir),
+                                        engine.worker_urls[0], args.rounds, timeout=1800)
     result = {
         "params": params,
         "bytes": rounds["distributed"][0].num_bytes,
@@ -96,9 +117,81 @@ def main() -> None:
     result["best_disk_over_best_distributed"] = result["best_s"]["disk"] / result["best_s"]["distributed"]
     result["phases"] = {m: {k: statistics.median(s.phases[k] for s in rounds[m]) for k in rounds[m][0].phases}
                         for m in rounds}
+    if megatron is not None:
+        result["megatron"] = summarize_megatron(megatron)
     print(json.dumps(result, indent=1))
     if args.record and not args.quick:
         record(result)
+
+
+def megatron_rounds(model_dir: str, server_url: str, rounds: int) -> dict:
+    """On each rank: ``rounds`` x (stage senders, through rank 0), each after the weights changed; per sync the
+    seconds (rank 0's metrics) and the bytes this rank received in the export's gathers / all-gathers."""
+    import torch.distributed as dist
+
+    from gspo_megatron.rollout import SGLangConfig, SGLangEngine
+    from gspo_megatron.train import rollout_phase
+    from gspo_megatron.train.config import load_config
+    from gspo_megatron.train.policy import build_policy
+
+    cfg = load_config(None, ["data.task=reverse", f"model.hf_dir={model_dir}", "model.dtype=bfloat16",
+                             f"parallel.expert={dist.get_world_size()}", "parallel.distributed_optimizer=false"])
+    policy = build_policy(cfg, model_dir)
+    rank0 = dist.get_rank() == 0
+    engine = SGLangEngine(SGLangConfig(urls=(server_url,), device="cpu", request_timeout_s=600)) if rank0 else None
+    received = {"bytes": 0}
+    real_gather, real_all_gather = dist.gather, dist.all_gather
+
+    def count(outputs):  # what lands on this rank from the others
+        if outputs and len(outputs) > 1:
+            received["bytes"] += sum(t.numel() * t.element_size() for t in outputs) * (len(outputs) - 1) // len(outputs)
+
+    def gather(tensor, gather_list=None, *args, **kwargs):
+        count(gather_list)
+        return real_gather(tensor, gather_list, *args, **kwargs)
+
+    def all_gather(tensor_list, tensor, *args, **kwargs):
+        count(tensor_list)
+        return real_all_gather(tensor_list, tensor, *args, **kwargs)
+
+    dist.gather, dist.all_gather = gather, all_gather  # the bridge calls them through torch.distributed
+    out = {"stage_senders": [], "through_rank0": []}
+    try:
+        for r in range(rounds + 1):  # round 0 forms the senders' groups: not counted
+            for way, sync in (("stage_senders", rollout_phase._sync_from_stage_senders),
+                              ("through_rank0", rollout_phase._sync_through_rank0)):
+                with torch.no_grad():
+                    for p in policy.model.parameters():
+                        p.mul_(1.0 + 1e-3)
+                received["bytes"] = 0
+                target = rollout_phase.control.broadcast_from_rank0(engine.sync_target() if rank0 else None)
+                start = time.perf_counter()
+                args = (policy, engine, f"{way}-{r}") + ((target,) if way == "stage_senders" else ())
+                metrics = sync(*args)
+                seconds = time.perf_counter() - start
+                if r:
+                    out[way].append({"seconds": seconds, "received_bytes": received["bytes"], "metrics": metrics})
+    finally:
+        if engine is not None:
+            engine.close()
+    return out
+
+
+def summarize_megatron(per_rank: list[dict]) -> dict:
+    summary = {}
+    for way in ("stage_senders", "through_rank0"):
+        runs = per_rank[0][way]
+        phases = [k.removeprefix("weight_sync/").removesuffix("_seconds") for k in runs[0]["metrics"]
+                  if k.endswith("_seconds") and k != "weight_sync/seconds"]
+        summary[way] = {
+            "seconds": statistics.median(r["seconds"] for r in runs),
+            "best_s": min(r["seconds"] for r in runs),
+            "gb": runs[0]["metrics"]["weight_sync/gb"],
+            "received_mb_per_rank": [statistics.median(r["received_bytes"] for r in rank[way]) / 1e6 for rank in per_rank],
+            "phases": {k: statistics.median(r["metrics"][f"weight_sync/{k}_seconds"] for r in runs) for k in phases},
+        }
+    summary["through_rank0_over_stage_senders"] = summary["through_rank0"]["seconds"] / summary["stage_senders"]["seconds"]
+    return summary
 
 
 def record(result: dict) -> None:

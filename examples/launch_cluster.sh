@@ -16,9 +16,10 @@
 #        bash examples/launch_cluster.sh [section.field=value ...]
 #    `gspo-megatron plan` checks the layout first; then torchrun starts GPUS_PER_NODE ranks per node
 #    (static rendezvous at MASTER_ADDR:MASTER_PORT, global rank 0 on NODE_RANK 0). Rank 0 attaches to
-#    ROLLOUT_URLS (an sglang-router may front them for generation: ROUTER_URL=http://rollout-0:29000) and syncs
-#    weights to every server through a process group the servers join at rank 0's node: its fully qualified
-#    name, or rollout.weight_sync_address=ADDR when that name does not resolve from the rollout nodes.
+#    ROLLOUT_URLS (an sglang-router may front them for generation: ROUTER_URL=http://rollout-0:29000); weights
+#    reach every server from each pipeline stage's first rank, through a process group the servers join at that
+#    rank's node: its fully qualified name (rollout.weight_sync_address=ADDR for rank 0's node when that name does
+#    not resolve from the rollout nodes).
 #
 # Colocated rollouts (servers on the training GPUs) are not supported: the weight-sync group would put a server
 # rank and a trainer rank on one GPU, which NCCL refuses, and SGLang sizes its KV cache from the memory free at

@@ -21,6 +21,13 @@ Conversion (``convert``), SGLang weight sync (``rollout``) and the local engine 
     then the head. Tensors may be views of live parameters: copy before modifying or keeping across an
     optimizer step. ``buckets(named_tensors, bucket_bytes)`` groups the stream for bucketed transfer.
 
+``Bridge(spec).export_to_sender(model, dtype=None)``
+    The same tensors, in the same order, gathered onto one rank per pipeline stage only: the stage's *sender*,
+    its first rank (tensor-, context-, data- and expert-parallel rank 0). The sender yields them; the ranks holding
+    the other shards of its replica (its TP group; its expert replica's expert-TP and EP groups) take part in the
+    gathers (``torch.distributed.gather`` to the first rank, not all-gathers) and yield nothing; every other rank
+    (the other data-parallel replicas) returns at once, moving no data. ``is_stage_sender()`` says which rank this is.
+
 ``Bridge.hf_tensor_shapes()``: every HF tensor name of the model and its shape (layout independent).
 """
 
@@ -212,6 +219,36 @@ class Bridge:
             for name, part in zip(placement.hf_names, parts):
                 yield name, _cast(part, dtype)
 
+    @torch.no_grad()
+    def export_to_sender(self, model, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """``export_hf_weights``'s tensors on this pipeline stage's sender only; see the module docstring."""
+        groups = _groups()
+        ep = groups["ep"]
+        dense, experts = _sender_replica()
+        if not (dense or experts):
+            return
+        for placement in self.placements(model):
+            rule = placement.rule
+            is_expert = rule.scope == mapping.EXPERT
+            if rule.tied_copy or not (experts if is_expert else dense):
+                continue
+            tp = self._tp(placement, groups)
+            parts = sharding.unjoin(rule.join, placement.param.detach(), self._heads_per_group, self.spec.head_dim)
+            parts = [sharding.gather_to_first(p, rule.split, tp.group, tp.size) for p in parts]
+            if tp.rank != 0:
+                continue  # this rank's shards are on their way to its TP group's first rank
+            if rule.split == mapping.VOCAB:
+                parts = [p[: self.spec.vocab_size] for p in parts]
+            if is_expert and ep.size > 1:
+                for part, hf in zip(parts, rule.hf):
+                    gathered = sharding.gather_list_to_first(part, ep.group, ep.size)
+                    for ep_rank, tensor in enumerate(gathered or []):
+                        expert = ep_rank * placement.num_local_experts + placement.local_expert
+                        yield hf.name.format(layer=placement.layer, expert=expert), _cast(tensor, dtype)
+                continue
+            for name, part in zip(placement.hf_names, parts):
+                yield name, _cast(part, dtype)
+
     def export_names(self, model) -> list[str]:
         """The HF names ``export_hf_weights`` yields on this rank, without moving any data."""
         from megatron.core import parallel_state as ps
@@ -228,6 +265,25 @@ class Bridge:
             else:
                 names += list(placement.hf_names)
         return names
+
+
+def _sender_replica() -> tuple[bool, bool]:
+    """Whether this rank holds a shard the stage's sender needs: (dense: in the sender's TP group, i.e. data- and
+    context-parallel rank 0; experts: in the sender's expert replica, i.e. expert-data-parallel rank 0)."""
+    from megatron.core import parallel_state as ps
+
+    dense = ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
+    return dense, ps.get_expert_data_parallel_rank() == 0
+
+
+def is_stage_sender() -> bool:
+    """This rank is its pipeline stage's sender (``export_to_sender`` yields there): tensor-, context-, data-,
+    expert- and expert-tensor-parallel rank 0."""
+    from megatron.core import parallel_state as ps
+
+    dense, experts = _sender_replica()
+    return (dense and experts and ps.get_tensor_model_parallel_rank() == 0
+            and ps.get_expert_model_parallel_rank() == 0 and ps.get_expert_tensor_parallel_rank() == 0)
 
 
 def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:

@@ -93,3 +93,24 @@ def all_gather(tensor: torch.Tensor, group, size: int) -> list[torch.Tensor]:
     out = [torch.empty_like(tensor) for _ in range(size)]
     dist.all_gather(out, tensor, group=group)
     return out
+
+
+def gather_to_first(tensor: torch.Tensor, split: str, group, size: int) -> torch.Tensor | None:
+    """The full tensor on the group's first rank (a gather, not an all-gather), None on the others."""
+    dim = split_dim(split)
+    if dim is None or size == 1:
+        return tensor if dist.get_rank(group) == 0 else None
+    shards = gather_list_to_first(tensor, group, size)
+    return None if shards is None else torch.cat(shards, dim=dim)
+
+
+def gather_list_to_first(tensor: torch.Tensor, group, size: int) -> list[torch.Tensor] | None:
+    """Every rank's equally shaped ``tensor``, in group-rank order, on the group's first rank; None elsewhere."""
+    tensor = tensor.contiguous()
+    first = dist.get_global_rank(group, 0)
+    if dist.get_rank(group) == 0:
+        out = [torch.empty_like(tensor) for _ in range(size)]
+        dist.gather(tensor, out, dst=first, group=group)
+        return out
+    dist.gather(tensor, None, dst=first, group=group)
+    return None

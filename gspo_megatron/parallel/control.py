@@ -55,3 +55,10 @@ def broadcast_from_rank0(obj: Any = None) -> Any:
 def barrier() -> None:
     """Every rank waits here, in gloo, until all arrive (rank 0 last, after its solo work)."""
     dist.barrier(group=group())
+
+
+def all_gather(obj: Any) -> list:
+    """Every rank's ``obj``, in rank order, on every rank (small objects, pickled, in gloo)."""
+    out = [None] * dist.get_world_size(group())
+    dist.all_gather_object(out, obj, group=group())
+    return out

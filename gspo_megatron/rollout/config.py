@@ -23,8 +23,9 @@ class WeightSyncConfig:
     method: str = "distributed"  # broadcast over a process group; "disk": save safetensors + reload
     bucket_bytes: int = 256 << 20  # peak extra trainer memory is about one bucket (plus one tensor above it)
     # True: pack each bucket into one byte buffer, one broadcast per bucket (SGLang's flattened_bucket); False:
-    # one broadcast per tensor of the bucket, no packing copy (see bench/weight_sync.py for which is faster).
-    flatten: bool = False
+    # one broadcast per tensor of the bucket, no packing copy. None: True on NCCL (one collective per bucket), False
+    # on gloo (bench/weight_sync.py measured the packing copy slower there).
+    flatten: bool | None = None
     backend: str | None = None  # None: nccl on cuda, gloo on cpu
     dtype: str | None = None  # cast before sending (e.g. "bfloat16"); None: send the trainer's dtype
     disk_dir: str | None = None  # for method="disk" (and the fallback); None: a temporary directory

@@ -25,7 +25,6 @@ from typing import Sequence
 
 import torch
 
-from gspo_megatron.parallel.launch import free_port
 
 from . import weight_sync
 from .client import HttpClient, RetryPolicy
@@ -47,6 +46,7 @@ class SGLangEngine:
         self._servers: list[ServerProcess] = []
         self._router: ServerProcess | None = None
         self._sender: weight_sync.DistributedSender | None = None
+        self._target: weight_sync.SyncTarget | None = None
         self._disk_dir: Path | None = None
         if config.urls:
             self.worker_urls = [u.rstrip("/") for u in config.urls]
@@ -209,32 +209,69 @@ class SGLangEngine:
         """Load the trainer's weights (``(hf_name, full tensor)`` pairs) into every worker as ``version``, by
         distributed broadcast (default) or from disk, then check each worker reports ``version``."""
         method = method or self.config.weight_sync.method
-        version = str(version)
-        if version == self._version:
-            raise WeightSyncError(f"weight version {version!r} is already served: give each update a new version")
-        sync_clients = [HttpClient(u, RetryPolicy(0), self.config.weight_sync.timeout_s) for u in self.worker_urls]
+        version = self._check_new_version(version)
         if method == "distributed":
-            if self._sender is not None and self._sender.broken:
-                self._sender.close()
-                self._sender = None
-            if self._sender is None:
-                self._sender = weight_sync.DistributedSender(
-                    sync_clients, self._server_ranks(), self.config.weight_sync, self.config.sync_backend,
-                    torch.device(self.config.device), master_port=free_port(),
-                    master_address=weight_sync.trainer_address(self.worker_urls, self.config.weight_sync))
-            stats = self._sender.send(named_tensors, version, self.config.weight_sync)
+            start = time.perf_counter()
+            self.begin_distributed_update(version)
+            begun = time.perf_counter()
+            stats = self._sender.send_buckets(named_tensors, self.config.weight_sync)
+            t = time.perf_counter()
+            self._sender.end(version)
+            phases = {"begin": begun - start, **stats.phases, "end": time.perf_counter() - t}
+            stats = SyncStats("distributed", version, time.perf_counter() - start, stats.num_tensors, stats.num_bytes,
+                              stats.num_buckets, phases)
         elif method == "disk":
+            sync_clients = [HttpClient(u, RetryPolicy(0), self.config.weight_sync.timeout_s) for u in self.worker_urls]
             stats = weight_sync.disk_update(sync_clients, named_tensors, version, self.model_path,
                                             self._disk_directory(), self.config.weight_sync)
         else:
             raise ValueError(f"weight sync method={method!r} is not 'distributed' or 'disk'")
+        self._check_served(version, method, stats)
+        return stats
+
+    # Several senders (the trainer's pipeline stages): this engine opens and closes the update, each sender (this
+    # process's included) sends its part in between through its own group (``SyncTarget.connect``).
+
+    def sync_target(self) -> weight_sync.SyncTarget:
+        """What another trainer rank needs to send its part of a distributed update."""
+        if self._target is None:
+            import socket
+
+            self._target = weight_sync.SyncTarget(tuple(self.worker_urls), tuple(self._server_ranks()),
+                                                  self.config.weight_sync, self.config.sync_backend,
+                                                  host=socket.gethostname())
+        return self._target
+
+    def begin_distributed_update(self, version: str) -> weight_sync.DistributedSender:
+        """Open a distributed update to ``version`` on every worker; returns this process's sender (its group with
+        the servers formed on first use, and again after a failed update left it unusable)."""
+        self._check_new_version(version)
+        if self._sender is not None and self._sender.broken:
+            self._sender.close()
+            self._sender = None
+        if self._sender is None:
+            self._sender = self.sync_target().connect(torch.device(self.config.device))
+        self._sender.begin()
+        return self._sender
+
+    def end_distributed_update(self, version: str, stats: SyncStats) -> None:
+        """Close the update every sender has sent its part of; check every worker serves ``version``."""
+        self._sender.end(str(version))
+        self._check_served(str(version), "distributed", stats)
+
+    def _check_new_version(self, version) -> str:
+        version = str(version)
+        if version == self._version:
+            raise WeightSyncError(f"weight version {version!r} is already served: give each update a new version")
+        return version
+
+    def _check_served(self, version: str, method: str, stats: SyncStats) -> None:
         served = self.weight_version()
         if served != version:
             raise WeightSyncError(f"after a {method} weight update to {version!r} the servers report {served!r}")
         log.info("weight sync (%s) to version %s: %.2f s, %.3f GB in %d tensors / %d buckets (%.2f GB/s)",
                  method, version, stats.seconds, stats.num_bytes / 1e9, stats.num_tensors, stats.num_buckets,
                  stats.gb_per_s)
-        return stats
 
     def _server_ranks(self) -> list[int]:
         """Ranks each worker brings to the weight-sync group: its tensor-parallel size."""

@@ -5,18 +5,23 @@ The source is any iterable of ``(hf_checkpoint_name, tensor)`` pairs: the bridge
 Names are Hugging Face *checkpoint* names (``...mlp.experts.3.gate_proj.weight``), what SGLang's ``load_weights``
 reads.
 
-Distributed (``DistributedSender``), the default: the trainer's rank 0 and every server's ranks form one process
-group (``/init_weights_update_group``, once); each update is
+Distributed (``DistributedSender``), the default: a sender and every server's ranks form one process group
+(``/init_weights_update_group``, once per sender); each update is
 
-    POST /begin_weight_update
-    for each bucket:  POST /update_weights_from_distributed (names, dtypes, shapes)  ||  broadcast its tensors from 0
-    POST /end_weight_update, /update_weight_version, /flush_cache
+    POST /begin_weight_update                                              (once, by one sender)
+    for each bucket:  POST /update_weights_from_distributed (names, dtypes, shapes)  ||  broadcast it from the sender
+    POST /end_weight_update, /update_weight_version, /flush_cache          (once, after every sender is done)
 
-A bucket is consecutive tensors of one dtype up to ``bucket_bytes``: one HTTP call per bucket, and the tensors of
-only one bucket are alive at a time, so peak extra trainer memory is about one bucket (two when ``dtype`` casts).
-Each tensor is broadcast as it is (no copy); with ``flatten=True`` a bucket is first packed into one reused byte
-buffer and broadcast at once (SGLang's ``flattened_bucket`` format), which bench/weight_sync.py measured slower
-on gloo. A tensor larger than a bucket is sent alone.
+Several senders may send parts of one update (the trainer has one per pipeline stage: ``train.rollout_phase``),
+each in its own group; ``SyncTarget`` is what a trainer rank needs to become one. A server handles one update call
+at a time, whichever sender it comes from.
+
+A bucket is consecutive tensors of one dtype up to ``bucket_bytes``: one HTTP call per bucket. The source produces
+bucket k+1 (the bridge's gathers) and it is packed while bucket k is on the wire, so about two buckets are alive
+at a time (three when ``dtype`` casts). With ``flatten`` a bucket is packed into one of two reused byte buffers and
+broadcast at once (SGLang's ``flattened_bucket``): one collective per bucket, what NCCL wants; without it each
+tensor is broadcast as it is (no copy), which bench/weight_sync.py measured faster on gloo. ``flatten=None``
+(default) chooses by backend: flattened on NCCL, per tensor on gloo. A tensor larger than a bucket is sent alone.
 
 Disk (``save_checkpoint`` + ``/update_weights_from_disk``), the fallback: safetensors shards of at most one
 bucket each in a full HF model directory; the servers must see the same file system.
@@ -38,7 +43,7 @@ from typing import Iterable, Iterator, Sequence
 
 import torch
 
-from .client import HttpClient
+from .client import HttpClient, RetryPolicy
 from .config import WeightSyncConfig
 from .errors import RolloutError, WeightSyncError
 from .process_group import destroy, init_custom_process_group
@@ -92,16 +97,60 @@ class _Bucket:
     num_bytes: int
 
 
+@dataclass(frozen=True)
+class SyncTarget:
+    """What a trainer rank needs to send weights to the servers itself: the workers, the ranks each brings to a
+    weight-sync group (its TP size), the sync settings and the backend. Small and picklable (rank 0's engine
+    makes it; the other senders receive it)."""
+
+    urls: tuple[str, ...]
+    server_ranks: tuple[int, ...]
+    config: WeightSyncConfig
+    backend: str
+    host: str = ""  # the host whose address ``config.master_address`` is (the engine's)
+
+    def address(self) -> str:
+        """Where the servers reach a sender in this process: ``config.master_address`` on the engine's host (it
+        names that host), else ``trainer_address``'s choice for this host."""
+        import socket
+        from dataclasses import replace
+
+        config = self.config
+        if config.master_address and self.host and socket.gethostname() != self.host:
+            config = replace(config, master_address=None)
+        return trainer_address(self.urls, config)
+
+    def connect(self, device: torch.device, tag: str = "") -> "DistributedSender":
+        """A sender from this process: its own group with every server, reached at ``address()``."""
+        from gspo_megatron.parallel.launch import free_port
+
+        clients = [HttpClient(u, RetryPolicy(0), self.config.timeout_s) for u in self.urls]
+        return DistributedSender(clients, list(self.server_ranks), self.config, self.backend, device,
+                                 master_port=free_port(), master_address=self.address(), tag=tag)
+
+
+@dataclass
+class _InFlight:
+    """A bucket on the wire: its broadcasts, the servers' HTTP calls receiving it, when it started."""
+
+    works: list
+    calls: list
+    what: str
+    started: float
+    payload: list  # kept alive until the broadcast completes
+
+
 class DistributedSender:
-    """The trainer's end of broadcast weight sync to a set of servers (one process group for all of them)."""
+    """One sender's end of broadcast weight sync to a set of servers (one process group for all of them).
+    ``tag`` tells senders of one trainer apart in the servers' group names."""
 
     def __init__(self, clients: list[HttpClient], server_ranks: list[int], config: WeightSyncConfig, backend: str,
-                 device: torch.device, master_port: int, master_address: str = "127.0.0.1"):
+                 device: torch.device, master_port: int, master_address: str = "127.0.0.1", tag: str = ""):
         self.clients, self.config, self.backend, self.device = clients, config, backend, device
         self.world_size = 1 + sum(server_ranks)
-        self.group_name = f"{config.group_name}_{master_port}"
+        self.group_name = f"{config.group_name}{tag}_{master_port}"
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(clients)), thread_name_prefix="weight_sync")
-        self._dtype = getattr(torch, config.dtype) if config.dtype else None
+        self._configure(config)
         offsets = [1 + sum(server_ranks[:i]) for i in range(len(clients))]
         body = lambda offset: {"master_address": master_address, "master_port": master_port,  # noqa: E731
                                "rank_offset": offset, "world_size": self.world_size,
@@ -122,15 +171,34 @@ class DistributedSender:
         log.info("weight sync: %s group %s of %d ranks with %d server(s)", backend, self.group_name,
                  self.world_size, len(clients))
 
+    def _configure(self, config: WeightSyncConfig) -> None:
+        self.config = config
+        self._dtype = getattr(torch, config.dtype) if config.dtype else None
+        # One collective per bucket on NCCL; on gloo per-tensor broadcasts skip the packing copy (faster there).
+        self.flatten = config.flatten if config.flatten is not None else self.backend == "nccl"
+        self._buffers: list[torch.Tensor | None] = [None, None]
+
     def _all(self, path: str, body: dict | None = None) -> None:
         calls = [self._pool.submit(_post, c, path, body, self.config.timeout_s) for c in self.clients]
         for call in calls:
             call.result(timeout=self.config.timeout_s)
 
-    def _broadcast(self, payload: list[torch.Tensor], calls: list, what: str) -> None:
-        """Broadcast while watching the servers' HTTP calls: a server that refuses the update never joins the
-        broadcast, so waiting on the broadcast alone would hang until the group timeout."""
-        works = [torch.distributed.broadcast(t, src=0, group=self.group, async_op=True) for t in payload]
+    def _launch(self, packed: _Bucket, index: int) -> _InFlight:
+        """POST the bucket to every server and start its broadcast (asynchronous: ``_await`` completes it)."""
+        body = {"names": packed.names, "dtypes": packed.dtypes, "shapes": packed.shapes,
+                "group_name": self.group_name, "flush_cache": False,
+                "load_format": "flattened_bucket" if packed.flattened else None}
+        what = f"update_weights_from_distributed (bucket {index}: {packed.names[0]} ... {packed.names[-1]})"
+        calls = [self._pool.submit(_post, c, "/update_weights_from_distributed", body, self.config.timeout_s, what)
+                 for c in self.clients]
+        started = time.perf_counter()
+        works = [torch.distributed.broadcast(t, src=0, group=self.group, async_op=True) for t in packed.payload]
+        return _InFlight(works, calls, what, started, packed.payload)
+
+    def _await(self, inflight: _InFlight) -> None:
+        """Wait for a bucket's broadcast while watching the servers' HTTP calls: a server that refuses the update
+        never joins the broadcast, so waiting on the broadcast alone would hang until the group timeout."""
+        works, calls, what = inflight.works, inflight.calls, inflight.what
         deadline = time.monotonic() + self.config.timeout_s
         while not all(work.is_completed() for work in works):
             done, _ = wait(calls, timeout=0.005, return_when=FIRST_EXCEPTION)
@@ -150,70 +218,95 @@ class DistributedSender:
         for call in calls:
             call.result(timeout=self.config.timeout_s)
 
-    def _pack(self, bucket: list[tuple[str, torch.Tensor]], buffer: torch.Tensor | None) -> tuple[_Bucket, torch.Tensor | None]:
+    def _pack(self, bucket: list[tuple[str, torch.Tensor]], slot: int) -> _Bucket:
         send_dtype = lambda t: self._dtype if self._dtype is not None and t.is_floating_point() else t.dtype  # noqa: E731
         names = [n for n, _ in bucket]
         dtypes = [str(send_dtype(t)).removeprefix("torch.") for _, t in bucket]
         shapes = [list(t.shape) for _, t in bucket]
         total = sum(t.numel() * send_dtype(t).itemsize for _, t in bucket)
-        if not self.config.flatten or total > self.config.bucket_bytes:
+        if not self.flatten or total > self.config.bucket_bytes:
             # One broadcast per tensor, no copy unless the dtype, device or layout must change (a tensor larger
             # than a bucket always goes this way: it is alone in its bucket).
             payload = [t.detach().to(self.device, send_dtype(t)).contiguous() for _, t in bucket]
-            return _Bucket(names, dtypes, shapes, payload, False, total), buffer
+            return _Bucket(names, dtypes, shapes, payload, False, total)
+        # Two buffers: this bucket is packed while the previous one, in the other buffer, is on the wire.
+        buffer = self._buffers[slot]
         if buffer is None:
-            buffer = torch.empty(self.config.bucket_bytes, dtype=torch.uint8, device=self.device)
+            buffer = self._buffers[slot] = torch.empty(self.config.bucket_bytes, dtype=torch.uint8, device=self.device)
         offset = 0
         for _, tensor in bucket:
             dt = send_dtype(tensor)
             nbytes = tensor.numel() * dt.itemsize
             buffer[offset:offset + nbytes].view(dt).copy_(tensor.detach().reshape(-1))
             offset += nbytes
-        return _Bucket(names, dtypes, shapes, [buffer[:offset]], True, total), buffer
+        return _Bucket(names, dtypes, shapes, [buffer[:offset]], True, total)
 
-    def send(self, named_tensors: NamedTensors, version: str, config: WeightSyncConfig | None = None) -> SyncStats:
-        """One full update to ``version``; ``config`` (bucket size, dtype, timeout) may differ per call."""
-        if config is not None:
-            self.config = config
-            self._dtype = getattr(torch, config.dtype) if config.dtype else None
-        start = time.perf_counter()
-        num_tensors = num_bytes = num_buckets = 0
-        buffer = None
-        # export: the source producing tensors (the bridge's gathers); pack: copies into the bucket buffer;
-        # transfer: from the broadcast's start to every server's answer (receive + load_weights there).
-        phases = dict.fromkeys(("begin", "export", "pack", "transfer", "end"), 0.0)
+    def begin(self) -> None:
+        """Open an update on every server (once per update, whichever sender does it)."""
         self._all("/begin_weight_update")
-        phases["begin"] = time.perf_counter() - start
-        source = iter(buckets(named_tensors, self.config.bucket_bytes, self._dtype))
-        while True:
-            t0 = time.perf_counter()
-            bucket = next(source, None)
-            t1 = time.perf_counter()
-            phases["export"] += t1 - t0
-            if bucket is None:
-                break
-            packed, buffer = self._pack(bucket, buffer)
-            t2 = time.perf_counter()
-            phases["pack"] += t2 - t1
-            body = {"names": packed.names, "dtypes": packed.dtypes, "shapes": packed.shapes,
-                    "group_name": self.group_name, "flush_cache": False,
-                    "load_format": "flattened_bucket" if packed.flattened else None}
-            what = f"update_weights_from_distributed (bucket {num_buckets}: {packed.names[0]} ... {packed.names[-1]})"
-            calls = [self._pool.submit(_post, c, "/update_weights_from_distributed", body, self.config.timeout_s, what)
-                     for c in self.clients]
-            self._broadcast(packed.payload, calls, what)
-            phases["transfer"] += time.perf_counter() - t2
-            num_tensors += len(packed.names)
-            num_bytes += packed.num_bytes
-            num_buckets += 1
-            bucket = packed = None  # drop this bucket's tensors before the source produces the next ones
-        del buffer
-        t3 = time.perf_counter()
+
+    def end(self, version: str) -> None:
+        """Close the update every sender has sent its part of, and serve it as ``version``."""
         self._all("/end_weight_update")
         finish(self.clients, version, self.config.timeout_s)
-        phases["end"] = time.perf_counter() - t3
-        return SyncStats("distributed", version, time.perf_counter() - start, num_tensors, num_bytes, num_buckets,
-                         phases)
+
+    def send_buckets(self, named_tensors: NamedTensors, config: WeightSyncConfig | None = None) -> SyncStats:
+        """Send ``named_tensors`` inside an update opened by ``begin``; returns what moved (no version yet).
+
+        Phases (seconds): export (the source producing each bucket: the bridge's gathers), pack (copies into the
+        bucket buffer), transfer (each bucket from its broadcast's start to every server's answer: receive and
+        load_weights there), wait (the part of transfer this rank was blocked on); transfer - wait is ``overlap``,
+        the transfer hidden behind exporting and packing the next bucket.
+        """
+        if config is not None:
+            self._configure(config)
+        start = time.perf_counter()
+        phases = dict.fromkeys(("export", "pack", "transfer", "wait"), 0.0)
+        num_tensors = num_bytes = num_buckets = 0
+        source = iter(buckets(named_tensors, self.config.bucket_bytes, self._dtype))
+        inflight: _InFlight | None = None
+        try:
+            while True:
+                t0 = time.perf_counter()
+                bucket = next(source, None)  # bucket k+1's export runs while bucket k is on the wire
+                t1 = time.perf_counter()
+                phases["export"] += t1 - t0
+                packed = self._pack(bucket, num_buckets % 2) if bucket is not None else None
+                bucket = None  # the packed copy (or the payload) is what stays alive
+                phases["pack"] += time.perf_counter() - t1
+                if inflight is not None:
+                    t2 = time.perf_counter()
+                    self._await(inflight)
+                    done = time.perf_counter()
+                    phases["wait"] += done - t2
+                    phases["transfer"] += done - inflight.started
+                    inflight = None
+                if packed is None:
+                    break
+                inflight = self._launch(packed, num_buckets)
+                num_tensors += len(packed.names)
+                num_bytes += packed.num_bytes
+                num_buckets += 1
+                packed = None
+        finally:
+            self._buffers = [None, None]  # no trainer memory held between updates
+        phases["overlap"] = phases["transfer"] - phases["wait"]
+        return SyncStats("distributed", "", time.perf_counter() - start, num_tensors, num_bytes, num_buckets, phases)
+
+    def send(self, named_tensors: NamedTensors, version: str, config: WeightSyncConfig | None = None) -> SyncStats:
+        """One full update to ``version`` by this sender alone; ``config`` (bucket size, dtype, timeout) may differ
+        per call."""
+        if config is not None:
+            self._configure(config)
+        start = time.perf_counter()
+        self.begin()
+        begun = time.perf_counter()
+        stats = self.send_buckets(named_tensors)
+        t3 = time.perf_counter()
+        self.end(version)
+        phases = {"begin": begun - start, **stats.phases, "end": time.perf_counter() - t3}
+        return SyncStats("distributed", version, time.perf_counter() - start, stats.num_tensors, stats.num_bytes,
+                         stats.num_buckets, phases)
 
     def close(self) -> None:
         for client in self.clients:

@@ -11,6 +11,12 @@ Layout of ``checkpoint.dir``:
 A save goes to ``step_N.tmp/``, then rank 0 renames it to ``step_N/`` and replaces ``latest`` (write to a
 temporary file, then ``os.replace``). A process killed at any point leaves ``latest`` naming a complete
 checkpoint, so ``--resume`` always has one to load; stale ``*.tmp`` directories are removed by the next save.
+
+Asynchronous saves (``checkpoint.async_save``, megatron's async torch_dist save): ``save`` returns once each rank's
+tensors are in host memory (copied from the GPU; on a CPU, a forked writer's copy-on-write snapshot) and a
+background process writes them; ``finalize_saves`` (every step, collective) renames the checkpoint and moves
+``latest`` once every rank has written its part. One save is in flight at a time: the next ``save`` completes
+the previous one first.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import os
 import random
 import shutil
 from pathlib import Path
+from functools import partial
 from typing import Any, Callable
 
 import numpy as np
@@ -94,14 +101,19 @@ def _sharded_state(model, optimizer, scheduler, trainer_state: dict | None, rng:
 
 
 def save(directory: str | Path, step: int, model, optimizer, scheduler, trainer_state: dict, keep: int = 2,
-         model_info: Callable[[Path], None] | None = None) -> Path:
+         model_info: Callable[[Path], None] | None = None, async_save: bool = False) -> Path:
     """Save a complete checkpoint for ``step``; returns its directory. Collective: call on every rank.
 
     ``model_info(tmp_dir)``, called on rank 0 before the rename, writes what rebuilds the model (the
     conversion tool's ``gspo_megatron.json`` and ``hf/``), so the checkpoint converts to HF directly.
+    ``async_save``: write in the background; the directory is complete (and ``latest``) after ``finalize_saves``.
     """
     from megatron.core import dist_checkpointing
 
+    from gspo_megatron.train.performance import params_current
+
+    finalize_saves(blocking=True)
+    params_current(model)  # the optimizer's latest weights, also under overlap_param_gather
     root = Path(directory)
     final = root / f"step_{step:06d}"
     tmp = root / f"step_{step:06d}.tmp"
@@ -117,7 +129,19 @@ def save(directory: str | Path, step: int, model, optimizer, scheduler, trainer_
     trainer_state = dict(trainer_state, step=step, has_optimizer_state=has_optimizer_state)
     state = _sharded_state(model, optimizer if has_optimizer_state else None, scheduler, trainer_state, rng_states(),
                            is_loading=False)
-    dist_checkpointing.save(state, str(tmp))
+    publish = partial(_publish, root, tmp, final, keep, model_info)
+    if not async_save:
+        dist_checkpointing.save(state, str(tmp))
+        publish()
+        return final
+    request = dist_checkpointing.save(state, str(tmp), async_sharded_save=True, **_async_strategy())
+    request.finalize_fns.append(publish)  # after megatron's own (the global metadata), on every rank
+    _async_queue().schedule_async_request(request)
+    return final
+
+
+def _publish(root: Path, tmp: Path, final: Path, keep: int, model_info) -> None:
+    """Every rank has written ``tmp``: rank 0 completes it, renames it to ``final`` and points ``latest`` at it."""
     _barrier()
     if _rank() == 0:
         if model_info is not None:
@@ -130,7 +154,47 @@ def save(directory: str | Path, step: int, model, optimizer, scheduler, trainer_
         os.replace(pointer, root / LATEST)
         _prune(root, keep)
     _barrier()
-    return final
+
+
+_queue = None  # megatron's AsyncCallsQueue of this process, created by the first asynchronous save
+
+
+def _async_strategy() -> dict:
+    """megatron-core 0.19 has two async writers: nvidia-resiliency-ext's where installed, else its own (``mcore``,
+    deprecated there but the only one without that package); 0.16.1 has only its own and no such argument."""
+    import inspect
+
+    from megatron.core import dist_checkpointing
+
+    if "async_strategy" not in inspect.signature(dist_checkpointing.save).parameters:
+        return {}
+    from megatron.core.dist_checkpointing.strategies.nvrx import has_nvrx_async_support
+
+    return {"async_strategy": "nvrx" if has_nvrx_async_support() else "mcore"}
+
+
+def _async_queue():
+    global _queue
+    if _queue is None:
+        strategy = _async_strategy().get("async_strategy")
+        if strategy is None:
+            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+        else:
+            from megatron.core.dist_checkpointing.strategies.torch import get_async_strategy
+
+            _, AsyncCallsQueue = get_async_strategy(strategy, "AsyncCallsQueue")
+        _queue = AsyncCallsQueue()
+    return _queue
+
+
+def finalize_saves(blocking: bool = False) -> int:
+    """Complete the asynchronous saves every rank has finished writing (all of them with ``blocking``): rename,
+    ``latest``, pruning. Collective (every rank, at the same points); a no-op without asynchronous saves. Returns
+    how many are still being written."""
+    if _queue is None or not _queue.get_num_unfinalized_calls():
+        return 0
+    _queue.maybe_finalize_async_calls(blocking=blocking)
+    return _queue.get_num_unfinalized_calls()
 
 
 def _prune(root: Path, keep: int) -> None:
@@ -228,6 +292,7 @@ def load(path: str | Path, model, optimizer, scheduler) -> dict[str, Any]:
 
     from gspo_megatron.model.hidden_output import unwrap
 
+    finalize_saves(blocking=True)
     common = dist_checkpointing.load_common_state_dict(str(path))
     with_optimizer = common.get("trainer", {}).get("has_optimizer_state", True)
     if with_optimizer:

@@ -81,6 +81,44 @@ class RecomputeConfig:
 
 
 @dataclass
+class PerformanceConfig:
+    """Megatron-Core's speed settings (``train.performance`` turns them into TransformerConfig and DDP fields).
+
+    None where a field allows it means: on where this machine has what it needs (TransformerEngine, CUDA, apex's
+    extension), off elsewhere; true where it is missing is an error naming the field. None of them changes what
+    a step computes beyond floating-point rounding (tests/train/test_performance.py)."""
+
+    moe_token_dispatcher: str = "alltoall"
+    """How tokens reach their experts' ranks: alltoall (all-to-all over EP; megatron's choice for EP > 1),
+    allgather (every rank gathers every token: simple, for small EP) or flex (DeepEP / HybridEP kernels that
+    fuse the permutation and the communication; needs CUDA, the deep_ep package and tensor*expert > 1)."""
+    moe_flex_backend: str = "deepep"
+    """For moe_token_dispatcher=flex: deepep or hybridep (both from the deep_ep package)."""
+    moe_router_dtype: str = "fp32"
+    """Router logits, softmax/top-k and the weighting of expert outputs in fp32 (or fp64, or none: the model's
+    dtype). fp32 so routing in bf16 training does not flip on bf16 rounding of the probabilities (SGLang takes
+    its top-k over fp32 softmax of its bf16 gate logits)."""
+    moe_permute_fusion: bool | None = None
+    """Token (un)permutation around the experts in TransformerEngine's fused kernels (TE >= 2.1)."""
+    apply_rope_fusion: bool | None = None
+    """RoPE on queries and keys in TransformerEngine's fused kernel."""
+    gradient_accumulation_fusion: bool | None = None
+    """Weight-gradient GEMMs accumulate straight into the fp32 gradient buffer (megatron's main_grad): needs CUDA
+    and apex's fused_weight_gradient_mlp_cuda extension (NGC PyTorch containers have it; PyPI has no apex)."""
+    bias_activation_fusion: bool | None = None
+    """SwiGLU as one torch.compile'd kernel (megatron's bias_swiglu). None: on under CUDA."""
+    bias_dropout_fusion: bool | None = None
+    """The residual add (bias, dropout: none here) as one torch.compile'd kernel. None: on under CUDA."""
+    overlap_grad_reduce: bool = False
+    """DDP: reduce (or reduce-scatter) each gradient bucket as soon as backward fills it, overlapping the rest of
+    backward, instead of all at once after it."""
+    overlap_param_gather: bool = False
+    """DDP with parallel.distributed_optimizer: all-gather each bucket's updated parameters in the next forward,
+    just before its layers need them, instead of right after the optimizer step (weight sync and checkpoints
+    gather the rest first)."""
+
+
+@dataclass
 class RolloutConfig:
     engine: str = "sglang"
     """sglang (servers launched by us on loopback or ``urls``) or local (in-process sampling)."""
@@ -101,8 +139,9 @@ class RolloutConfig:
     weight_sync: str = "distributed"
     """distributed (broadcast to the servers) or disk (save HF safetensors, server reloads)."""
     weight_sync_address: str | None = None
-    """The trainer's address as the servers see it, for the distributed sync; None: 127.0.0.1 for local servers,
-    else this host's fully qualified name. Set it for servers on other nodes when that name does not resolve."""
+    """Rank 0's address as the servers see it, for the distributed sync; None: 127.0.0.1 for local servers, else
+    this host's fully qualified name. Set it for servers on other nodes when that name does not resolve. (Each
+    pipeline stage sends from its first rank; stages on other nodes are reached at their own names.)"""
     server_args: dict = field(default_factory=dict)
     """Extra sglang.launch_server arguments for servers we launch."""
     timeout_s: float = 300.0
@@ -188,6 +227,9 @@ class CheckpointConfig:
     every: int = 0
     """Save every N steps (0: only at the end)."""
     keep: int = 2
+    async_save: bool = False
+    """Write checkpoints in the background (megatron's asynchronous torch_dist save): training continues once
+    the tensors are copied to host memory; ``latest`` names the checkpoint when every rank has written it."""
 
 
 @dataclass
@@ -223,6 +265,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
+    performance: PerformanceConfig = field(default_factory=PerformanceConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algo: AlgoSection = field(default_factory=AlgoSection)
     optimizer: OptimizerSection = field(default_factory=OptimizerSection)

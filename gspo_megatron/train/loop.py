@@ -78,8 +78,11 @@ def train(cfg: Config, resume: bool = False) -> dict:
                 t = time.perf_counter()
                 checkpoint.save(cfg.checkpoint.dir, step, policy.model, policy.optimizer, policy.scheduler,
                                 {"weight_version": version, "data_position": prompts.state_dict()},
-                                keep=cfg.checkpoint.keep, model_info=policy.write_model_info)
+                                keep=cfg.checkpoint.keep, model_info=policy.write_model_info,
+                                async_save=cfg.checkpoint.async_save)
                 metrics["time/checkpoint"] = time.perf_counter() - t
+            # An asynchronous save becomes `latest` once every rank has written it (the last one: before returning).
+            checkpoint.finalize_saves(blocking=step == cfg.train.steps)
             metrics["time/step"] = time.perf_counter() - start
             tokens = int(batch["loss_mask"].sum()) + int(sum(len(s.prompt_ids) for s in rollout.samples))
             metrics["tokens_per_s"] = tokens / metrics["time/step"]

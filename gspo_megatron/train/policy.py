@@ -52,6 +52,7 @@ def build_policy(cfg: Config, hf_dir: str | Path) -> Policy:
 
     from gspo_megatron.model.bridge import Bridge
     from gspo_megatron.model.hf_config import read_hf_config
+    from gspo_megatron.train import performance
 
     spec = read_hf_config(Path(hf_dir) / "config.json")
     dtype = DTYPES[cfg.model.dtype]
@@ -63,9 +64,11 @@ def build_policy(cfg: Config, hf_dir: str | Path) -> Policy:
     model = _starting_model(cfg, hf_dir, spec, bridge, dtype, routing_replay=records_routing)
     model.config.finalize_model_grads_func = finalize_model_grads
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=cfg.parallel.distributed_optimizer
+        grad_reduce_in_fp32=True, use_distributed_optimizer=cfg.parallel.distributed_optimizer,
+        **performance.ddp_config_fields(cfg),
     )
     ddp = DistributedDataParallel(model.config, ddp_config, model)
+    performance.wire_ddp(ddp)
     o = cfg.optimizer
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
@@ -98,7 +101,7 @@ def build_reference(cfg: Config, policy: Policy) -> torch.nn.Module:
 def _starting_model(cfg: Config, hf_dir, spec, bridge, dtype, routing_replay: bool) -> torch.nn.Module:
     """This rank's GPTModel with the run's starting weights."""
     from gspo_megatron.model.provider import build_gpt_model
-    from gspo_megatron.train.recompute import transformer_config_fields
+    from gspo_megatron.train import performance, recompute
 
     model = build_gpt_model(
         spec, layout_of(cfg), dtype=dtype, padded_vocab_size=bridge.padded_vocab_size,
@@ -106,7 +109,8 @@ def _starting_model(cfg: Config, hf_dir, spec, bridge, dtype, routing_replay: bo
         calculate_per_token_loss=True,
         moe_enable_routing_replay=routing_replay,
         grouped_gemm=cfg.model.grouped_gemm,
-        **transformer_config_fields(cfg),
+        **recompute.transformer_config_fields(cfg),
+        **performance.transformer_config_fields(cfg, is_moe=spec.is_moe),
     )
     if cfg.model.megatron_checkpoint:
         from gspo_megatron.model.checkpoint import load_weights

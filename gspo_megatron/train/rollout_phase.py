@@ -2,7 +2,8 @@
 
 Rank 0 owns the rollout engine (SGLang servers or the local engine). It samples G responses per prompt,
 scores them and broadcasts the samples and rewards; every rank then builds the same token-aligned batch.
-Weight sync is collective: every rank walks the bridge's export (it gathers over TP/EP), rank 0 sends.
+Weight sync is collective: to SGLang servers each pipeline stage's first rank sends its stage, gathered onto it
+from its replica's shards; for the local engine (or disk sync) every stage's tensors reach rank 0.
 Whenever the other ranks wait for rank 0's work alone (the engine's start, a rollout, an eval, the servers'
 side of a weight sync) they wait in the control group (``parallel.control``: gloo, with
 ``distributed.control_timeout_s``), never in an NCCL collective whose watchdog would abort a long rollout.
@@ -188,10 +189,92 @@ def pipeline_gathered(bridge, model):
 def sync_weights(policy, engine, version: int) -> dict:
     """Send the policy's weights to the engine as ``version`` (collective over all ranks).
 
-    Rank 0 talks to the servers before the first tensor (forming the sync group, beginning the update) and after
-    the last (ending it, checking the served version); the others wait for both in the control group. In between
-    they wait in the export's gathers only while rank 0 sends one bucket (``distributed.timeout_s``)."""
+    To SGLang servers by distributed broadcast: one sender per pipeline stage (its first rank:
+    ``Bridge.export_to_sender``), each in its own group with the servers; only the ranks holding shards of a sender's
+    replica gather (to it), the other data-parallel replicas wait. Rank 0 opens the update before any sender sends
+    and closes it after the last, then checks the served version. Otherwise (the local engine, disk sync) every
+    stage's tensors reach rank 0 (``pipeline_gathered``), which hands them to the engine. The ranks wait for rank
+    0's solo work in the control group; inside the export they wait in gathers while their sender sends one bucket
+    (``distributed.timeout_s``)."""
+    from gspo_megatron.train.performance import params_current
+
     start = time.perf_counter()
+    params_current(policy.model)  # under overlap_param_gather the last step's all-gather is still to come
+    target = control.broadcast_from_rank0(_stage_sync_target(engine) if dist.get_rank() == 0 else None)
+    if target is None:
+        metrics = _sync_through_rank0(policy, engine, version)
+    else:
+        metrics = _sync_from_stage_senders(policy, engine, version, target)
+    metrics["time/weight_sync"] = time.perf_counter() - start
+    return metrics
+
+
+def _stage_sync_target(engine):
+    """The servers' ``SyncTarget`` when the engine takes distributed updates from several senders, else None."""
+    from gspo_megatron.rollout import SGLangEngine
+
+    if isinstance(engine, SGLangEngine) and engine.config.weight_sync.method == "distributed":
+        return engine.sync_target()
+    return None
+
+
+_stage_senders: dict = {}  # this process's sender (its group with the servers), per servers' target
+
+
+def _stage_sender(target):
+    from gspo_megatron import environment
+
+    key = (target.urls, target.backend)
+    sender = _stage_senders.get(key)
+    if sender is not None and sender.broken:
+        sender.close()
+        sender = None
+    if sender is None:
+        sender = _stage_senders[key] = target.connect(environment.device(), tag=f"_r{dist.get_rank()}")
+    return sender
+
+
+def _sync_from_stage_senders(policy, engine, version, target) -> dict:
+    from gspo_megatron.model.bridge import is_stage_sender
+    from gspo_megatron.rollout import SyncStats
+    from gspo_megatron.rollout.weight_sync import consume
+
+    rank0 = dist.get_rank() == 0
+    start = time.perf_counter()
+    sender = None
+    if rank0:
+        assert is_stage_sender(), "global rank 0 must be the first pipeline stage's sender"
+        sender = engine.begin_distributed_update(str(version))
+    elif is_stage_sender():
+        sender = _stage_sender(target)  # formed with the servers on first use (rank 0 opens the update meanwhile)
+    control.barrier()  # the update is open on every server before any sender sends
+    begun = time.perf_counter()
+    exported = policy.bridge.export_to_sender(policy.model)
+    if sender is not None:
+        stats = sender.send_buckets(exported, target.config)
+        sent = (stats.seconds, stats.num_tensors, stats.num_bytes, stats.num_buckets, stats.phases)
+    else:
+        consume(exported)  # this rank's shards go to its sender (or, in another replica, nothing to do)
+        sent = None
+    parts = [p for p in control.all_gather(sent) if p is not None]
+    metrics = {}
+    if rank0:
+        # Phases of the slowest sender (the one the update waited for), and the whole update's bytes and time.
+        slowest = max(parts, key=lambda p: p[0])
+        phases = {"begin": begun - start, "send": time.perf_counter() - begun, **slowest[4]}
+        t = time.perf_counter()
+        totals = (sum(p[1] for p in parts), sum(p[2] for p in parts), sum(p[3] for p in parts))
+        engine.end_distributed_update(str(version), SyncStats("distributed", str(version), t - start, *totals, phases))
+        phases["end"] = time.perf_counter() - t
+        stats = SyncStats("distributed", str(version), time.perf_counter() - start, *totals, phases)
+        metrics = {f"weight_sync/{k.split('/')[-1]}": v for k, v in stats.metrics().items()}
+        metrics["weight_sync/senders"] = float(len(parts))
+    control.barrier()
+    return metrics
+
+
+def _sync_through_rank0(policy, engine, version) -> dict:
+    """Every stage's tensors to rank 0, which gives them to the engine (the local engine, disk sync)."""
     tensors = _after_control_barrier(pipeline_gathered(policy.bridge, policy.model))
     if dist.get_rank() == 0:
         stats = engine.update_weights(tensors, str(version))  # pulls the first tensor once the servers are ready
@@ -201,7 +284,6 @@ def sync_weights(policy, engine, version: int) -> dict:
             pass
         metrics = {}
     control.barrier()
-    metrics["time/weight_sync"] = time.perf_counter() - start
     return metrics
 
 

@@ -8,6 +8,7 @@ from gspo_megatron.algo import AGGREGATIONS, KL_ESTIMATORS
 from gspo_megatron.environment import transformer_engine_available
 from gspo_megatron.train.config import Config, ConfigError
 from gspo_megatron.train.policy_step import ALGORITHMS
+from gspo_megatron.train.performance import check_performance
 from gspo_megatron.train.recompute import check_recompute
 
 ENGINES = ("sglang", "local")
@@ -138,6 +139,7 @@ def validate(cfg: Config, world_size: int, hf: dict | None = None) -> None:
     if hf is not None:
         validate_model(cfg, hf)
     check_recompute(cfg, hf)
+    check_performance(cfg)
     batch = r.prompts_per_step * r.group_size
     _divides(batch, a.minibatches, "rollout.prompts_per_step*group_size", "algo.minibatches")
     _divides(batch // a.minibatches, dp * cfg.parallel.micro_batch_size, "sequences per minibatch",

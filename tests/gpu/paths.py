@@ -12,7 +12,8 @@ Runs on whatever ``environment.device()`` is: the GPU test runs it once on the G
   devices), the updated weights exported through the bridge;
 - the same in bf16 (the CUDA dtype users train in): finite, and close to the CPU's bf16;
 - ``score`` (Megatron) on the HF directory, against ``transformers``;
-- with TransformerEngine: the fp32 policy run again with grouped-GEMM experts and with SequentialMLP.
+- with TransformerEngine: the fp32 policy run again with grouped-GEMM experts and with SequentialMLP, and with
+  TE's fusions (``performance``: permutation, RoPE) on and off.
 Where every tensor lives is recorded too (parameters, what the passes return).
 """
 
@@ -23,6 +24,7 @@ import sys
 import torch
 
 VOCAB, SEQ, SEQUENCES, MICRO = 128, 16, 8, 2
+TE_FUSIONS = ("moe_permute_fusion", "apply_rope_fusion")
 
 
 def rollout() -> dict:
@@ -62,7 +64,9 @@ def policy_run(hf_dir: str, dtype: str, overrides: tuple[str, ...] = ()) -> dict
     batch["old_logprobs"] = passes["logprobs"].cpu() + noise
     out = update_step(policy.model, policy.optimizer, micro_batches(batch), AlgoConfig())
     end = _exported(policy)
+    config = policy.model.config
     return {
+        "fusions": {k: getattr(config, k) for k in TE_FUSIONS + ("bias_activation_fusion", "bias_dropout_fusion")},
         "expert_params": sorted(n for n, _ in policy.model.named_parameters() if ".mlp.experts." in n),
         "param_devices": sorted({p.device.type for p in policy.model.parameters()}),
         "pass_devices": sorted({t.device.type for t in passes.values()}),
@@ -102,6 +106,8 @@ def main(hf_dir: str, out: str) -> None:
     if environment.transformer_engine_available():  # the grouped-GEMM experts (TEGroupedMLP) against SequentialMLP
         results["grouped"] = {grouped: policy_run(hf_dir, "float32", (f"model.grouped_gemm={grouped}",))
                               for grouped in ("true", "false")}
+        results["te_fusions"] = {on: policy_run(hf_dir, "float32", tuple(f"performance.{f}={on}" for f in TE_FUSIONS))
+                                 for on in ("true", "false")}
     torch.save(results, out)
     groups.destroy()
 

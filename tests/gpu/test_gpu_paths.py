@@ -9,7 +9,9 @@ megatron-core patched for the CPU as in every other test). Compared (fp32, TF32 
 - bf16 (the non-distributed optimizer, whose fp32 master copies are made from the parameters where they are):
   a finite, successful step, loss within 5% of the CPU's bf16;
 - ``score``: Megatron equal to ``transformers`` (1e-4 relative) on each device;
-- with TransformerEngine: grouped-GEMM experts (TEGroupedMLP) give SequentialMLP's fp32 passes and step.
+- with TransformerEngine: grouped-GEMM experts (TEGroupedMLP) give SequentialMLP's fp32 passes and step, and so
+  do TE's fused permutation and RoPE (``performance``) against the unfused ones;
+- the fusions that default to on under CUDA (torch.compile'd SwiGLU and residual add) are on in the GPU run.
 Then the trainer itself for two steps on the GPU (local engine, NCCL world of one).
 
 Skipped without CUDA. ``GSPO_GPU_TESTS_ON_CPU=1`` runs the harness with both sides on the CPU, to check it
@@ -101,6 +103,24 @@ def test_grouped_gemm_experts_step_equals_sequential(runs):
     assert rel(grouped["grad_norm"], sequential["grad_norm"]) <= 1e-4
     scale = max(step.abs().max().item() for step in sequential["step"].values())
     diff = max((grouped["step"][k] - sequential["step"][k]).abs().max().item() for k in sequential["step"])
+    assert diff <= 1e-3 * scale, (diff, scale)
+
+
+def test_te_fusions_step_equals_unfused(runs):
+    """With TE: moe_permute_fusion and apply_rope_fusion reach megatron and change the fp32 step by rounding only."""
+    device, cpu = runs
+    if not ON_CPU:  # null resolves to on under CUDA for the torch.compile'd fusions
+        assert device["fp32"]["fusions"]["bias_activation_fusion"] and device["fp32"]["fusions"]["bias_dropout_fusion"]
+    assert not cpu["fp32"]["fusions"]["bias_activation_fusion"]
+    if "te_fusions" not in device:
+        pytest.skip("TransformerEngine is not installed here: no fused permutation or RoPE to run")
+    fused, unfused = device["te_fusions"]["true"], device["te_fusions"]["false"]
+    assert fused["fusions"]["moe_permute_fusion"] and fused["fusions"]["apply_rope_fusion"]
+    assert not unfused["fusions"]["moe_permute_fusion"] and not unfused["fusions"]["apply_rope_fusion"]
+    assert (fused["logprobs"] - unfused["logprobs"]).abs().max() <= 1e-4
+    assert rel(fused["loss"], unfused["loss"]) <= 1e-4 and rel(fused["grad_norm"], unfused["grad_norm"]) <= 1e-4
+    scale = max(step.abs().max().item() for step in unfused["step"].values())
+    diff = max((fused["step"][k] - unfused["step"][k]).abs().max().item() for k in unfused["step"])
     assert diff <= 1e-3 * scale, (diff, scale)
 
 

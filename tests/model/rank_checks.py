@@ -102,7 +102,29 @@ def bridge_case(hf_dir: str, layout: Layout, source: str = "dir", control: bool 
     result["exported"] = [name for name, _ in exported]
     result["not_bitwise"] = [name for name, tensor in exported if not hf_tiny.same_bits(tensor, files.read(name))]
     result["export_names_match"] = bridge.export_names(model) == result["exported"]
+    result.update(_export_to_sender(bridge, model, files))
     return result
+
+
+def _export_to_sender(bridge, model, files) -> dict:
+    """The weight-sync export: what this rank yields, bit for bit, and which collectives it took part in."""
+    from gspo_megatron.model.bridge import is_stage_sender
+
+    calls = {"gather": 0, "all_gather": 0}
+
+    def counting(name):
+        real = getattr(torch.distributed, name)
+
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return real(*args, **kwargs)
+        return call
+
+    with mock.patch.object(torch.distributed, "gather", counting("gather")), \
+            mock.patch.object(torch.distributed, "all_gather", counting("all_gather")):
+        sent = list(bridge.export_to_sender(model))
+    return {"sender": is_stage_sender(), "to_sender": [name for name, _ in sent], "to_sender_collectives": calls,
+            "to_sender_not_bitwise": [n for n, t in sent if not hf_tiny.same_bits(t, files.read(n))]}
 
 
 def bridge_cases(hf_models: dict) -> list:

@@ -7,6 +7,8 @@ bridge, run the forward through Megatron's schedule and compare the (TP-gathered
 EP=2 and TP=2 x EP=2 with expert-TP=1 (MoE). On every rank the bridge's export reproduces each HF tensor
 bit for bit, and the stages' exports together are the whole checkpoint. A control loads q/k/v in a plain
 (not per-group) layout and must *fail* the tolerance, so the comparison can tell layouts apart.
+The weight-sync export (``export_to_sender``) yields the same tensors bit for bit on each pipeline stage's first
+rank only, through gathers (never all-gathers) that only the ranks holding the sender's shards join.
 (Cases: ``rank_checks.bridge_cases``.)
 """
 
@@ -38,11 +40,29 @@ def test_megatron_logits_equal_transformers_and_export_is_bitwise(variant, hf_mo
             assert not r["not_bitwise"], f"{kind} rank {rank}: export differs for {r['not_bitwise']}"
             assert r["export_names_match"], f"{kind} rank {rank}: export_names() disagrees with the export"
             assert len(r["exported"]) == len(set(r["exported"])), f"{kind} rank {rank}: a tensor exported twice"
+        _check_export_to_sender(kind, per_rank, variant in hf_tiny.MOE_VARIANTS)
         exported = [set(r["exported"]) for r in per_rank]
         if kind == "pp2":  # each stage its own tensors; together the whole checkpoint
             assert exported[0].isdisjoint(exported[1]) and exported[0] | exported[1] == all_names, kind
         else:  # TP / EP / DP: every rank yields the whole (gathered) checkpoint
             assert all(e == all_names for e in exported), kind
+
+
+# Which of the two ranks gathers to rank 0 in each layout (rank 1's role).
+RANK1_JOINS_GATHERS = {"tp1_dict": False, "tp2": True, "pp2": False, "ep2": "moe", "tp2_ep2_etp1": True}
+
+
+def _check_export_to_sender(kind, per_rank, moe):
+    senders = [r["sender"] for r in per_rank]
+    assert senders == ([True, True] if kind == "pp2" else [True, False]), (kind, senders)
+    for rank, r in enumerate(per_rank):
+        where = f"{kind} rank {rank}"
+        assert r["to_sender"] == (r["exported"] if r["sender"] else []), where
+        assert not r["to_sender_not_bitwise"], where
+        assert r["to_sender_collectives"]["all_gather"] == 0, where
+    joins = RANK1_JOINS_GATHERS[kind]
+    joins = moe if joins == "moe" else joins  # EP=2: rank 1 sends its experts, not its dense replica
+    assert (per_rank[1]["to_sender_collectives"]["gather"] > 0) == joins, (kind, per_rank[1]["to_sender_collectives"])
 
 
 @pytest.mark.parametrize("variant", list(hf_tiny.VARIANTS))

@@ -5,6 +5,8 @@ rank 0 attaches an SGLangEngine to the server. Rank 0's rollouts are broadcast t
 rank scores its share with ``logprob_pass`` (the fused op inside Megatron's schedule), then one GSPO
 ``update_step``, a distributed weight sync from ``Bridge.export_hf_weights`` (every rank iterates it: it
 all-gathers the experts over EP; rank 0 sends), and the same comparison on a fresh rollout; then the same for a ``LocalEngine`` fed the export.
+``stage_senders_sync``: the trainer's own sync (``rollout_phase.sync_weights``: one sender per pipeline stage, each
+gathering its stage from the ranks that hold its shards) from the loop's policy under PP=2 x EP=2.
 """
 
 from __future__ import annotations
@@ -106,6 +108,44 @@ def bridge_sync(model_dir: str, server_url: str, version: str) -> dict:
         samples, batch = _rollout(local, seed=22)
         out["local_versions"] = sorted({s.weight_version for s in samples})
         out["local"], _ = _mismatch(ddp, _my_share(batch))
+    finally:
+        if engine is not None:
+            engine.close()
+    return out
+
+
+def stage_senders_sync(model_dir: str, server_url: str, version: str) -> dict:
+    """The loop's policy (``build_policy``) under this launch's layout: log-probs against SGLang's before, after
+    the weights move (stale) and after ``rollout_phase.sync_weights``; rank 0 returns the sync's metrics."""
+    import zlib
+
+    from gspo_megatron.rollout import SGLangConfig, SGLangEngine
+    from gspo_megatron.train import rollout_phase
+    from gspo_megatron.train.config import load_config
+    from gspo_megatron.train.policy import build_policy
+
+    from megatron.core import parallel_state as ps
+
+    rank = torch.distributed.get_rank()
+    cfg = load_config(None, ["data.task=reverse", f"model.hf_dir={model_dir}", "parallel.distributed_optimizer=false",
+                             f"parallel.pipeline={ps.get_pipeline_model_parallel_world_size()}",
+                             f"parallel.expert={ps.get_expert_model_parallel_world_size()}"])
+    policy = build_policy(cfg, model_dir)
+    engine = SGLangEngine(SGLangConfig(urls=(server_url,), device="cpu", request_timeout_s=120)) if rank == 0 else None
+    out = {}
+    try:
+        _, batch = _rollout(engine, seed=30)
+        out["before"], _ = _mismatch(policy.model, _my_share(batch))
+        # New weights, the same on data-parallel replicas: each parameter scaled by noise seeded by its local name.
+        with torch.no_grad():
+            for name, param in policy.model.named_parameters():
+                noise = torch.randn(param.shape, generator=torch.Generator().manual_seed(zlib.crc32(name.encode())))
+                param.mul_(1 + 0.2 * noise)
+        out["stale"], _ = _mismatch(policy.model, _my_share(batch))
+        out["sync"] = rollout_phase.sync_weights(policy, engine, version)
+        samples, batch = _rollout(engine, seed=31)
+        out["versions"] = sorted({s.weight_version for s in samples})
+        out["after"], _ = _mismatch(policy.model, _my_share(batch))
     finally:
         if engine is not None:
             engine.close()

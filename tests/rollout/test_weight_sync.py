@@ -3,6 +3,7 @@ log-probs equal the trainer's again (fp32: <= 1e-3 per token) and the server rep
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from gspo_megatron.rollout import SamplingParams, WeightSyncConfig, flatten, logprob_mismatch, samples_to_batch
@@ -57,6 +58,7 @@ def _update_and_check(engine, trainer, method, version, record_property):
     record_property(f"mismatch_after_{method}", after)
     print(f"{method} sync {stats.seconds:.3f} s; mismatch before {before} after {after}")
     assert after["mismatch/token_max_abs"] <= TOLERANCE, after
+    return stats
 
 
 def test_distributed_sync_after_update(engine, trainer, record_property):
@@ -67,12 +69,18 @@ def test_disk_sync_after_update(engine, trainer, record_property):
     _update_and_check(engine, trainer, "disk", "step-2", record_property)
 
 
-def test_distributed_sync_in_small_buckets(engine, trainer, record_property, monkeypatch):
-    """16 KiB buckets: many flattened buckets, and tensors larger than a bucket sent on their own."""
+@pytest.mark.parametrize("flatten", [True, False])
+def test_distributed_sync_in_small_buckets(engine, trainer, record_property, monkeypatch, flatten):
+    """16 KiB buckets: many buckets, each exported and packed (into alternating buffers when flattened) while the
+    previous one is on the wire, and tensors larger than a bucket sent on their own."""
     sizes = [t.numel() * 4 for _, t in hf_weights.checkpoint_tensors(trainer.model)]
     assert max(sizes) > 16384 > min(sizes)
-    monkeypatch.setattr(engine, "config", _with_sync(engine.config, WeightSyncConfig(bucket_bytes=16384)))
-    _update_and_check(engine, trainer, "distributed", "step-3", record_property)
+    sync = WeightSyncConfig(bucket_bytes=16384, flatten=flatten)
+    monkeypatch.setattr(engine, "config", _with_sync(engine.config, sync))
+    stats = _update_and_check(engine, trainer, "distributed", f"step-3-{flatten}", record_property)
+    assert stats.num_buckets > 10
+    assert 0 <= stats.phases["wait"] <= stats.phases["transfer"]
+    assert stats.phases["overlap"] == pytest.approx(stats.phases["transfer"] - stats.phases["wait"])
 
 
 def _with_sync(config, sync):
@@ -82,8 +90,6 @@ def _with_sync(config, sync):
 
 
 def test_same_version_twice_is_refused(engine, trainer):
-    import pytest
-
     from gspo_megatron.rollout import WeightSyncError
 
     with pytest.raises(WeightSyncError, match="already served"):
@@ -99,3 +105,18 @@ def test_buckets_bound_bytes_and_keep_one_dtype():
     # Cast to bf16 before sending: sizes count the sent dtype (a+b+c = 1000 B fit one bucket then).
     out = [[n for n, _ in b] for b in buckets(iter(tensors), bucket_bytes=1024, dtype=torch.bfloat16)]
     assert out == [["a", "b", "c", "d"], ["e"], ["f"]]
+
+
+def test_a_sender_on_another_host_is_reached_at_its_own_name():
+    """``rollout.weight_sync_address`` names rank 0's host; a pipeline stage's sender elsewhere keeps its own name."""
+    import socket
+
+    from gspo_megatron.rollout.weight_sync import SyncTarget
+
+    remote = ("http://10.0.0.5:30000",)
+    here = SyncTarget(remote, (8,), WeightSyncConfig(master_address="10.0.0.1"), "nccl", host=socket.gethostname())
+    assert here.address() == "10.0.0.1"
+    elsewhere = SyncTarget(remote, (8,), WeightSyncConfig(master_address="10.0.0.1"), "nccl", host="rank0-node")
+    assert elsewhere.address() == socket.getfqdn()
+    local = SyncTarget(("http://127.0.0.1:30000",), (1,), WeightSyncConfig(), "gloo", host="rank0-node")
+    assert local.address() == "127.0.0.1"

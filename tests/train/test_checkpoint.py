@@ -2,8 +2,9 @@
 
 Two optimizer steps uninterrupted vs step 1, save, rebuild everything from scratch (as a new process
 would), load, step 2: the weights must be bit-identical (torch.equal), at world=1 and at EP=2 with the
-distributed optimizer. A process SIGKILLed in the middle of a save leaves the previous checkpoint as
-``latest`` and loadable.
+distributed optimizer. The same with an asynchronous save that training runs past (step 2 changes the weights
+while the background writer writes step 1's), finalized afterwards. A process SIGKILLed in the middle of a save
+leaves the previous checkpoint as ``latest`` and loadable.
 """
 
 from __future__ import annotations
@@ -82,6 +83,39 @@ def _resume_equals_uninterrupted(ckpt_dir: str, distributed_optimizer: bool):
         "identical": all(torch.equal(resumed[k], uninterrupted[k]) for k in uninterrupted),
         "moved": any(not torch.equal(resumed[k], v) for k, v in _weights(_build(distributed_optimizer)[0]).items()),
     }
+
+
+def _async_save_then_resume(ckpt_dir: str, distributed_optimizer: bool):
+    """Step 1, an asynchronous save, step 2 while it is written; then a new process loads step 1 and redoes step 2."""
+    from pathlib import Path
+
+    torch.manual_seed(5)
+    model, optimizer, scheduler = _build(distributed_optimizer)
+    _step(model, optimizer, scheduler, 1)
+    checkpoint.save(ckpt_dir, 1, model, optimizer, scheduler, {"data_position": 8, "weight_version": 1},
+                    async_save=True)
+    pending = {"latest": checkpoint.latest(ckpt_dir), "tmp": (Path(ckpt_dir) / "step_000001.tmp").is_dir()}
+    _step(model, optimizer, scheduler, 2)  # training goes on while the writer writes step 1's state
+    uninterrupted = _weights(model)
+    checkpoint.finalize_saves(blocking=True)
+
+    torch.manual_seed(999)
+    model, optimizer, scheduler = _build(distributed_optimizer)
+    state = checkpoint.load(checkpoint.latest(ckpt_dir), model, optimizer, scheduler)
+    _step(model, optimizer, scheduler, 2)
+    resumed = _weights(model)
+    return {"pending": pending, "state": state,
+            "identical": all(torch.equal(resumed[k], uninterrupted[k]) for k in uninterrupted)}
+
+
+@pytest.mark.parametrize("world, layout, distributed_optimizer", [(1, Layout(), False), (2, Layout(expert=2), True)])
+def test_async_save_resumes_exactly(tmp_path, world, layout, distributed_optimizer):
+    results = run_on_ranks(_async_save_then_resume, world, layout, str(tmp_path), distributed_optimizer)
+    for r in results:
+        assert r["pending"] == {"latest": None, "tmp": True}, r  # not `latest` before every rank has written it
+        assert r["identical"], r
+        assert r["state"] == {"data_position": 8, "weight_version": 1, "step": 1, "has_optimizer_state": True}
+    assert (tmp_path / "latest").read_text() == "step_000001" and not (tmp_path / "step_000001.tmp").exists()
 
 
 def test_resume_is_exact_world1(tmp_path):

@@ -1,4 +1,5 @@
-"""The trainer end to end (local engine, world=1): metrics, plots, checkpoints, and exact resume after SIGKILL.
+"""The trainer end to end (local engine, world=1): metrics, plots, checkpoints, and exact resume after SIGKILL
+(the uninterrupted run saves asynchronously, the resumed one synchronously: the final weights are bit-identical).
 
 The SGLang path of the same loop is tested in tests/rollout (server on loopback) and by the CPU example.
 """
@@ -54,7 +55,7 @@ def _final_weights(*checkpoints: str) -> list[dict]:
 
 def test_train_logs_plots_and_resumes_exactly(tmp_path):
     uninterrupted = tmp_path / "a"
-    _train(uninterrupted, 3)
+    _train(uninterrupted, 3, "checkpoint.async_save=true")  # the resumed run below saves synchronously
     records = [json.loads(line) for line in (uninterrupted / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
     for key in ("reward_mean", "clip_frac", "seq_ratio_min", "seq_ratio_max", "approx_kl", "logprob_diff_max",
