@@ -70,7 +70,7 @@ def _params(model) -> torch.Tensor:
 def run_cases(hf_dir: str) -> dict:
     """Each setting on this rank: what reached megatron, two update steps, the parameters after them."""
     from gspo_megatron.model.hidden_output import unwrap
-    from gspo_megatron.train import loop
+    from gspo_megatron.train import update_phase
     from gspo_megatron.train.bootstrap import algo_config
     from gspo_megatron.train.memory_probe import synthetic_rollout
     from gspo_megatron.train.policy import build_policy
@@ -90,12 +90,12 @@ def run_cases(hf_dir: str) -> dict:
         reached.update(overlap_grad_reduce=ddp.overlap_grad_reduce, overlap_param_gather=ddp.overlap_param_gather,
                        no_sync_func=gpt.config.no_sync_func is not None,
                        dispatcher=type(gpt.decoder.layers[0].mlp.token_dispatcher).__name__)
-        rows = loop._row_plan(batch["input_ids"].shape[0], cfg)
+        rows = update_phase.row_plan(batch["input_ids"].shape[0], cfg)
         batch["old_logprobs"] = batch["rollout_logprobs"]
         start = _params(policy.model)
         steps = []
         for minibatch in rows:
-            out = update_step(policy.model, policy.optimizer, loop._micro_batches(batch, minibatch, cfg), algo)
+            out = update_step(policy.model, policy.optimizer, update_phase.micro_batches(batch, minibatch, cfg), algo)
             steps.append((float(out["loss"]), out["grad_norm"], bool(out["update_successful"])))
         before = _params(policy.model)
         performance.params_current(policy.model)
