@@ -48,21 +48,6 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    """A tiny Qwen3-MoE: layer 0 routed experts (4, top-2), layer 1 a dense MLP."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    config = Qwen3MoeConfig(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                            num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1],
-                            tie_word_embeddings=False, max_position_embeddings=256, initializer_range=0.1)
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("performance_model")
-    Qwen3MoeForCausalLM(config).to(torch.float32).save_pretrained(path)
-    return str(path)
-
-
 def _params(model) -> torch.Tensor:
     return torch.cat([p.detach().flatten().clone() for p in model.parameters()])
 
@@ -109,8 +94,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
-def test_settings_reach_megatron_and_leave_the_step_unchanged(hf_dir):
-    per_rank = run_on_ranks(run_cases, 2, Layout(expert=2), hf_dir)
+def test_settings_reach_megatron_and_leave_the_step_unchanged(moe_then_dense_dir):
+    per_rank = run_on_ranks(run_cases, 2, Layout(expert=2), moe_then_dense_dir)
     for rank, results in enumerate(per_rank):
         for name, _, reference in CASES:
             got = results[name]

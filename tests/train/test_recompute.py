@@ -32,21 +32,6 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    """A tiny Qwen3-MoE: layer 0 routed experts (4, top-2), layer 1 a dense MLP."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    config = Qwen3MoeConfig(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                            num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1],
-                            tie_word_embeddings=False, max_position_embeddings=256, initializer_range=0.1)
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("recompute_model")
-    Qwen3MoeForCausalLM(config).to(torch.float32).save_pretrained(path)
-    return str(path)
-
-
 def run_cases(hf_dir: str, layout_overrides: list[str]) -> dict:
     """Each recompute setting on this rank: what reached the model, saved bytes after the forward, the step."""
     from gspo_megatron.model.hidden_output import unwrap
@@ -121,9 +106,10 @@ def test_recompute_fields():
         "recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 2}
 
 
-def test_recompute_equals_no_recompute_world1(hf_dir):
-    _check(run_on_ranks(run_cases, 1, Layout(), hf_dir, []))
+def test_recompute_equals_no_recompute_world1(moe_then_dense_dir):
+    _check(run_on_ranks(run_cases, 1, Layout(), moe_then_dense_dir, []))
 
 
-def test_recompute_equals_no_recompute_tp2(hf_dir):
-    _check(run_on_ranks(run_cases, 2, Layout(tensor=2, sequence_parallel=True), hf_dir, ["parallel.tensor=2"]))
+def test_recompute_equals_no_recompute_tp2(moe_then_dense_dir):
+    layout = Layout(tensor=2, sequence_parallel=True)
+    _check(run_on_ranks(run_cases, 2, layout, moe_then_dense_dir, ["parallel.tensor=2"]))
