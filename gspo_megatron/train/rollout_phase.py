@@ -41,6 +41,8 @@ def _engine(cfg: Config, hf_dir: str | Path, tokenizer):
         return LocalEngine(model, tokenizer, seed=cfg.train.seed, version="0")
     server_args = dict(cfg.rollout.server_args)
     server_args.setdefault("seed", cfg.train.seed)
+    if cfg.algo.replays_rollout_routing:  # the servers return the experts they routed every token to
+        server_args["return_routed_experts"] = True
     config = SGLangConfig(
         model_path=str(hf_dir),
         urls=tuple(cfg.rollout.urls),
