@@ -170,12 +170,11 @@ def measure_training_memory(cfg, hf_dir: str, seq_len: int, update_steps: int = 
     from gspo_megatron.train.policy_step import update_step
 
     algo = algo_config(cfg)
-    hf = read_hf_config(Path(hf_dir) / "config.json")
-    batch = synthetic_rollout(cfg, hf.vocab_size, seq_len)
+    spec = read_hf_config(Path(hf_dir) / "config.json")
+    batch = synthetic_rollout(cfg, spec.vocab_size, seq_len)
     if cfg.algo.replays_rollout_routing:  # the engine's experts: k distinct random ones per token and layer
-        experts = getattr(hf, "num_experts", None) or hf.num_local_experts
-        shape = batch["input_ids"].shape + (hf.num_hidden_layers, experts)
-        batch["rollout_routing"] = torch.rand(shape).argsort(dim=-1)[..., :hf.num_experts_per_tok].to(torch.int16)
+        shape = batch["input_ids"].shape + (spec.num_layers, spec.num_experts)
+        batch["rollout_routing"] = torch.rand(shape).argsort(dim=-1)[..., :spec.moe_topk].to(torch.int16)
     out: dict = {"update_peaks": []}
     with peak_memory() as mem:
         policy = build_policy(cfg, hf_dir)
