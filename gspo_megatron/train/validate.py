@@ -124,10 +124,6 @@ def validate(cfg: Config, world_size: int, hf: dict | None = None) -> None:
     if a.routing_replay not in (False, True, "rollout"):
         raise ConfigError(f"algo.routing_replay={a.routing_replay!r} is not one of false, true (or old: replay the "
                           "old policy's experts), rollout (replay the experts the rollout engine routed to)")
-    if a.replays_rollout_routing and r.engine != "sglang":
-        raise ConfigError(f"algo.routing_replay=rollout needs rollout.engine=sglang (rollout.engine={r.engine!r} "
-                          "does not return the experts it routed to); use algo.routing_replay=true (the old "
-                          "policy's experts) with the local engine")
     if a.replays_rollout_routing and r.server_args.get("return_routed_experts") is False:
         raise ConfigError("algo.routing_replay=rollout needs the servers' routed experts: remove "
                           "rollout.server_args.return_routed_experts=false")

@@ -72,8 +72,6 @@ def test_bad_fields_are_named(overrides, message):
         (["algo.name=grpo", "algo.routing_replay=true", "recompute.granularity=selective", "recompute.modules=[moe]"], 1, None,
          r"algo.routing_replay=true with recompute.granularity='selective' and recompute.modules containing 'moe'"),
         (["algo.routing_replay=sometimes"], 1, None, r"algo.routing_replay='sometimes' is not one of false, true"),
-        (["algo.routing_replay=rollout", "rollout.engine=local"], 1, None,
-         r"algo.routing_replay=rollout needs rollout.engine=sglang \(rollout.engine='local'"),
         (["algo.routing_replay=rollout", "rollout.server_args={return_routed_experts: false}"], 1, None,
          r"remove rollout.server_args.return_routed_experts=false"),
         (["algo.routing_replay=rollout"], 1, dict(QWEN3_30B_A3B, num_experts=0), r"algo.routing_replay=rollout replays MoE "
