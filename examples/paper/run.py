@@ -38,6 +38,9 @@ RUNS = {
                   ["rollout.server_args.dtype=bfloat16", "rollout.reuse_rollout_logprobs=true"]),
     "grpo_bf16": ("GRPO, bf16 rollouts as pi_old",
                   ["algo.name=grpo", "rollout.server_args.dtype=bfloat16", "rollout.reuse_rollout_logprobs=true"]),
+    "grpo_r3_bf16": ("GRPO + R3, bf16 rollouts as pi_old",
+                     ["algo.name=grpo", "algo.routing_replay=rollout", "rollout.server_args.dtype=bfloat16",
+                      "rollout.reuse_rollout_logprobs=true"]),
 }
 
 

@@ -5,6 +5,11 @@ For a sample with prompt p (P tokens) and response r (R tokens), row b holds inp
     loss_mask[b, t]    = P - 1 <= t <= P + R - 2         (labels[b, t] is a response token)
     rollout_logprobs   = the engine's log-prob of labels[b, t] where loss_mask, else 0
 so the log-prob the trainer computes at position t is comparable with the engine's, token for token.
+
+Samples with routed experts (rollout routing replay) add rollout_routing [B, S, layers, top-k] int16: row t is the
+experts the engine routed input_ids[b, t] to, for t <= P + R - 2 (every position whose label is a token). The last
+token and the padding were never routed by the engine; they get experts 0..k-1 (any valid choice: causal
+attention keeps them from the positions that count, and no loss is taken there).
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ def samples_to_batch(samples: Sequence[Sample], pad_id: int = 0, pad_to_multiple
         if R:
             loss_mask[b, P - 1:P + R - 1] = True
             logprobs[b, P - 1:P + R - 1] = s.logprobs_tensor()
-    return {
+    out = {
         "input_ids": input_ids,
         "labels": labels,
         "loss_mask": loss_mask,
@@ -47,3 +52,20 @@ def samples_to_batch(samples: Sequence[Sample], pad_id: int = 0, pad_to_multiple
         "prompt_lengths": torch.tensor([len(s.prompt_ids) for s in samples], dtype=torch.long),
         "response_lengths": torch.tensor([len(s.response_ids) for s in samples], dtype=torch.long),
     }
+    if any(s.routed_experts is not None for s in samples):
+        out["rollout_routing"] = routing_batch(samples, S)
+    return out
+
+
+def routing_batch(samples: Sequence[Sample], S: int) -> torch.Tensor:
+    """The samples' routed experts as rollout_routing [B, S, layers, top-k] int16 (see the module docstring)."""
+    shapes = {tuple(s.routed_experts.shape[1:]) for s in samples if s.routed_experts is not None}
+    missing = [s.name for s in samples if s.routed_experts is None]
+    if missing or len(shapes) != 1:
+        raise ValueError(f"rollout routing: every sample needs routed experts of one [layers, top-k] shape; "
+                         f"missing for {missing[:4]}, shapes {sorted(shapes)}")
+    layers, topk = shapes.pop()
+    routing = torch.arange(topk, dtype=torch.int16).expand(len(samples), S, layers, topk).clone()
+    for b, s in enumerate(samples):
+        routing[b, :s.routed_experts.shape[0]] = s.routed_experts
+    return routing

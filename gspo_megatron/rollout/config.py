@@ -81,6 +81,9 @@ class SGLangConfig:
     # OMP_NUM_THREADS of a CPU server (None: torch's default, all cores). 1 suits tiny models on a machine the
     # trainer shares: torch's intra-op threads spin-wait, and oversubscribed they make small ops ~50x slower.
     cpu_threads: int | None = None
+    # Rollout routing replay: every sample carries the experts the server routed each token to. Launched servers
+    # get --enable-return-routed-experts; attached ones must have been started with it.
+    return_routed_experts: bool = False
     extra_args: tuple[str, ...] = ()  # passed to sglang.launch_server verbatim
     log_dir: str | None = None  # server logs; None: a temporary directory
     startup_timeout_s: float = 300.0

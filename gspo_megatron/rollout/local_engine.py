@@ -4,11 +4,16 @@
 The weights come from the trainer like a server's do: ``update_weights`` takes the ``(hf_name, tensor)`` pairs
 of the bridge's export (or ``hf_weights.checkpoint_tensors``) and rebuilds the model from them. Log-probs follow
 SGLang's convention: log softmax(logits / temperature) of the sampled token, before top-k / top-p / min-p.
+With ``return_routed_experts`` each sample carries the experts the model's routers chose for every token but the
+last, as SGLang's ``--enable-return-routed-experts`` does ([P + R - 1, num_hidden_layers, top-k]; a dense layer's
+rows are 0..k-1): forward hooks on transformers' ``*TopKRouter`` modules, which return (logits, weights, experts).
 """
 
 from __future__ import annotations
 
+import re
 import time
+from contextlib import contextmanager
 from typing import Sequence
 
 import torch
@@ -37,8 +42,9 @@ class LocalEngine:
     """``generate`` / ``update_weights`` / ``weight_version`` on an in-process transformers causal LM."""
 
     def __init__(self, model: torch.nn.Module, tokenizer=None, eos_token_ids: Sequence[int] | None = None,
-                 seed: int = 0, version: str = "default"):
+                 seed: int = 0, version: str = "default", return_routed_experts: bool = False):
         self.model = model.eval()
+        self.return_routed_experts = return_routed_experts
         self.tokenizer = tokenizer
         if eos_token_ids is None:
             eos = getattr(model.config, "eos_token_id", None)
@@ -72,13 +78,53 @@ class LocalEngine:
         prompts = check_prompts(prompts, n)
         groups = []
         for i, prompt in enumerate(prompts):
-            rows = self._sample(prompt, n, sampling)
+            with self._routes() as routes:
+                rows = self._sample(prompt, n, sampling)
             samples = []
             for s, (ids, logprobs, finish) in enumerate(rows):
                 text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else None
-                samples.append(Sample(list(prompt), ids, logprobs, finish, self._version, i, s, text))
+                routed = None
+                if routes is not None:  # [n, tokens fed, L, k]: this sample's rows for every token but its last
+                    routed = torch.cat(routes, dim=1)[s, :len(prompt) + len(ids) - 1].to(torch.int16)
+                samples.append(Sample(list(prompt), ids, logprobs, finish, self._version, i, s, text, routed))
             groups.append(Group(i, list(prompt), samples))
         return groups
+
+    @contextmanager
+    def _routes(self):
+        """While open, each forward of the model appends its experts [n, t, L, k] (t tokens per row) to the yielded
+        list (None without ``return_routed_experts``)."""
+        if not self.return_routed_experts:
+            yield None
+            return
+        config = getattr(self.model.config, "text_config", self.model.config)
+        layers, topk = config.num_hidden_layers, config.num_experts_per_tok
+        routers = [(int(re.search(r"layers\.(\d+)\.", name).group(1)), module)
+                   for name, module in self.model.named_modules() if type(module).__name__.endswith("TopKRouter")]
+        if not routers:
+            raise ValueError(f"LocalEngine(return_routed_experts=True): {type(self.model).__name__} has no "
+                             "transformers *TopKRouter modules to capture the experts from")
+        routes: list[torch.Tensor] = []
+        step: dict[int, torch.Tensor] = {}
+
+        def hook(layer):
+            def capture(_module, _inputs, output):
+                step[layer] = output[2].detach().cpu()  # [rows * t, k], row-major
+                if len(step) == len(routers):  # the forward's last router: one [n, t, L, k] block
+                    n = self._rows
+                    block = torch.arange(topk).expand(step[layer].shape[0], layers, topk).clone()
+                    for index, experts in step.items():
+                        block[:, index] = experts
+                    routes.append(block.view(n, -1, layers, topk))
+                    step.clear()
+            return capture
+
+        handles = [module.register_forward_hook(hook(layer)) for layer, module in routers]
+        try:
+            yield routes
+        finally:
+            for handle in handles:
+                handle.remove()
 
     def _sample(self, prompt: list[int], n: int, sampling: SamplingParams):
         """n responses to one prompt, sampled together (same prompt length: no padding, one KV cache)."""
@@ -89,6 +135,7 @@ class LocalEngine:
         if sampling.seed is not None:
             generator = torch.Generator(device=device).manual_seed(sampling.seed)
         ids = torch.tensor([prompt] * n, dtype=torch.long, device=device)
+        self._rows = n
         out = self.model(input_ids=ids, use_cache=True)
         tokens = [[] for _ in range(n)]
         logprobs = [[] for _ in range(n)]

@@ -48,6 +48,8 @@ def launch_command(config: SGLangConfig, port: int, gpus: list[int]) -> list[str
         cmd += ["--tp-size", str(len(gpus)), "--nccl-port", str(free_port())]
     if config.sleep_on_idle if config.sleep_on_idle is not None else config.device == "cpu":
         cmd.append("--sleep-on-idle")
+    if config.return_routed_experts:
+        cmd.append("--enable-return-routed-experts")
     for flag, value in (("--max-total-tokens", config.max_total_tokens),
                         ("--max-running-requests", config.max_running_requests),
                         ("--mem-fraction-static", config.mem_fraction_static),

@@ -78,6 +78,7 @@ class SGLangEngine:
             raise
         self.model_path = config.model_path or info[0]["model_path"]
         self._version = self._agreed_version(info)
+        self._routed_shape = routed_experts_shape(self.model_path) if config.return_routed_experts else None
 
     def _wait_healthy(self, url: str) -> None:
         """GET /health_generate until 200. A server still starting answers 503: wait for it up to
@@ -188,8 +189,10 @@ class SGLangEngine:
     def _generate_chunk(self, url: str, start: int, prompts: list[list[int]], n: int, sampling: SamplingParams,
                         cancelled: threading.Event) -> list[Sample]:
         body = {"input_ids": prompts, "sampling_params": sampling.to_sglang(n), "return_logprob": True}
+        if self._routed_shape is not None:
+            body["return_routed_experts"] = True
         answer = self._clients[url].post("/generate", body, cancelled=cancelled)
-        return parse_generate(answer, prompts, n, start, url)
+        return parse_generate(answer, prompts, n, start, url, self._routed_shape)
 
     # ---- weights --------------------------------------------------------------------------------------------
 
@@ -289,9 +292,48 @@ class SGLangEngine:
         return self._disk_dir
 
 
-def parse_generate(answer, prompts: list[list[int]], n: int, start: int, url: str) -> list[Sample]:
+def routed_experts_shape(model_path: str) -> tuple[int, int]:
+    """(layers, top-k) of the routed experts SGLang returns for the model in ``model_path`` (a local Hugging Face
+    directory: its config.json's num_hidden_layers and num_experts_per_tok, of the text config if nested)."""
+    import json
+
+    path = Path(model_path) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"sglang.return_routed_experts needs the model's config.json to decode the routes: "
+                         f"{path} does not exist (set sglang.model_path to a local copy of the served model)")
+    config = json.loads(path.read_text())
+    config = config.get("text_config", config)
+    if not config.get("num_experts_per_tok"):
+        raise ValueError(f"sglang.return_routed_experts: {path} has no num_experts_per_tok: not an MoE model")
+    return int(config["num_hidden_layers"]), int(config["num_experts_per_tok"])
+
+
+def decode_routed_experts(meta: dict, tokens: int, shape: tuple[int, int], where: str) -> torch.Tensor:
+    """meta_info["routed_experts"] (base64 of int32 [tokens, layers, top-k]: the prompt's and the response's
+    tokens but the last) -> int16 [tokens, layers, top-k]; any other length is an error naming the sample."""
+    import base64
+
+    import numpy as np
+
+    encoded = meta.get("routed_experts")
+    if not encoded:
+        raise BadResponse(f"{where}: the answer has no routed_experts: start the server with "
+                          "--enable-return-routed-experts (rollout routing replay needs the experts it routed to)")
+    ids = np.frombuffer(base64.b64decode(encoded), dtype=np.int32)
+    layers, topk = shape
+    if ids.size != tokens * layers * topk:
+        raise BadResponse(f"{where}: routed_experts holds {ids.size} expert ids, expected {tokens} tokens (prompt + "
+                          f"response - 1) x {layers} layers x top-{topk} = {tokens * layers * topk}")
+    if ids.size and (ids.min() < 0 or ids.max() > torch.iinfo(torch.int16).max):
+        raise BadResponse(f"{where}: routed_experts has expert ids outside [0, 32767]: {ids.min()}..{ids.max()}")
+    return torch.from_numpy(ids.astype(np.int16)).view(tokens, layers, topk)
+
+
+def parse_generate(answer, prompts: list[list[int]], n: int, start: int, url: str,
+                   routed_shape: tuple[int, int] | None = None) -> list[Sample]:
     """SGLang's /generate answer for ``prompts`` x n samples (prompt-major) as Samples; every count, order and
-    length is checked, and an aborted sample is an error, never a silently short group."""
+    length is checked, and an aborted sample is an error, never a silently short group. With ``routed_shape``
+    (layers, top-k), each sample carries its routed experts."""
     items = answer if isinstance(answer, list) else [answer]
     if len(items) != len(prompts) * n:
         raise BadResponse(f"{url}: /generate returned {len(items)} samples for {len(prompts)} prompts x n={n}")
@@ -316,6 +358,9 @@ def parse_generate(answer, prompts: list[list[int]], n: int, start: int, url: st
             raise BadResponse(f"{where}: output_token_logprobs ({len(token_logprobs)}) do not match output_ids "
                               f"({len(output_ids)})")
         logprobs = [float(t[0]) for t in token_logprobs]
+        routed = None
+        if routed_shape is not None:
+            routed = decode_routed_experts(meta, len(prompts[p]) + len(output_ids) - 1, routed_shape, where)
         samples.append(Sample(prompts[p], output_ids, logprobs, kind, str(meta.get("weight_version")), start + p, s,
-                              item.get("text")))
+                              item.get("text"), routed))
     return samples

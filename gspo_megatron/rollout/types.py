@@ -75,8 +75,19 @@ class Sample:
     prompt_index: int = 0  # position of the prompt in the generate() call
     sample_index: int = 0  # 0..n-1 within its group
     text: str | None = None  # the decoded response, when the engine has a tokenizer
+    # The experts the engine routed each token to (rollout routing replay): [P + R - 1, layers, top-k] int16, row t
+    # for the token at position t of prompt + response (the last token is never forwarded: it has no row).
+    routed_experts: torch.Tensor | None = None
 
     def __post_init__(self):
+        if self.routed_experts is not None:
+            expected = len(self.prompt_ids) + len(self.response_ids) - 1
+            if self.routed_experts.dim() != 3 or self.routed_experts.shape[0] != expected:
+                raise ValueError(
+                    f"sample (prompt {self.prompt_index}, sample {self.sample_index}): routed experts of shape "
+                    f"{tuple(self.routed_experts.shape)}, expected [{expected}, layers, top-k] (prompt "
+                    f"{len(self.prompt_ids)} + response {len(self.response_ids)} tokens - 1)"
+                )
         if len(self.logprobs) != len(self.response_ids):
             raise ValueError(
                 f"sample (prompt {self.prompt_index}, sample {self.sample_index}): {len(self.response_ids)} "

@@ -163,8 +163,10 @@ class AlgoSection:
     """Where per-token advantages come from (gspo_token, grpo): sequence (A_i on every token; GSPO-token then equals
     GSPO) or segments (``data.segment_reward``'s per-segment rewards, group-normalised, summed over the segments at
     and after each token: DeepSeekMath's process supervision)."""
-    routing_replay: bool = False
-    """GRPO + Routing Replay: replay the old policy's experts in the update pass (MoE)."""
+    routing_replay: bool | str = False
+    """MoE routing replay. true (or old): GRPO + Routing Replay, the old-policy pass records its experts and the
+    update replays them. rollout (R3): the SGLang engine returns the experts it routed every token to (prompt and
+    response) and the old-policy pass and the update both replay them. false: the routers choose freely."""
     kl_coef: float = 0.0
     """KL penalty against a frozen reference (the starting weights); GSPO uses none. > 0 adds a reference pass."""
     kl_estimator: str = "k3"
@@ -177,6 +179,20 @@ class AlgoSection:
     matmuls, ops.sequence_loss); false: the log-prob op, then the loss (four: its backward recomputes the logits)."""
     minibatches: int = 4
     """Optimizer steps per rollout batch (the paper uses 4)."""
+
+    def __post_init__(self):
+        if isinstance(self.routing_replay, str) and self.routing_replay.lower() in ("old", "rollout"):
+            self.routing_replay = True if self.routing_replay.lower() == "old" else "rollout"
+
+    @property
+    def replays_old_routing(self) -> bool:
+        """GRPO + Routing Replay: the old-policy pass records the experts the update replays."""
+        return self.routing_replay is True
+
+    @property
+    def replays_rollout_routing(self) -> bool:
+        """Rollout routing replay (R3): both passes replay the experts the engine routed to."""
+        return self.routing_replay == "rollout"
 
 
 @dataclass
@@ -289,9 +305,15 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
     origin = typing.get_origin(annotation)
     args = typing.get_args(annotation)
     if origin is typing.Union or (origin is not None and type(None) in args):
-        if value is None:
+        if value is None and type(None) in args:
             return None
-        annotation = next(a for a in args if a is not type(None))
+        choices = [a for a in args if a is not type(None)]
+        for choice in choices[:-1]:  # bool | str: true/false as a bool, anything else as a string
+            try:
+                return _coerce(value, choice, where)
+            except ConfigError:
+                pass
+        annotation = choices[-1]
         origin = typing.get_origin(annotation)
     if annotation is bool:
         if isinstance(value, bool):

@@ -60,7 +60,8 @@ def train(cfg: Config, resume: bool = False) -> dict:
             batch["loss_mask"] &= rollout.reward_valid.unsqueeze(1)  # and the loss
 
             rows = update_phase.row_plan(batch["input_ids"].shape[0], cfg)
-            # pi_old: recomputed (recording routing for Routing Replay / expert volatility), or the rollout's
+            # pi_old: recomputed (recording routing for Routing Replay / expert volatility, replaying the engine's
+            # experts under rollout routing replay), or the rollout's
             routing = update_phase.old_logprobs(policy, batch, rows, cfg, algo, metrics)
             if reference is not None:
                 update_phase.reference_logprobs(reference, batch, rows, cfg, algo, metrics)

@@ -170,7 +170,11 @@ def measure_training_memory(cfg, hf_dir: str, seq_len: int, update_steps: int = 
     from gspo_megatron.train.policy_step import update_step
 
     algo = algo_config(cfg)
-    batch = synthetic_rollout(cfg, read_hf_config(Path(hf_dir) / "config.json").vocab_size, seq_len)
+    spec = read_hf_config(Path(hf_dir) / "config.json")
+    batch = synthetic_rollout(cfg, spec.vocab_size, seq_len)
+    if cfg.algo.replays_rollout_routing:  # the engine's experts: k distinct random ones per token and layer
+        shape = batch["input_ids"].shape + (spec.num_layers, spec.num_experts)
+        batch["rollout_routing"] = torch.rand(shape).argsort(dim=-1)[..., :spec.moe_topk].to(torch.int16)
     out: dict = {"update_peaks": []}
     with peak_memory() as mem:
         policy = build_policy(cfg, hf_dir)

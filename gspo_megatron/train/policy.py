@@ -60,7 +60,7 @@ def build_policy(cfg: Config, hf_dir: str | Path) -> Policy:
     from gspo_megatron.train.update_phase import measures_volatility
 
     # Routers record (or replay) their experts through megatron's RouterReplay only when built for it.
-    records_routing = cfg.algo.routing_replay or measures_volatility(cfg, spec)
+    records_routing = bool(cfg.algo.routing_replay) or measures_volatility(cfg, spec)
     model = _starting_model(cfg, hf_dir, spec, bridge, dtype, routing_replay=records_routing)
     model.config.finalize_model_grads_func = finalize_model_grads
     ddp_config = DistributedDataParallelConfig(

@@ -241,6 +241,41 @@ def _replay(routing: torch.Tensor) -> None:
     _set_routing_action("REPLAY_FORWARD")
 
 
+def _router_layers(model) -> tuple[list[int], bool]:
+    """The global (0-based) layer index of each of this rank's routers, in RouterReplay's order (construction
+    order: layer order), so a pipeline stage picks its layers out of a whole model's routes; and whether they see
+    a sequence-parallel share of the tokens."""
+    found = getattr(model, "_gspo_router_layers", None)
+    if found is None:
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
+        found = ([r.layer_number - 1 for r in routers], bool(routers) and routers[0].config.sequence_parallel)
+        model._gspo_router_layers = found
+    return found
+
+
+def rank_routing(model, routing: torch.Tensor) -> torch.Tensor:
+    """Routes of every layer of the whole sequence (rollout routing replay) -> what this rank's routers see.
+
+    ``routing`` [b, s_cp, L, k] is the micro batch's ``rollout_routing`` after the context-parallel split
+    (``batch_for_model``); the result [b, L_local, s_local, k] is what ``_recorded_routing`` would have recorded:
+    this pipeline stage's MoE layers, and under sequence parallelism this TP rank's contiguous 1/tp of the tokens.
+    """
+    layers, sequence_parallel = _router_layers(model)
+    if layers and max(layers) >= routing.shape[2]:
+        raise ValueError(f"rollout routing has {routing.shape[2]} layers but the model routes at layer "
+                         f"{max(layers)}: the engine serves a different model than the trainer's")
+    local = routing[:, :, layers]  # [b, s_cp, L_local, k]
+    _, _, ps = _groups()
+    tp = ps.get_tensor_model_parallel_world_size()
+    if tp > 1 and sequence_parallel:
+        s_local = local.shape[1] // tp
+        rank = ps.get_tensor_model_parallel_rank()
+        local = local[:, rank * s_local:(rank + 1) * s_local]
+    return local.transpose(1, 2)
+
+
 def _end_routing_replay() -> None:
     RouterReplay, _ = _router_replay()
     RouterReplay.clear_global_router_replay_action()
@@ -290,6 +325,8 @@ def policy_forward_step(algo_config: AlgoConfig):
         batch = batch_for_model(next(data_iterator))
         if "routing" in batch:
             _replay(batch["routing"])
+        elif "rollout_routing" in batch:
+            _replay(rank_routing(model, batch["rollout_routing"]))
         output, captured = _forward(model, batch)
         if "old_routing" in batch:  # recorded by this forward (update_step set RECORD): expert volatility
             new = _recorded_routing(batch["input_ids"].shape[0])
@@ -320,8 +357,9 @@ def _run_schedule(model, forward_step, micro_batches: list[dict], forward_only: 
 def update_step(model, optimizer, micro_batches: list[dict], algo_config: AlgoConfig) -> dict:
     """One optimizer step on one minibatch (its share on this data-parallel rank, as micro batches).
 
-    Micro batches may carry ``routing`` (replayed: GRPO + Routing Replay) or ``old_routing`` [b, L_local, s_local,
-    k] (the old policy's experts, compared with the experts this forward chooses: expert volatility).
+    Micro batches may carry ``routing`` (replayed: GRPO + Routing Replay), ``rollout_routing`` [b, S, L, k] (the
+    engine's experts of every layer, replayed: rollout routing replay) or ``old_routing`` [b, L_local, s_local, k]
+    (the old policy's experts, compared with the experts this forward chooses: expert volatility).
 
     Returns, on every rank (CPU tensors): ``loss`` (the minibatch's mean loss per unit, over all DP ranks),
     ``stats`` [N, len(algo.SEQUENCE_STATS)] for every sequence of the minibatch (gathered over DP ranks in
@@ -340,7 +378,7 @@ def update_step(model, optimizer, micro_batches: list[dict], algo_config: AlgoCo
     try:
         results = _run_schedule(model, forward_step, micro_batches, forward_only=False)
     finally:
-        if "routing" in micro_batches[0] or volatility:
+        if "routing" in micro_batches[0] or "rollout_routing" in micro_batches[0] or volatility:
             _end_routing_replay()
     update_successful, grad_norm, _ = optimizer.step()
     summary = None
@@ -392,16 +430,23 @@ def logprob_pass(model, micro_batches: Iterable[dict], temperature: float = 1.0,
     [n, S] of each position's (tempered) distribution. With ``record_routing``, also
     ``routing`` [n, L_local, s_local, k]: the experts this rank's routers chose, to put in the update pass's
     micro batches for Routing Replay (it stays on this rank: the same rank runs those layers in the update).
+    Micro batches with ``rollout_routing`` (the engine's experts) are computed under that routing instead.
     """
     _, _, ps = _groups()
     micro_batches = list(micro_batches)
     routing = []
+    replays = bool(micro_batches) and "rollout_routing" in micro_batches[0]
+    if record_routing and replays:
+        raise ValueError("logprob_pass: record_routing with rollout_routing in the micro batches (the routers "
+                         "replay the engine's experts: there is nothing of their own to record)")
     if record_routing:
         RouterReplay, Action = _router_replay()
         RouterReplay.set_global_router_replay_action(Action.RECORD)
 
     def forward_step(data_iterator, model):
         batch = batch_for_model(next(data_iterator))
+        if replays:
+            _replay(rank_routing(model, batch["rollout_routing"]))
         output, captured = _forward(model, batch)
         if record_routing:
             routing.append(_recorded_routing(batch["input_ids"].shape[0]))
@@ -410,7 +455,7 @@ def logprob_pass(model, micro_batches: Iterable[dict], temperature: float = 1.0,
     try:
         results = _run_schedule(model, forward_step, micro_batches, forward_only=True)
     finally:
-        if record_routing:
+        if record_routing or replays:
             _end_routing_replay()
     out = None
     if ps.is_pipeline_last_stage():

@@ -38,9 +38,12 @@ def _engine(cfg: Config, hf_dir: str | Path, tokenizer):
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
-        return LocalEngine(model, tokenizer, seed=cfg.train.seed, version="0")
+        return LocalEngine(model, tokenizer, seed=cfg.train.seed, version="0",
+                           return_routed_experts=cfg.algo.replays_rollout_routing)
     server_args = dict(cfg.rollout.server_args)
     server_args.setdefault("seed", cfg.train.seed)
+    if cfg.algo.replays_rollout_routing:  # the servers return the experts they routed every token to
+        server_args["return_routed_experts"] = True
     config = SGLangConfig(
         model_path=str(hf_dir),
         urls=tuple(cfg.rollout.urls),

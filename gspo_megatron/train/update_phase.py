@@ -31,11 +31,17 @@ def row_plan(total: int, cfg: Config) -> list[torch.Tensor]:
 
 
 def micro_batches(batch: dict, rows: torch.Tensor, cfg: Config, routing: torch.Tensor | None = None,
-                  routing_key: str = "routing") -> list[dict]:
+                  routing_key: str = "routing", rollout_routing: bool = True) -> list[dict]:
     """``rows`` of the batch as micro batches of ``parallel.micro_batch_size``; ``routing`` (this rank's record for
-    exactly these rows) goes in as ``routing_key``: "routing" (replayed) or "old_routing" (compared)."""
+    exactly these rows) goes in as ``routing_key``: "routing" (replayed) or "old_routing" (compared). With rollout
+    routing replay (and ``rollout_routing``) the batch's ``rollout_routing`` goes in too: the engine's experts."""
     keys = [k for k in ("input_ids", "labels", "loss_mask", "old_logprobs", "ref_logprobs", "advantages")
             if k in batch]
+    if rollout_routing and cfg.algo.replays_rollout_routing:
+        if "rollout_routing" not in batch:
+            raise ValueError("algo.routing_replay=rollout but the rollout batch has no rollout_routing: the "
+                             "engine returned no routed experts")
+        keys.append("rollout_routing")
     size = cfg.parallel.micro_batch_size
     out = []
     for i in range(0, rows.numel(), size):
@@ -65,8 +71,9 @@ def all_rows(local: torch.Tensor, total: int, cfg: Config) -> torch.Tensor:
 
 def runs_old_pass(cfg: Config) -> bool:
     """The trainer recomputes pi_old unless rollout.reuse_rollout_logprobs takes the engine's; Routing Replay needs
-    the pass anyway (it records the experts to replay)."""
-    return not cfg.rollout.reuse_rollout_logprobs or cfg.algo.routing_replay
+    the pass anyway (it records the experts to replay); rollout routing replay does not (the engine's experts
+    come with the rollout)."""
+    return not cfg.rollout.reuse_rollout_logprobs or cfg.algo.replays_old_routing
 
 
 def measures_volatility(cfg: Config, spec) -> bool:
@@ -80,13 +87,14 @@ def old_logprobs(policy, batch: dict, rows: list[torch.Tensor], cfg: Config, alg
                  metrics: dict):
     """pi_old into ``batch["old_logprobs"]``: the trainer's pass over this rank's rows, or the engine's log-probs
     with rollout.reuse_rollout_logprobs (no pass). The pass also gives the policy's entropy and the
-    rollout-vs-trainer mismatch over the whole batch. Returns this rank's recorded routing when Routing Replay
-    (all its rows, in the order of ``rows``) or expert volatility (the second minibatch's rows) needs it, else None."""
+    rollout-vs-trainer mismatch over the whole batch (under rollout routing replay, with the engine's experts
+    replayed). Returns this rank's recorded routing when Routing Replay (all its rows, in the order of ``rows``) or
+    expert volatility (the second minibatch's rows) needs it, else None."""
     if not runs_old_pass(cfg):
         batch["old_logprobs"] = batch["rollout_logprobs"]  # the mismatch is measured by the first update instead
         return None
     total = batch["input_ids"].shape[0]
-    record = cfg.algo.routing_replay or measures_volatility(cfg, policy.spec)
+    record = cfg.algo.replays_old_routing or measures_volatility(cfg, policy.spec)
     t = time.perf_counter()
     trainer = logprob_pass(policy.model, micro_batches(batch, torch.cat(rows), cfg), algo_config.temperature,
                            record_routing=record, with_entropy=True)
@@ -97,7 +105,7 @@ def old_logprobs(policy, batch: dict, rows: list[torch.Tensor], cfg: Config, alg
     metrics["entropy"] = float(all_rows(trainer["entropy"], total, cfg)[mask].mean()) if mask.any() else 0.0
     metrics.update(algo.mismatch_metrics(algo.sequence_stats(trainer_logprobs, batch["rollout_logprobs"], mask)))
     batch["old_logprobs"] = batch["rollout_logprobs"] if cfg.rollout.reuse_rollout_logprobs else trainer_logprobs
-    if record and not cfg.algo.routing_replay:  # volatility compares the second minibatch's rows only
+    if record and not cfg.algo.replays_old_routing:  # volatility compares the second minibatch's rows only
         first = rows[0].numel()
         return trainer["routing"][first:first + rows[1].numel()].clone()
     return trainer.get("routing")
@@ -108,7 +116,8 @@ def reference_logprobs(reference, batch: dict, rows: list[torch.Tensor], cfg: Co
     """The frozen reference's log-probs into ``batch["ref_logprobs"]`` and ``kl_ref``: KL(policy || reference)
     before this step's updates, as the loss estimates it."""
     t = time.perf_counter()
-    ref = logprob_pass(reference, micro_batches(batch, torch.cat(rows), cfg), algo_config.temperature)
+    ref = logprob_pass(reference, micro_batches(batch, torch.cat(rows), cfg, rollout_routing=False),
+                       algo_config.temperature)
     batch["ref_logprobs"] = all_rows(ref["logprobs"], batch["input_ids"].shape[0], cfg)
     metrics["time/ref_logprobs"] = time.perf_counter() - t
     metrics["kl_ref"] = float(kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], batch["loss_mask"],
@@ -118,11 +127,12 @@ def reference_logprobs(reference, batch: dict, rows: list[torch.Tensor], cfg: Co
 def update(policy, batch: dict, rows: list[torch.Tensor], routing, cfg: Config, algo_config: AlgoConfig) -> dict:
     """``algo.minibatches`` optimizer steps over the rollout batch, and their metrics over every sequence of every
     rank (``algo.update_metrics``). ``routing``: this rank's old-policy record (``old_logprobs``), replayed with
-    Routing Replay, else the second minibatch's, compared with its own routing (expert_volatility: after one step)."""
+    Routing Replay, else the second minibatch's, compared with its own routing (expert_volatility: after one step).
+    Under rollout routing replay every micro batch carries the engine's experts instead (``micro_batches``)."""
     losses, norms, stats = [], [], []
     skipped, offset, metrics = 0, 0, {}
     for m, minibatch_rows in enumerate(rows):
-        if cfg.algo.routing_replay:
+        if cfg.algo.replays_old_routing:
             record = routing[offset:offset + minibatch_rows.numel()]
             micro = micro_batches(batch, minibatch_rows, cfg, record, "routing")
         else:  # the second minibatch's forward runs on weights one step past the old policy's

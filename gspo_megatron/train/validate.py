@@ -70,6 +70,9 @@ def validate_model(cfg: Config, hf: dict) -> None:
                               "parallelism under TP; set parallel.sequence_parallel=true")
     elif p.expert > 1:
         raise ConfigError(f"parallel.expert={p.expert} but the model has no experts; set parallel.expert=1")
+    if cfg.algo.routing_replay and not experts:
+        raise ConfigError(f"algo.routing_replay={str(cfg.algo.routing_replay).lower()} replays MoE routing but the "
+                          "model has no experts; set algo.routing_replay=false")
     if hf.get("num_hidden_layers"):
         _divides(hf["num_hidden_layers"], p.pipeline, "num_hidden_layers", "parallel.pipeline")
     if cfg.model.grouped_gemm and not transformer_engine_available():
@@ -118,7 +121,13 @@ def validate(cfg: Config, world_size: int, hf: dict | None = None) -> None:
         if not cfg.data.segment_reward:
             raise ConfigError("algo.token_advantages='segments' needs data.segment_reward (synthetic, or "
                               "module:function returning [(end, reward), ...] per response)")
-    if a.routing_replay and a.name != "grpo":
+    if a.routing_replay not in (False, True, "rollout"):
+        raise ConfigError(f"algo.routing_replay={a.routing_replay!r} is not one of false, true (or old: replay the "
+                          "old policy's experts), rollout (replay the experts the rollout engine routed to)")
+    if a.replays_rollout_routing and r.server_args.get("return_routed_experts") is False:
+        raise ConfigError("algo.routing_replay=rollout needs the servers' routed experts: remove "
+                          "rollout.server_args.return_routed_experts=false")
+    if a.replays_old_routing and a.name != "grpo":
         raise ConfigError(f"algo.routing_replay=true is the GRPO baseline's fix; GSPO does not need it "
                           f"(algo.name={a.name!r}): set algo.name=grpo or algo.routing_replay=false")
     for name in ("kl_coef", "entropy_coef"):

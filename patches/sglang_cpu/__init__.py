@@ -14,6 +14,9 @@ pytorch sampling) needs, in the CPU environment ``tools/install.sh`` builds:
   backend's decode attention loops over the running requests in Python, one SDPA call per request and layer; the
   patch attends every request in one masked SDPA call when sglang imports that backend (34% of a 115M MoE server's
   forward was that loop; 64 x 128-token rollouts 25.8 s -> ~19.6 s, bench/RESULTS.md). Only for sglang 0.5.23.
+- ``sitecustomize`` (``site/_gspo_cpu_host_alloc.py``): host buffers on a CPU device unpinned. Without it a server
+  started with ``--enable-return-routed-experts`` (rollout routing replay) dies at start-up: the routed-experts
+  capture's host cache is pinned and cudaHostRegistered ("Torch not compiled with CUDA enabled").
 
 The stand-ins refuse any sglang other than 0.5.23 when imported. ``server_env`` adds them only when no CUDA device is
 present; on GPUs SGLang is installed normally with its real dependencies and nothing here applies.

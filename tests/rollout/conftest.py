@@ -2,8 +2,8 @@
 last test).
 
 Two servers of the tiny random Qwen3-MoE model (fp32, so train/inference log-probs agree to ~1e-6) are started
-together on first use, so their start-ups (~40 CPU-seconds each) overlap: ``main`` serves the generation and
-weight-sync tests, and is then hung (SIGSTOP) and killed by the failure tests, which are marked
+together on first use, so their start-ups (~40 CPU-seconds each) overlap: ``main`` serves the generation,
+weight-sync and routing-replay tests (it is started with --enable-return-routed-experts), and is then hung (SIGSTOP) and killed by the failure tests, which are marked
 ``destroys_server`` and so run at the end of the session; ``interrupt`` is shut down by the Ctrl-C test.
 
 If sglang is not installed the server tests skip, except under CI=true, where they fail: CI must run them.
@@ -72,7 +72,9 @@ def started_servers(tiny_model_dir, tmp_path_factory):
     started = {}
     try:
         for name in ("main", "interrupt"):
-            started[name] = server_mod.start_servers(replace(config, log_dir=str(log_dir / name)))
+            # main also captures the experts it routes to (rollout routing replay's tests ask for them)
+            extra = ("--enable-return-routed-experts",) if name == "main" else ()
+            started[name] = server_mod.start_servers(replace(config, log_dir=str(log_dir / name), extra_args=extra))
         yield config, started
     finally:
         for servers in started.values():

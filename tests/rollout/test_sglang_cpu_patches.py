@@ -128,7 +128,8 @@ def test_batched_decode_equals_the_per_request_loop():
 
 
 def test_server_processes_get_the_batched_decode(tmp_path):
-    """The site folder's sitecustomize patches sglang's torch_native backend when (and only when) it is imported."""
+    """The site folder's sitecustomize patches sglang's torch_native backend when (and only when) it is imported,
+    and its host-buffer allocator for CPU devices (unpinned: the routed-experts capture's host cache)."""
     import os
     import subprocess
     import sys
@@ -139,6 +140,9 @@ def test_server_processes_get_the_batched_decode(tmp_path):
     env = sglang_cpu.server_env(dict(os.environ), "cpu")
     code = ("import sys; assert 'sglang' not in sys.modules; "
             "from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend as B; "
-            "print(getattr(B._run_sdpa_forward_decode, '_gspo_batched', False))")
+            "print(getattr(B._run_sdpa_forward_decode, '_gspo_batched', False)); "
+            "from sglang.srt.mem_cache.pool_host import common as C; "
+            "print(C.ALLOC_MEMORY_FUNCS['cpu'].__name__, C.ALLOC_MEMORY_FUNCS['cuda'].__name__)")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0 and out.stdout.strip().splitlines()[-1] == "True", out.stderr[-2000:]
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-2:] == ["True", "alloc_unpinned alloc_with_host_register"], out.stdout

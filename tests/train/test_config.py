@@ -71,6 +71,13 @@ def test_bad_fields_are_named(overrides, message):
          r"recompute.num_layers=25 must be in 1..24 \(layers per pipeline stage\)"),
         (["algo.name=grpo", "algo.routing_replay=true", "recompute.granularity=selective", "recompute.modules=[moe]"], 1, None,
          r"algo.routing_replay=true with recompute.granularity='selective' and recompute.modules containing 'moe'"),
+        (["algo.routing_replay=sometimes"], 1, None, r"algo.routing_replay='sometimes' is not one of false, true"),
+        (["algo.routing_replay=rollout", "rollout.server_args={return_routed_experts: false}"], 1, None,
+         r"remove rollout.server_args.return_routed_experts=false"),
+        (["algo.routing_replay=rollout"], 1, dict(QWEN3_30B_A3B, num_experts=0), r"algo.routing_replay=rollout replays MoE "
+         r"routing but the model has no experts"),
+        (["algo.name=grpo", "algo.routing_replay=rollout", "recompute.granularity=full"], 1, None,
+         r"algo.routing_replay=rollout with recompute.granularity='full'"),
         (["algo.token_advantages=turns"], 1, None, r"algo.token_advantages='turns' is not one of"),
         (["algo.token_advantages=segments"], 1, None, r"algo.token_advantages='segments' needs a loss with per-token"),
         (["algo.name=gspo_token", "algo.token_advantages=segments"], 1, None, r"needs data.segment_reward"),
@@ -85,6 +92,15 @@ def test_incompatibilities_name_the_field(overrides, world, hf, message):
 def test_layernorm_recompute_needs_transformer_engine():
     with pytest.raises(ConfigError, match=r"recompute.modules: 'layernorm' needs TransformerEngine"):
         validate(cfg("recompute.granularity=selective", "recompute.modules=[layernorm]"), 1)
+
+
+def test_routing_replay_values():
+    assert cfg("algo.routing_replay=old").algo.routing_replay is True  # an alias of true
+    assert cfg("algo.routing_replay=true").algo.replays_old_routing
+    r3 = cfg("algo.routing_replay=rollout").algo
+    assert r3.routing_replay == "rollout" and r3.replays_rollout_routing and not r3.replays_old_routing
+    assert not cfg().algo.routing_replay
+    validate(cfg("algo.routing_replay=rollout"), 1, QWEN3_30B_A3B)  # with GSPO too: R3 is about the engine's routing
 
 
 def test_no_data_is_named():

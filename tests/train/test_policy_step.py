@@ -49,8 +49,9 @@ ALGORITHMS = {
     "gspo_token": AlgoConfig(name="gspo_token"),  # with per-token advantages
     "grpo_routing_replay": AlgoConfig(name="grpo", **TOKEN_CLIP),  # replays experts recorded under drifted routers
     "gspo_volatility": ALGO,  # records its routing, compared with that record
+    "gspo_rollout_routing": ALGO,  # replays the engine's experts (R3): rollout_routes, whole sequences, every layer
 }
-CP_ALGORITHMS = ("gspo_volatility",)
+CP_ALGORITHMS = ("gspo_volatility", "gspo_rollout_routing")
 # Per-sequence stats: token counts and clip counts are exact; sums of up to 16 fp32 log-ratios / k3 terms.
 STATS_ATOL = 2e-5
 
@@ -97,6 +98,13 @@ def drifted_routing(ddp, rollout: dict, first: int, count: int) -> torch.Tensor:
     return routing
 
 
+def rollout_routes() -> torch.Tensor:
+    """An engine's routes for every row of ``make_rollout`` (rollout routing replay): [N, S, layers, top-k] int16,
+    2 distinct random experts of 4 per token and layer, the same under every layout."""
+    g = torch.Generator().manual_seed(12)
+    return torch.rand(NUM_SEQUENCES, tiny.SEQ, 2, 4, generator=g).argsort(dim=-1)[..., :2].to(torch.int16)
+
+
 def algorithm_steps(ckpt_dir: str, rollout: dict, token_advantages: torch.Tensor, first: int, count: int,
                     names, dispatcher: str = "alltoall", distributed_optimizer: bool = False):
     """Each of ``names`` (ALGORITHMS) as one update step on rows [first, first + count) of the same loaded weights:
@@ -112,6 +120,8 @@ def algorithm_steps(ckpt_dir: str, rollout: dict, token_advantages: torch.Tensor
         for i, mb in enumerate(micro):
             if key:
                 mb[key] = routing[i * MICRO:(i + 1) * MICRO]
+            if name == "gspo_rollout_routing":  # this rank's rows, whole sequences: the forward step splits them
+                mb["rollout_routing"] = rollout_routes()[first + i * MICRO:first + (i + 1) * MICRO]
         out = update_step(ddp, optimizer, micro, ALGORITHMS[name])
         results[name] = (out, tiny.grads_sharded_state_dict(ddp.module))
     return results, ddp, optimizer, routing
@@ -411,6 +421,7 @@ def test_world1_algorithm_properties(tmp_path_factory):
     assert abs(loss["grpo_seq_mean"] - loss["grpo"]) > 1e-3 * abs(loss["grpo"]), loss
     assert abs(loss["gspo_token"] - loss["gspo_volatility"]) > 1e-3 * abs(loss["gspo_volatility"]), loss
     assert abs(loss["grpo_routing_replay"] - loss["grpo"]) > 1e-4 * abs(loss["grpo"]), loss
+    assert abs(loss["gspo_rollout_routing"] - loss["gspo_volatility"]) > 1e-4 * abs(loss["gspo_volatility"]), loss
     # Expert volatility: the update's count equals the record compared by hand with a fresh pass, over every
     # (response-predicting token, layer); the drifted routers changed some decisions, not all.
     volatility = result["volatility"]

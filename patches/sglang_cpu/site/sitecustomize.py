@@ -1,17 +1,40 @@
 """Runs at start-up in every process of a CPU SGLang server (this folder leads its PYTHONPATH, see
-patches/sglang_cpu): installs ``_gspo_batched_decode`` into the ``torch_native`` attention backend when sglang
-imports it. Nothing is imported eagerly; for any sglang but 0.5.23 nothing is patched."""
+patches/sglang_cpu): patches two sglang modules when sglang imports them. Nothing is imported eagerly; for any
+sglang but 0.5.23 nothing is patched.
+
+- ``torch_native_backend``: ``_gspo_batched_decode`` batches the decode attention.
+- ``pool_host.common``: host buffers on a CPU device are plain memory (``_gspo_cpu_host_alloc``): the default
+  allocator pins and cudaHostRegisters them, which fails without CUDA. The routed-experts capture
+  (``--enable-return-routed-experts``, rollout routing replay) allocates its host cache this way.
+"""
 
 import importlib.abc
 import importlib.util
 import sys
 
-_TARGET = "sglang.srt.layers.attention.torch_native_backend"
+
+def _batched_decode(module):
+    import _gspo_batched_decode
+
+    _gspo_batched_decode.install(module.TorchNativeAttnBackend)
+
+
+def _cpu_host_alloc(module):
+    import _gspo_cpu_host_alloc
+
+    _gspo_cpu_host_alloc.install(module)
+
+
+_TARGETS = {
+    "sglang.srt.layers.attention.torch_native_backend": _batched_decode,
+    "sglang.srt.mem_cache.pool_host.common": _cpu_host_alloc,
+}
 
 
 class _PatchAfterImport(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
-        if name != _TARGET:
+        patch = _TARGETS.get(name)
+        if patch is None:
             return None
         sys.meta_path.remove(self)
         try:
@@ -27,9 +50,7 @@ class _PatchAfterImport(importlib.abc.MetaPathFinder):
             from importlib.metadata import version
 
             if version("sglang") == "0.5.23":
-                import _gspo_batched_decode
-
-                _gspo_batched_decode.install(module.TorchNativeAttnBackend)
+                patch(module)
 
         spec.loader.exec_module = exec_and_patch
         return spec
