@@ -219,6 +219,10 @@ class TrainSection:
     steps: int = 100
     eval_every: int = 0
     seed: int = 1234
+    max_consecutive_nonfinite: int = 3
+    """A step whose loss or gradient is NaN/inf on any rank skips that update on every rank (``skipped_updates``) and
+    saves its batch to ``<logging.dir>/nonfinite/``; this many such steps in a row stop the run with NonFiniteError
+    before that step's checkpoint. 0: never stop."""
 
 
 @dataclass

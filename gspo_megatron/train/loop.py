@@ -19,6 +19,7 @@ from gspo_megatron.parallel.context import sequence_multiple
 from gspo_megatron.train import checkpoint, rollout_phase, update_phase
 from gspo_megatron.train.advantages import advantages
 from gspo_megatron.train.config import Config
+from gspo_megatron.train.faults import NonFiniteGuard
 from gspo_megatron.train.policy import build_policy, build_reference, layout_of
 from gspo_megatron.train.bootstrap import algo_config, load_prompts, prepare_model_dir, reward_function
 
@@ -48,6 +49,7 @@ def train(cfg: Config, resume: bool = False) -> dict:
     progress = Progress(cfg.train.steps, start=step, enabled=rank0)
     seq_multiple = sequence_multiple(cfg.parallel.tensor, cfg.parallel.context, cfg.parallel.sequence_parallel)
     metrics: dict = {}
+    nonfinite = NonFiniteGuard(cfg.train.max_consecutive_nonfinite, cfg.logging.dir, rank0)
     try:
         while step < cfg.train.steps:
             step += 1
@@ -66,8 +68,9 @@ def train(cfg: Config, resume: bool = False) -> dict:
                 update_phase.reference_logprobs(reference, batch, rows, cfg, algo, metrics)
 
             t = time.perf_counter()
-            metrics.update(update_phase.update(policy, batch, rows, routing, cfg, algo))
+            metrics.update(update_phase.update(policy, batch, rows, routing, cfg, algo))  # NaN/inf: skipped
             metrics["time/update"] = time.perf_counter() - t
+            nonfinite.check(step, batch, metrics)  # saves a skipped step's batch; N in a row stop the run
 
             version += 1
             metrics.update(rollout_phase.sync_weights(policy, engine, version))

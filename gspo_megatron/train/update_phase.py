@@ -129,7 +129,8 @@ def update(policy, batch: dict, rows: list[torch.Tensor], routing, cfg: Config, 
             micro = micro_batches(batch, minibatch_rows, cfg, routing if m == 1 else None, "old_routing")
         offset += minibatch_rows.numel()
         out = update_step(policy.model, policy.optimizer, micro, algo_config)
-        policy.scheduler.step(increment=1)
+        if out["update_successful"]:  # a skipped (non-finite) update leaves the LR schedule too, as megatron does
+            policy.scheduler.step(increment=1)
         losses.append(float(out["loss"]))
         norms.append(out["grad_norm"])
         stats.append(out["stats"])

@@ -133,6 +133,9 @@ def validate(cfg: Config, world_size: int, hf: dict | None = None) -> None:
     for name in ("prompts_per_step", "max_new_tokens", "temperature"):
         _positive(getattr(r, name), f"rollout.{name}")
     _positive(a.minibatches, "algo.minibatches")
+    if cfg.train.max_consecutive_nonfinite < 0:
+        raise ConfigError(f"train.max_consecutive_nonfinite={cfg.train.max_consecutive_nonfinite} must be >= 0 "
+                          "(0: never stop on non-finite steps)")
     _positive(o.lr, "optimizer.lr") if o.lr != 0 else None
     validate_timeouts(cfg)
     dp = validate_layout(cfg, world_size)
