@@ -146,6 +146,10 @@ class RolloutConfig:
     """Extra sglang.launch_server arguments for servers we launch."""
     timeout_s: float = 300.0
     """A rollout request that takes longer fails the step with an error naming the server."""
+    on_truncated: str = "keep"
+    """A response cut at max_new_tokens (finish_reason length; counted as ``responses_truncated``): keep (trained
+    with its reward) or mask (out of the loss and of its group's mean and std, like a failed reward: DAPO's
+    overlong filtering)."""
 
 
 @dataclass
@@ -202,6 +206,9 @@ class DataConfig:
     eval_prompts: str = ""
     skip_malformed: bool = False
     """Skip (and count) malformed JSONL lines instead of stopping at the first with its line number."""
+    long_prompts: str = "error"
+    """A prompt longer than rollout.max_prompt_tokens: error (stop, naming its file and line) or drop (skip it and
+    count it; the count is printed at start). A built-in task's prompts must always fit."""
     reward: str = "math"
     """math, exact_match, synthetic (the built-in tasks' partial-credit score), or module:function."""
     on_reward_error: str = "raise"

@@ -112,6 +112,20 @@ def _segment_rewards(samples, prompts: list[Prompt], cfg: Config, tokenizer):
                           [prompts[s.prompt_index].text for s in samples], tokens, on_error=cfg.data.on_reward_error)
 
 
+def screen_responses(samples, on_truncated: str) -> tuple[torch.Tensor, dict]:
+    """What a step does with degenerate responses -> (kept [N] bool, counts as metrics).
+
+    Cut at max_new_tokens (finish_reason length): trained with its reward (``rollout.on_truncated=keep``), or not
+    kept (``mask``: out of the loss and of its group's mean and std, as a failed reward). Empty (no token: an engine
+    that stopped before the first): kept, its reward counts in its group's statistics, and it has no token to put
+    in the loss (``samples_to_batch`` masks the whole row)."""
+    truncated = torch.tensor([s.finish_reason == "length" for s in samples], dtype=torch.bool)
+    empty = sum(not s.response_ids for s in samples)
+    kept = ~truncated if on_truncated == "mask" else torch.ones_like(truncated)
+    return kept, {"responses_truncated": float(truncated.sum()), "responses_empty": float(empty),
+                  "truncated_masked": float((~kept).sum())}
+
+
 def collect(engine, prompts: list[Prompt], cfg: Config, step: int, tokenizer, reward_fn, pad_multiple: int) -> Rollout:
     """Rank 0 generates and scores, everyone receives: a collective (the others wait in the control group)."""
     from gspo_megatron.rollout import samples_to_batch
@@ -124,10 +138,12 @@ def collect(engine, prompts: list[Prompt], cfg: Config, step: int, tokenizer, re
         if cfg.algo.token_advantages == "segments":
             segments, segments_valid = _segment_rewards(samples, prompts, cfg, tokenizer)
             valid = valid & segments_valid
+        kept, response_metrics = screen_responses(samples, cfg.rollout.on_truncated)
         lengths = [len(s.response_ids) for s in samples]
         metrics = {
             "reward_mean": float(rewards.values[rewards.valid].mean()) if rewards.valid.any() else float("nan"),
             "reward_masked": float((~valid).sum()),
+            **response_metrics,
             "response_length_mean": sum(lengths) / len(lengths),
             "truncated_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
             # Groups whose responses all score the same have zero advantage: no learning signal from them.
@@ -136,7 +152,7 @@ def collect(engine, prompts: list[Prompt], cfg: Config, step: int, tokenizer, re
             "time/rollout": seconds,
             "example": f"{prompts[0].text!r} -> {responses[0]!r}",
         }
-        payload = (samples, rewards.values, valid, metrics, segments)
+        payload = (samples, rewards.values, valid & kept, metrics, segments)
     samples, values, valid, metrics, segments = control.broadcast_from_rank0(payload)
     batch = samples_to_batch(samples, pad_id=0, pad_to_multiple=pad_multiple)
     return Rollout(samples, values, valid, batch, metrics, segments)

@@ -110,6 +110,8 @@ def validate(cfg: Config, world_size: int, hf: dict | None = None) -> None:
     _one_of(r.weight_sync, WEIGHT_SYNCS, "rollout.weight_sync")
     _one_of(o.lr_decay, LR_DECAYS, "optimizer.lr_decay")
     _one_of(cfg.data.on_reward_error, ("raise", "mask"), "data.on_reward_error")
+    _one_of(cfg.data.long_prompts, ("error", "drop"), "data.long_prompts")
+    _one_of(r.on_truncated, ("keep", "mask"), "rollout.on_truncated")
     _one_of(a.token_advantages, TOKEN_ADVANTAGES, "algo.token_advantages")
     if a.token_advantages == "segments":
         if a.name == "gspo":
