@@ -28,9 +28,15 @@ def algo_config(cfg: Config) -> AlgoConfig:
 
 
 def reward_function(cfg: Config):
+    """The reward: in ``data.reward_workers`` worker processes with a time limit per call (started by rank 0's
+    first scoring; the others never score), or with 0 workers the function itself."""
+    from gspo_megatron.rollout.reward_pool import RewardPool
     from gspo_megatron.rollout.rewards import load_reward_fn
 
-    return load_reward_fn(cfg.data.reward)
+    fn = load_reward_fn(cfg.data.reward)  # a bad spec fails here, before anything starts
+    if not cfg.data.reward_workers:
+        return fn
+    return RewardPool(cfg.data.reward, cfg.data.reward_workers, cfg.data.reward_timeout_s)
 
 
 def model_hf_config(cfg: Config) -> dict:

@@ -4,6 +4,7 @@ JSONL records (one per line):
     {"prompt": "What is 2+3?", "answer": "5"}
     {"messages": [{"role": "user", "content": "..."}], "answer": "..."}   (the tokenizer's chat template)
     {"prompt_ids": [1, 2, 3], "answer": "..."}                               (already tokenized)
+    {"prompt": "Write add(a, b).", "tests": ["assert add(1, 2) == 3"]}       (data.reward=code_tests)
 A malformed line stops loading with its file and line number, or is skipped and counted with
 ``data.skip_malformed``. A prompt longer than ``rollout.max_prompt_tokens`` likewise stops loading (file and line),
 or is dropped and counted with ``data.long_prompts=drop``.
@@ -32,7 +33,7 @@ class Prompt:
 def _record_to_prompt(record: Any, tokenizer, where: str) -> Prompt:
     if not isinstance(record, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
-    label = record.get("answer", record.get("label"))
+    label = record.get("answer", record.get("label", record.get("tests")))  # tests: data.reward=code_tests
     if "prompt_ids" in record:
         ids = record["prompt_ids"]
         if not (isinstance(ids, list) and ids and all(isinstance(i, int) and i >= 0 for i in ids)):

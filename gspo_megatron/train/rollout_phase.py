@@ -143,6 +143,8 @@ def collect(engine, prompts: list[Prompt], cfg: Config, step: int, tokenizer, re
         metrics = {
             "reward_mean": float(rewards.values[rewards.valid].mean()) if rewards.valid.any() else float("nan"),
             "reward_masked": float((~valid).sum()),
+            "reward_timeouts": float(rewards.timed_out),
+            "reward_crashes": float(rewards.crashed),
             **response_metrics,
             "response_length_mean": sum(lengths) / len(lengths),
             "truncated_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),

@@ -20,3 +20,17 @@ def returns_text(prompt, response, label):
 
 
 not_callable = 3
+
+
+def misbehaves(prompt, response, label):
+    """Hangs, kills its own process or raises, as the response says (for the reward pool's tests)."""
+    import os
+    import time
+
+    if response == "hang":
+        time.sleep(600)
+    if response == "crash":
+        os._exit(3)
+    if response == "raise":
+        raise KeyError("bad")
+    return len(response) / 10

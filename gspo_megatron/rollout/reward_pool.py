@@ -1,0 +1,151 @@
+"""Reward calls in worker processes, each with a time limit: a reward that hangs or crashes never stalls a step.
+
+    pool = RewardPool("math", workers=2, timeout_s=30)
+    pool.map([(prompt, response, label), ...]) -> [(value, None) or (None, "timed out after 30 s ..."), ...]
+
+Each worker (a spawned process) loads the reward by its spec (``load_reward_fn``: a built-in name or
+``module:function``) and takes one call at a time. A call that runs past ``timeout_s`` gets its worker killed
+(SIGKILL; a sandboxed program it started dies with it) and a fresh worker takes the worker's place; a worker that
+exits mid-call (a segfault, ``os._exit``, the OOM killer) is replaced the same way. Both come back as a problem
+string, which ``rewards.score`` always masks (the response, not the reward's code, is usually what hangs a
+verifier); an exception the function raises comes back as a problem too, handled as ``on_error`` says. Workers
+start on the first ``map`` (only the rank that scores has any) and are daemonic: they end with the trainer.
+The worst case of one ``map`` is ceil(calls / workers) x ``timeout_s``.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from collections import deque
+from multiprocessing.connection import wait
+
+STARTUP_S = 300.0  # a worker's start (spawn, imports, loading the reward)
+
+
+def _serve(spec: str, builtin: str, conn) -> None:
+    """A worker: (index, args) in, (index, value, problem) out, until None or the trainer's end."""
+    import ctypes
+    import signal
+
+    from . import rewards
+
+    # A scheduler's SIGTERM (or Ctrl-C's SIGINT) reaching the whole process group is the trainer's to handle (it
+    # finishes its step, which may still need rewards); a worker dies with the trainer instead (PR_SET_PDEATHSIG).
+    for number in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(number, signal.SIG_IGN)
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)
+
+    try:
+        fn = rewards.load_reward_fn(spec, getattr(rewards, builtin))
+    except BaseException as e:
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+        return
+    conn.send(("ready", None))
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):  # the trainer has gone
+            return
+        if message is None:
+            return
+        index, args = message
+        try:
+            value = fn(*args)
+            value = float(value) if hasattr(value, "__float__") and not isinstance(value, str) else value
+            conn.send((index, value, None))
+        except BaseException as e:  # a user function may raise anything: report it with the sample
+            conn.send((index, None, f"raised {type(e).__name__}: {e}"))
+
+
+class _Worker:
+    def __init__(self, ctx, spec: str, builtin: str):
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_serve, args=(spec, builtin, child), daemon=True)
+        self.process.start()
+        child.close()
+        self.ready = False  # once it has loaded the reward (its imports do not count against a call's limit)
+        self.task: tuple[int, float] | None = None  # (call index, start time)
+
+    def started(self, spec: str) -> None:
+        """Take the worker's first message: ready, or why it could not load the reward."""
+        try:
+            kind, detail = self.conn.recv()
+        except (EOFError, OSError):
+            self.process.join(1)
+            kind, detail = "error", f"its process exited with code {self.process.exitcode}"
+        if kind != "ready":
+            raise ValueError(f"reward {spec!r}: a reward worker could not load it: {detail}")
+        self.ready = True
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.join()
+        self.conn.close()
+
+
+class RewardPool:
+    def __init__(self, spec: str, workers: int, timeout_s: float, builtin: str = "BUILTIN"):
+        if workers < 1 or not timeout_s > 0:
+            raise ValueError(f"RewardPool needs workers >= 1 and timeout_s > 0, got {workers}, {timeout_s}")
+        self.spec, self.builtin, self.size, self.timeout_s = spec, builtin, workers, timeout_s
+        self._ctx = mp.get_context("spawn")
+        self._workers: list[_Worker] = []
+
+    @property
+    def name(self) -> str:
+        return self.spec
+
+    def map(self, calls: list[tuple]) -> list[tuple]:
+        """(value, None) or (None, problem) per call, in order."""
+        while len(self._workers) < self.size:
+            self._workers.append(_Worker(self._ctx, self.spec, self.builtin))
+        pending, results = deque(enumerate(calls)), [None] * len(calls)
+        while pending or any(w.task for w in self._workers):
+            for worker in self._workers:
+                if worker.ready and worker.task is None and pending:
+                    index, args = pending.popleft()
+                    worker.conn.send((index, args))
+                    worker.task = (index, time.monotonic())
+            busy = [w for w in self._workers if w.task]
+            starting = [w for w in self._workers if not w.ready]
+            timeout = min(w.task[1] for w in busy) + self.timeout_s - time.monotonic() if busy else STARTUP_S
+            ready = wait([w.conn for w in busy + starting], timeout=max(0.0, timeout))
+            for worker in starting:
+                if worker.conn in ready:
+                    worker.started(self.spec)
+            if not busy and not ready:
+                raise RuntimeError(f"reward {self.spec!r}: no reward worker started within {STARTUP_S} s")
+            for worker in busy:
+                index, started = worker.task
+                if worker.conn in ready:
+                    try:
+                        got, value, problem = worker.conn.recv()
+                        results[got] = (value, problem)
+                        worker.task = None
+                        continue
+                    except (EOFError, OSError):
+                        worker.process.join(1)
+                        results[index] = (None, f"crashed (its worker process exited with code "
+                                                f"{worker.process.exitcode})")
+                elif time.monotonic() - started >= self.timeout_s:
+                    results[index] = (None, f"timed out after {self.timeout_s:g} s (data.reward_timeout_s)")
+                else:
+                    continue
+                self._replace(worker)
+        return results
+
+    def _replace(self, worker: _Worker) -> None:
+        worker.kill()
+        self._workers[self._workers.index(worker)] = _Worker(self._ctx, self.spec, self.builtin)
+
+    def close(self) -> None:
+        for worker in self._workers:
+            try:
+                worker.conn.send(None)
+            except OSError:
+                pass
+            worker.process.join(5)
+            if worker.process.is_alive():
+                worker.process.kill()
+        self._workers = []
