@@ -3,7 +3,7 @@
     pool = RewardPool("math", workers=2, timeout_s=30)
     pool.map([(prompt, response, label), ...]) -> [(value, None) or (None, "timed out after 30 s ..."), ...]
 
-Each worker (a spawned process) loads the reward by its spec (``load_reward_fn``: a built-in name or
+Each worker (a process forked from multiprocessing's fork server, which imported the rewards once) loads the reward by its spec (``load_reward_fn``: a built-in name or
 ``module:function``) and takes one call at a time. A call that runs past ``timeout_s`` gets its worker killed
 (SIGKILL; a sandboxed program it started dies with it) and a fresh worker takes the worker's place; a worker that
 exits mid-call (a segfault, ``os._exit``, the OOM killer) is replaced the same way. Both come back as a problem
@@ -89,7 +89,10 @@ class RewardPool:
         if workers < 1 or not timeout_s > 0:
             raise ValueError(f"RewardPool needs workers >= 1 and timeout_s > 0, got {workers}, {timeout_s}")
         self.spec, self.builtin, self.size, self.timeout_s = spec, builtin, workers, timeout_s
-        self._ctx = mp.get_context("spawn")
+        # Workers fork from a clean server process that imported the rewards once (a spawned worker would import
+        # torch and the rest again: seconds each, and again for every replacement).
+        self._ctx = mp.get_context("forkserver")
+        self._ctx.set_forkserver_preload(["gspo_megatron.rollout.rewards"])
         self._workers: list[_Worker] = []
 
     @property
