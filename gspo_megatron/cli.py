@@ -21,15 +21,19 @@ def _train(args) -> int:
     cfg = load_config(args.config, args.overrides)
     # The layout against the model's config too, before any process group starts.
     validate(cfg, int(os.environ.get("WORLD_SIZE", "1")), model_hf_config(cfg))
-    from gspo_megatron.train.loop import train
-
     from gspo_megatron.train import preemption
+    from gspo_megatron.train.data import DataError
+    from gspo_megatron.train.faults import NonFiniteError
+    from gspo_megatron.train.loop import train
 
     # SIGTERM / SIGUSR1 (a scheduler's stop): every rank finishes the step, saves it and exits 0 (train.preemption);
     # a second one unwinds at once like Ctrl-C, so the loop's `finally` still stops the SGLang servers it launched.
     preemption.install()
-
-    metrics = train(cfg, resume=args.resume)
+    try:
+        metrics = train(cfg, resume=args.resume)
+    except (DataError, NonFiniteError) as error:  # a prompt file's line, or the run's last steps: named in the message
+        print(f"gspo-megatron train: {type(error).__name__}: {error}", file=sys.stderr)
+        return 1
     if int(os.environ.get("RANK", "0")) == 0:
         if "preempted_at_step" in metrics:
             print(f"gspo-megatron train: stopped by a signal after step {metrics['preempted_at_step']} of "

@@ -3,24 +3,26 @@
     pool = RewardPool("math", workers=2, timeout_s=30)
     pool.map([(prompt, response, label), ...]) -> [(value, None) or (None, "timed out after 30 s ..."), ...]
 
-Each worker (a process forked from multiprocessing's fork server, which imported the rewards once) loads the reward by its spec (``load_reward_fn``: a built-in name or
-``module:function``) and takes one call at a time. A call that runs past ``timeout_s`` gets its worker killed
-(SIGKILL; a sandboxed program it started dies with it) and a fresh worker takes the worker's place; a worker that
-exits mid-call (a segfault, ``os._exit``, the OOM killer) is replaced the same way. Both come back as a problem
-string, which ``rewards.score`` always masks (the response, not the reward's code, is usually what hangs a
-verifier); an exception the function raises comes back as a problem too, handled as ``on_error`` says. Workers
-start on the first ``map`` (only the rank that scores has any) and are daemonic: they end with the trainer.
-The worst case of one ``map`` is ceil(calls / workers) x ``timeout_s``.
+Each worker (a process forked from multiprocessing's fork server, which imported the rewards once) loads the
+reward by its spec (``load_reward_fn``: a built-in name or ``module:function``) and takes one call at a time. A call
+that runs past ``timeout_s`` gets its worker killed (SIGKILL; a sandboxed program it started dies with it) and a
+fresh worker takes the worker's place; a worker that exits mid-call (a segfault, ``os._exit``, the OOM killer) is
+replaced the same way. Both come back as a problem string, which ``rewards.score`` always masks (the response, not
+the reward's code, is usually what hangs a verifier); an exception the function raises comes back as a problem too,
+handled as ``on_error`` says. Workers start on the first ``map`` (only the rank that scores has any), ignore
+SIGTERM/SIGINT/SIGUSR1 (the trainer's to handle: train.preemption) and end with the trainer (``close`` at its exit,
+or PR_SET_PDEATHSIG if it dies). The worst case of one ``map`` is ceil(calls / workers) x ``timeout_s``.
 """
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing as mp
 import time
 from collections import deque
 from multiprocessing.connection import wait
 
-STARTUP_S = 300.0  # a worker's start (spawn, imports, loading the reward)
+STARTUP_S = 300.0  # a worker's start (the fork server's imports, loading the reward)
 
 
 def _serve(spec: str, builtin: str, conn) -> None:
@@ -31,7 +33,8 @@ def _serve(spec: str, builtin: str, conn) -> None:
     from . import rewards
 
     # A scheduler's SIGTERM (or Ctrl-C's SIGINT) reaching the whole process group is the trainer's to handle (it
-    # finishes its step, which may still need rewards); a worker dies with the trainer instead (PR_SET_PDEATHSIG).
+    # finishes its step, which may still need rewards); a worker dies with the trainer instead (PR_SET_PDEATHSIG),
+    # or is killed by ``RewardPool.close`` (at the trainer's exit).
     for number in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
         signal.signal(number, signal.SIG_IGN)
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)
@@ -101,6 +104,9 @@ class RewardPool:
 
     def map(self, calls: list[tuple]) -> list[tuple]:
         """(value, None) or (None, problem) per call, in order."""
+        if not self._workers:
+            # Before multiprocessing's own exit handler, which would SIGTERM the workers (they ignore it) and wait.
+            atexit.register(self.close)
         while len(self._workers) < self.size:
             self._workers.append(_Worker(self._ctx, self.spec, self.builtin))
         pending, results = deque(enumerate(calls)), [None] * len(calls)
@@ -143,12 +149,8 @@ class RewardPool:
         self._workers[self._workers.index(worker)] = _Worker(self._ctx, self.spec, self.builtin)
 
     def close(self) -> None:
+        """Stop the workers (SIGKILL: they ignore SIGTERM, and a call in progress is not worth waiting for)."""
         for worker in self._workers:
-            try:
-                worker.conn.send(None)
-            except OSError:
-                pass
-            worker.process.join(5)
-            if worker.process.is_alive():
-                worker.process.kill()
+            worker.kill()
         self._workers = []
+        atexit.unregister(self.close)

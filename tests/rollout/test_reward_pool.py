@@ -9,6 +9,7 @@ the pool goes on with fresh workers. ``code_tests`` (``rollout.code_tests``, ``r
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 
@@ -102,3 +103,18 @@ def test_sandbox_wall_limit_environment_and_network():
     if result.network_isolated:  # no interface is up, not even loopback
         assert "Network is unreachable" in result.stderr or "Errno 101" in result.stderr, result.stderr
     assert extract_program("a ```py\nx\n``` b ```\ny\n```") == "y\n"
+
+
+def test_a_trainer_that_fails_still_exits():
+    """Workers ignore SIGTERM (a scheduler's is the trainer's to handle), so multiprocessing's exit handler, which
+    SIGTERMs daemonic children and waits, would hang: the pool kills them at exit first."""
+    import subprocess
+    import sys
+
+    code = ("from gspo_megatron.rollout.reward_pool import RewardPool\n"
+            "pool = RewardPool('tests.rollout.user_rewards:misbehaves', workers=2, timeout_s=5)\n"
+            "assert pool.map([('p', 'ab', None)]) == [(0.2, None)]\n"
+            "raise RuntimeError('the trainer fails')\n")
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "the trainer fails" in out.stderr, out.stderr[-2000:]
