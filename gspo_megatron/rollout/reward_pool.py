@@ -23,6 +23,7 @@ from collections import deque
 from multiprocessing.connection import wait
 
 STARTUP_S = 300.0  # a worker's start (the fork server's imports, loading the reward)
+MAX_START_FAILURES = 8  # workers that die before they are ready (each is replaced) before the pool gives up
 
 
 def _serve(spec: str, builtin: str, conn) -> None:
@@ -70,16 +71,17 @@ class _Worker:
         self.ready = False  # once it has loaded the reward (its imports do not count against a call's limit)
         self.task: tuple[int, float] | None = None  # (call index, start time)
 
-    def started(self, spec: str) -> None:
-        """Take the worker's first message: ready, or why it could not load the reward."""
+    def started(self, spec: str) -> bool:
+        """Take the worker's first message: True when ready, False when it died first; a reward it could not load
+        is an error."""
         try:
             kind, detail = self.conn.recv()
         except (EOFError, OSError):
-            self.process.join(1)
-            kind, detail = "error", f"its process exited with code {self.process.exitcode}"
+            return False
         if kind != "ready":
             raise ValueError(f"reward {spec!r}: a reward worker could not load it: {detail}")
         self.ready = True
+        return True
 
     def kill(self) -> None:
         self.process.kill()
@@ -97,6 +99,7 @@ class RewardPool:
         self._ctx = mp.get_context("forkserver")
         self._ctx.set_forkserver_preload(["gspo_megatron.rollout.rewards"])
         self._workers: list[_Worker] = []
+        self._start_failures = 0
 
     @property
     def name(self) -> str:
@@ -114,15 +117,24 @@ class RewardPool:
             for worker in self._workers:
                 if worker.ready and worker.task is None and pending:
                     index, args = pending.popleft()
-                    worker.conn.send((index, args))
+                    try:
+                        worker.conn.send((index, args))
+                    except OSError:  # it died while idle: the call goes to its replacement
+                        pending.appendleft((index, args))
+                        self._replace(worker)
+                        continue
                     worker.task = (index, time.monotonic())
             busy = [w for w in self._workers if w.task]
             starting = [w for w in self._workers if not w.ready]
             timeout = min(w.task[1] for w in busy) + self.timeout_s - time.monotonic() if busy else STARTUP_S
             ready = wait([w.conn for w in busy + starting], timeout=max(0.0, timeout))
             for worker in starting:
-                if worker.conn in ready:
-                    worker.started(self.spec)
+                if worker.conn in ready and not worker.started(self.spec):
+                    self._start_failures += 1
+                    if self._start_failures > MAX_START_FAILURES:
+                        raise RuntimeError(f"reward {self.spec!r}: {self._start_failures} reward workers died while "
+                                           f"starting (last exit code {worker.process.exitcode})")
+                    self._replace(worker)
             if not busy and not ready:
                 raise RuntimeError(f"reward {self.spec!r}: no reward worker started within {STARTUP_S} s")
             for worker in busy:

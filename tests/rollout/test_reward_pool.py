@@ -47,6 +47,11 @@ def test_hanging_and_crashing_rewards_are_masked_counted_and_never_stall():
         assert out.valid.tolist() == [False, True] and out.timed_out == 1
         with pytest.raises(RewardError, match=r"misbehaves raised KeyError: 'bad' for sample prompt 0"):
             score(pool, _samples(1), [None], ["p"], ["raise"], on_error="raise")
+        # A worker that died between calls (the OOM killer, say): its next call goes to a replacement.
+        pool._workers[0].process.kill()
+        pool._workers[0].process.join()
+        assert pool.map([("p", "a", None), ("p", "ab", None), ("p", "abc", None)]) == [(0.1, None), (0.2, None),
+                                                                                       (0.3, None)]
     finally:
         pool.close()
 
