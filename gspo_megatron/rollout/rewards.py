@@ -225,23 +225,29 @@ def _segment_problem(segments, num_tokens: int) -> str | None:
     return None
 
 
-def score_segments(fn: SegmentRewardFn, samples: Sequence[Sample], labels: Sequence[Any],
+def score_segments(fn, samples: Sequence[Sample], labels: Sequence[Any],
                    prompt_texts: Sequence[str], token_texts: Sequence[list], on_error: str = "raise"):
     """Per-segment rewards of every sample: (list of [(end, reward)] per sample, valid [N] bool). A function that
     raises or returns a malformed list is a ``RewardError`` naming the sample, or with ``on_error="mask"`` that
-    sample gets no segments and valid False (the trainer drops it, as ``score`` does)."""
+    sample gets no segments and valid False (the trainer drops it, as ``score`` does). ``fn`` may be a
+    ``RewardPool`` (``builtin="BUILTIN_SEGMENTS"``): a call that timed out or crashed is masked, as in ``score``."""
+    from .reward_pool import RewardPool
+
     if on_error not in ("raise", "mask"):
         raise ValueError(f"reward on_error={on_error!r} must be 'raise' or 'mask'")
+    calls = [(prompt, list(tokens), label) for prompt, tokens, label in zip(prompt_texts, token_texts, labels)]
+    if isinstance(fn, RewardPool):
+        outcomes, name = fn.map(calls), fn.name
+    else:
+        outcomes, name = [_call(fn, *call) for call in calls], _name(fn)
     out, valid = [], []
-    for sample, label, prompt, tokens in zip(samples, labels, prompt_texts, token_texts):
-        try:
-            segments = fn(prompt, list(tokens), label)
+    for sample, label, (segments, problem) in zip(samples, labels, outcomes):
+        infrastructure = problem is not None and problem.startswith(("timed out", "crashed"))
+        if problem is None:
             problem = _segment_problem(segments, len(sample.response_ids))
-        except Exception as e:  # a user function may raise anything: report it with the sample
-            problem = f"raised {type(e).__name__}: {e}"
         if problem is not None:
-            message = f"segment reward {_name(fn)} {problem} for sample {sample.name} (label {str(label)[:80]!r})"
-            if on_error == "raise":
+            message = f"segment reward {name} {problem} for sample {sample.name} (label {str(label)[:80]!r})"
+            if on_error == "raise" and not infrastructure:
                 raise RewardError(message + "; set on_error='mask' to drop such samples from the loss instead")
             out.append([])
             valid.append(False)

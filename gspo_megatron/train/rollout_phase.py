@@ -102,11 +102,30 @@ def _generate_and_score(engine, prompts: list[Prompt], cfg: Config, step: int, t
     return samples, rewards, seconds, responses
 
 
+_segment_pools: dict = {}  # rank 0's segment-reward workers, per (spec, workers, time limit), kept across steps
+
+
+def _segment_reward_fn(cfg: Config):
+    """``data.segment_reward`` in worker processes with the reward's time limit (as ``bootstrap.reward_function``),
+    or the function itself with ``data.reward_workers=0``."""
+    from gspo_megatron.rollout.reward_pool import RewardPool
+    from gspo_megatron.rollout.rewards import BUILTIN_SEGMENTS, load_reward_fn
+
+    d = cfg.data
+    fn = load_reward_fn(d.segment_reward, BUILTIN_SEGMENTS)
+    if not d.reward_workers:
+        return fn
+    key = (d.segment_reward, d.reward_workers, d.reward_timeout_s)
+    if key not in _segment_pools:
+        _segment_pools[key] = RewardPool(d.segment_reward, d.reward_workers, d.reward_timeout_s, "BUILTIN_SEGMENTS")
+    return _segment_pools[key]
+
+
 def _segment_rewards(samples, prompts: list[Prompt], cfg: Config, tokenizer):
     """Per-segment rewards (algo.token_advantages=segments): ([(end, reward), ...] per sample, valid [N])."""
-    from gspo_megatron.rollout.rewards import BUILTIN_SEGMENTS, load_reward_fn, score_segments
+    from gspo_megatron.rollout.rewards import score_segments
 
-    fn = load_reward_fn(cfg.data.segment_reward, BUILTIN_SEGMENTS)
+    fn = _segment_reward_fn(cfg)
     tokens = [[tokenizer.decode([t], skip_special_tokens=True) for t in s.response_ids] for s in samples]
     return score_segments(fn, samples, [prompts[s.prompt_index].label for s in samples],
                           [prompts[s.prompt_index].text for s in samples], tokens, on_error=cfg.data.on_reward_error)

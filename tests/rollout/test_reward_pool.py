@@ -56,6 +56,26 @@ def test_hanging_and_crashing_rewards_are_masked_counted_and_never_stall():
         pool.close()
 
 
+def test_segment_rewards_in_the_pool_are_masked_the_same_way():
+    from gspo_megatron.rollout.rewards import BUILTIN_SEGMENTS, score_segments
+
+    pool = RewardPool("tests.rollout.user_rewards:segments_misbehave", workers=2, timeout_s=TIMEOUT_S,
+                      builtin="BUILTIN_SEGMENTS")
+    try:
+        samples = _samples(3)
+        segments, valid = score_segments(pool, samples, ["ok", "hang", "crash"], ["p"] * 3, [["a"]] * 3,
+                                         on_error="raise")
+        assert valid.tolist() == [True, False, False] and segments == [[(1, 1.0)], [], []]
+    finally:
+        pool.close()
+    builtin = RewardPool("synthetic", workers=1, timeout_s=30, builtin="BUILTIN_SEGMENTS")  # a built-in, by name
+    try:
+        segments, valid = score_segments(builtin, samples[:1], ["a"], ["p"], [["a"]])
+        assert valid.tolist() == [True] and segments == [list(BUILTIN_SEGMENTS["synthetic"]("p", ["a"], "a"))]
+    finally:
+        builtin.close()
+
+
 def test_a_reward_the_workers_cannot_load_is_an_error():
     pool = RewardPool("tests.rollout.user_rewards:missing", workers=1, timeout_s=5)
     with pytest.raises(ValueError, match="could not load it: ValueError: .* no callable 'missing'"):

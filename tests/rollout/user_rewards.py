@@ -34,3 +34,15 @@ def misbehaves(prompt, response, label):
     if response == "raise":
         raise KeyError("bad")
     return len(response) / 10
+
+
+def segments_misbehave(prompt, response_tokens, label):
+    """Per-segment rewards that hang or kill their process, as the label says (for the reward pool's tests)."""
+    import os
+    import time
+
+    if label == "hang":
+        time.sleep(600)
+    if label == "crash":
+        os._exit(3)
+    return [(len(response_tokens), 1.0)]
