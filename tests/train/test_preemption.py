@@ -45,8 +45,9 @@ def _run(run: Path, *extra: str) -> subprocess.CompletedProcess:
 
 
 def _steps(run: Path) -> list[int]:
+    """Steps logged so far (complete lines only: the trainer may be writing the next)."""
     path = run / "metrics.jsonl"
-    return [json.loads(line)["step"] for line in path.read_text().splitlines()] if path.is_file() else []
+    return [json.loads(line)["step"] for line in path.read_text().split("\n")[:-1]] if path.is_file() else []
 
 
 def _rank(process: subprocess.Popen, rank: int) -> psutil.Process:
