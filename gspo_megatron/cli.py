@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 
 
@@ -22,16 +21,27 @@ def _train(args) -> int:
     cfg = load_config(args.config, args.overrides)
     # The layout against the model's config too, before any process group starts.
     validate(cfg, int(os.environ.get("WORLD_SIZE", "1")), model_hf_config(cfg))
+    from gspo_megatron.train import preemption
+    from gspo_megatron.train.data import DataError
+    from gspo_megatron.train.faults import NonFiniteError
     from gspo_megatron.train.loop import train
 
-    # SIGTERM (a scheduler's stop, `kill`) unwinds like Ctrl-C, so the loop's `finally` stops the SGLang
-    # servers it launched instead of leaving them orphaned.
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-
-    metrics = train(cfg, resume=args.resume)
+    # SIGTERM / SIGUSR1 (a scheduler's stop): every rank finishes the step, saves it and exits 0 (train.preemption);
+    # a second one unwinds at once like Ctrl-C, so the loop's `finally` still stops the SGLang servers it launched.
+    preemption.install()
+    try:
+        metrics = train(cfg, resume=args.resume)
+    except (DataError, NonFiniteError) as error:  # a prompt file's line, or the run's last steps: named in the message
+        print(f"gspo-megatron train: {type(error).__name__}: {error}", file=sys.stderr)
+        return 1
     if int(os.environ.get("RANK", "0")) == 0:
-        print(f"gspo-megatron train: finished {cfg.train.steps} steps; metrics in {cfg.logging.dir}/metrics.jsonl, "
-              f"plots in {cfg.logging.dir}/metrics.png; last reward {metrics.get('reward_mean')}")
+        if "preempted_at_step" in metrics:
+            print(f"gspo-megatron train: stopped by a signal after step {metrics['preempted_at_step']} of "
+                  f"{cfg.train.steps}, checkpoint saved in {cfg.checkpoint.dir or '(no checkpoint.dir)'}; "
+                  "continue with --resume")
+        else:
+            print(f"gspo-megatron train: finished {cfg.train.steps} steps; metrics in {cfg.logging.dir}/metrics.jsonl, "
+                  f"plots in {cfg.logging.dir}/metrics.png; last reward {metrics.get('reward_mean')}")
     return 0
 
 

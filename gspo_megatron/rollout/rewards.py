@@ -6,6 +6,8 @@ data set attaches to the prompt). Built in (``load_reward_fn`` by name):
     math          1.0 if the final \\boxed{...} (else the last number) equals the label after normalisation
     exact_match   1.0 if the stripped response equals the stripped label
     synthetic     the CPU example's tasks (``synthetic.position_credit``): partial credit in [0, 1]
+    code_tests    the fraction of the prompt's tests the response's program passes, run in a sandbox
+                  (``code_tests``, ``sandbox``)
 
 Per-segment rewards (GSPO-token's per-token advantages, ``algo.token_advantages=segments``) come from
 ``fn(prompt: str, response_tokens: list[str], label) -> [(end, reward), ...]``: ``end`` counts the response
@@ -15,7 +17,8 @@ tokens up to and including the segment's last one (rising, at most the response 
 User functions are given as ``"package.module:function"``. ``score`` never lets a bad reward through: a function
 that raises or returns a non-finite (or non-numeric) value is a ``RewardError`` naming the sample, or, with
 ``on_error="mask"``, that sample's reward is 0 and its ``valid`` flag False, for the trainer to drop it from the
-loss (so no NaN ever reaches it).
+loss (so no NaN ever reaches it). The trainer scores through a ``reward_pool.RewardPool`` (``data.reward_workers``
+processes, ``data.reward_timeout_s`` per call): a call that hangs or crashes its worker is masked and counted.
 """
 
 from __future__ import annotations
@@ -97,7 +100,14 @@ def synthetic_reward(prompt: str, response: str, label) -> float:
     return position_credit(response, str(label))
 
 
-BUILTIN: dict[str, RewardFn] = {"math": math_reward, "exact_match": exact_match, "synthetic": synthetic_reward}
+def code_tests(prompt: str, response: str, label) -> float:
+    from .code_tests import code_tests_reward
+
+    return code_tests_reward(prompt, response, label)
+
+
+BUILTIN: dict[str, RewardFn] = {"math": math_reward, "exact_match": exact_match, "synthetic": synthetic_reward,
+                                "code_tests": code_tests}
 
 
 SegmentRewardFn = Callable[[str, list, Any], Sequence]
@@ -130,6 +140,8 @@ class Rewards:
     values: torch.Tensor  # [N] float32, finite
     valid: torch.Tensor  # [N] bool: False where the reward failed and was masked
     errors: list[str] = field(default_factory=list)  # one line per masked sample
+    timed_out: int = 0  # calls past their time limit (a RewardPool's), masked
+    crashed: int = 0  # calls whose worker process died, masked
 
     def metrics(self, prefix: str = "reward/") -> dict[str, float]:
         v = self.values[self.valid]
@@ -142,39 +154,58 @@ def _name(fn) -> str:
     return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
 
 
-def score(fn: RewardFn, samples: Sequence[Sample], labels: Sequence[Any], prompt_texts: Sequence[str],
+def score(fn, samples: Sequence[Sample], labels: Sequence[Any], prompt_texts: Sequence[str],
           response_texts: Sequence[str], on_error: str = "raise") -> Rewards:
-    """Reward of every sample (``labels``/texts aligned with ``samples``). ``on_error``: "raise" or "mask"."""
+    """Reward of every sample (``labels``/texts aligned with ``samples``). ``on_error``: "raise" or "mask".
+
+    ``fn``: a reward function, called here, or a ``RewardPool`` (worker processes, a time limit per call). A call
+    that timed out or crashed its worker is always masked and counted (``Rewards.timed_out`` / ``crashed``): the
+    step goes on without it; one that raised or returned a non-number follows ``on_error``."""
+    from .reward_pool import RewardPool
+
     if on_error not in ("raise", "mask"):
         raise ValueError(f"reward on_error={on_error!r} must be 'raise' or 'mask'")
     if not len(samples) == len(labels) == len(prompt_texts) == len(response_texts):
         raise ValueError(f"score: {len(samples)} samples but {len(labels)} labels, {len(prompt_texts)} prompts, "
                          f"{len(response_texts)} responses")
-    values, valid, errors = [], [], []
-    for sample, label, prompt, response in zip(samples, labels, prompt_texts, response_texts):
-        problem = None
-        try:
-            value = fn(prompt, response, label)
+    calls = list(zip(prompt_texts, response_texts, labels))
+    if isinstance(fn, RewardPool):
+        outcomes, name = fn.map(calls), fn.name
+    else:
+        outcomes, name = [_call(fn, *call) for call in calls], _name(fn)
+    values, valid, errors, timed_out, crashed = [], [], [], 0, 0
+    for sample, label, response, (value, problem) in zip(samples, labels, response_texts, outcomes):
+        infrastructure = problem is not None and problem.startswith(("timed out", "crashed"))
+        if problem is None:
             if not isinstance(value, numbers.Real) and not (isinstance(value, torch.Tensor) and value.numel() == 1):
                 problem = f"returned {value!r} ({type(value).__name__}), not a number"
             else:
                 value = float(value)
                 if not math.isfinite(value):
                     problem = f"returned {value}"
-        except Exception as e:  # a user function may raise anything: report it with the sample
-            problem = f"raised {type(e).__name__}: {e}"
         if problem is not None:
-            message = (f"reward {_name(fn)} {problem} for sample {sample.name} "
+            message = (f"reward {name} {problem} for sample {sample.name} "
                        f"(response {response[:80]!r}, label {str(label)[:80]!r})")
-            if on_error == "raise":
+            if on_error == "raise" and not infrastructure:
                 raise RewardError(message + "; set on_error='mask' to drop such samples from the loss instead")
+            timed_out += problem.startswith("timed out")
+            crashed += problem.startswith("crashed")
             values.append(0.0)
             valid.append(False)
             errors.append(message)
         else:
             values.append(value)
             valid.append(True)
-    return Rewards(torch.tensor(values, dtype=torch.float32), torch.tensor(valid, dtype=torch.bool), errors)
+    return Rewards(torch.tensor(values, dtype=torch.float32), torch.tensor(valid, dtype=torch.bool), errors,
+                   timed_out, crashed)
+
+
+def _call(fn, prompt: str, response: str, label) -> tuple:
+    """(value, None), or (None, what went wrong)."""
+    try:
+        return fn(prompt, response, label), None
+    except Exception as e:  # a user function may raise anything: report it with the sample
+        return None, f"raised {type(e).__name__}: {e}"
 
 
 def _segment_problem(segments, num_tokens: int) -> str | None:
@@ -194,23 +225,29 @@ def _segment_problem(segments, num_tokens: int) -> str | None:
     return None
 
 
-def score_segments(fn: SegmentRewardFn, samples: Sequence[Sample], labels: Sequence[Any],
+def score_segments(fn, samples: Sequence[Sample], labels: Sequence[Any],
                    prompt_texts: Sequence[str], token_texts: Sequence[list], on_error: str = "raise"):
     """Per-segment rewards of every sample: (list of [(end, reward)] per sample, valid [N] bool). A function that
     raises or returns a malformed list is a ``RewardError`` naming the sample, or with ``on_error="mask"`` that
-    sample gets no segments and valid False (the trainer drops it, as ``score`` does)."""
+    sample gets no segments and valid False (the trainer drops it, as ``score`` does). ``fn`` may be a
+    ``RewardPool`` (``builtin="BUILTIN_SEGMENTS"``): a call that timed out or crashed is masked, as in ``score``."""
+    from .reward_pool import RewardPool
+
     if on_error not in ("raise", "mask"):
         raise ValueError(f"reward on_error={on_error!r} must be 'raise' or 'mask'")
+    calls = [(prompt, list(tokens), label) for prompt, tokens, label in zip(prompt_texts, token_texts, labels)]
+    if isinstance(fn, RewardPool):
+        outcomes, name = fn.map(calls), fn.name
+    else:
+        outcomes, name = [_call(fn, *call) for call in calls], _name(fn)
     out, valid = [], []
-    for sample, label, prompt, tokens in zip(samples, labels, prompt_texts, token_texts):
-        try:
-            segments = fn(prompt, list(tokens), label)
+    for sample, label, (segments, problem) in zip(samples, labels, outcomes):
+        infrastructure = problem is not None and problem.startswith(("timed out", "crashed"))
+        if problem is None:
             problem = _segment_problem(segments, len(sample.response_ids))
-        except Exception as e:  # a user function may raise anything: report it with the sample
-            problem = f"raised {type(e).__name__}: {e}"
         if problem is not None:
-            message = f"segment reward {_name(fn)} {problem} for sample {sample.name} (label {str(label)[:80]!r})"
-            if on_error == "raise":
+            message = f"segment reward {name} {problem} for sample {sample.name} (label {str(label)[:80]!r})"
+            if on_error == "raise" and not infrastructure:
                 raise RewardError(message + "; set on_error='mask' to drop such samples from the loss instead")
             out.append([])
             valid.append(False)

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from gspo_megatron.parallel import control
 from gspo_megatron.train.config import Config, ConfigError
-from gspo_megatron.train.data import PromptStream, load_jsonl, task_prompts
+from gspo_megatron.train.data import PromptStream, check_prompt_lengths, load_jsonl, task_prompts
 from gspo_megatron.train.policy_step import AlgoConfig
 
 # The GSPO paper's clip ranges, and its GRPO baseline's.
@@ -28,9 +28,15 @@ def algo_config(cfg: Config) -> AlgoConfig:
 
 
 def reward_function(cfg: Config):
+    """The reward: in ``data.reward_workers`` worker processes with a time limit per call (started by rank 0's
+    first scoring; the others never score), or with 0 workers the function itself."""
+    from gspo_megatron.rollout.reward_pool import RewardPool
     from gspo_megatron.rollout.rewards import load_reward_fn
 
-    return load_reward_fn(cfg.data.reward)
+    fn = load_reward_fn(cfg.data.reward)  # a bad spec fails here, before anything starts
+    if not cfg.data.reward_workers:
+        return fn
+    return RewardPool(cfg.data.reward, cfg.data.reward_workers, cfg.data.reward_timeout_s)
 
 
 def model_hf_config(cfg: Config) -> dict:
@@ -117,12 +123,17 @@ def load_prompts(cfg: Config, hf_dir: Path):
 
     tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
     d = cfg.data
+    limit, drop_long = cfg.rollout.max_prompt_tokens, d.long_prompts == "drop"
     if d.task:
         train = task_prompts(d.task, tokenizer, 4096, seed=d.seed)
         evals = task_prompts(d.task, tokenizer, 64, seed=d.seed + 1) if cfg.train.eval_every else []
+        check_prompt_lengths(train + evals, limit, f"data.task={d.task!r}")
     else:
-        train, skipped = load_jsonl(d.prompts, tokenizer, d.skip_malformed, cfg.rollout.max_prompt_tokens)
-        if skipped and dist.get_rank() == 0:
-            print(f"data.prompts: skipped {skipped} malformed lines (data.skip_malformed=true)")
-        evals = load_jsonl(d.eval_prompts, tokenizer, d.skip_malformed, cfg.rollout.max_prompt_tokens)[0] if d.eval_prompts else []
+        train, skipped = load_jsonl(d.prompts, tokenizer, d.skip_malformed, limit, drop_long)
+        evals, eval_skipped = load_jsonl(d.eval_prompts, tokenizer, d.skip_malformed, limit, drop_long) \
+            if d.eval_prompts else ([], {})
+        for name, counts in (("data.prompts", skipped), ("data.eval_prompts", eval_skipped)):
+            if any(counts.values()) and dist.get_rank() == 0:
+                print(f"{name}: skipped {counts['malformed']} malformed lines (data.skip_malformed=true) and "
+                      f"dropped {counts['too_long']} prompts over rollout.max_prompt_tokens (data.long_prompts=drop)")
     return tokenizer, PromptStream(train, seed=d.seed), evals

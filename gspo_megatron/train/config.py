@@ -146,6 +146,10 @@ class RolloutConfig:
     """Extra sglang.launch_server arguments for servers we launch."""
     timeout_s: float = 300.0
     """A rollout request that takes longer fails the step with an error naming the server."""
+    on_truncated: str = "keep"
+    """A response cut at max_new_tokens (finish_reason length; counted as ``responses_truncated``): keep (trained
+    with its reward) or mask (out of the loss and of its group's mean and std, like a failed reward: DAPO's
+    overlong filtering)."""
 
 
 @dataclass
@@ -218,8 +222,20 @@ class DataConfig:
     eval_prompts: str = ""
     skip_malformed: bool = False
     """Skip (and count) malformed JSONL lines instead of stopping at the first with its line number."""
+    long_prompts: str = "error"
+    """A prompt longer than rollout.max_prompt_tokens: error (stop, naming its file and line) or drop (skip it and
+    count it; the count is printed at start). A built-in task's prompts must always fit."""
     reward: str = "math"
-    """math, exact_match, synthetic (the built-in tasks' partial-credit score), or module:function."""
+    """math, exact_match, synthetic (the built-in tasks' partial-credit score), code_tests (the fraction of the
+    prompt's tests, its "tests" field, that the response's program passes in a sandbox: rollout/code_tests.py), or
+    module:function."""
+    reward_workers: int = 2
+    """Reward calls run in this many worker processes (rank 0's), each call limited to ``reward_timeout_s``: a reward
+    that hangs or crashes its worker has its sample masked (out of the loss and its group's statistics) and counted
+    (``reward_timeouts``, ``reward_crashes``), whatever ``on_reward_error`` says; the step goes on. 0: call the
+    reward in the trainer's process, with no time limit."""
+    reward_timeout_s: float = 60.0
+    """Time limit of one reward call (with code_tests: more than all of a response's sandbox runs, 10 s each)."""
     on_reward_error: str = "raise"
     """raise: a reward that raises or is not finite stops the step naming the sample; mask: drop the sample (it also
     leaves its group's mean and std)."""
@@ -235,6 +251,10 @@ class TrainSection:
     steps: int = 100
     eval_every: int = 0
     seed: int = 1234
+    max_consecutive_nonfinite: int = 3
+    """A step whose loss or gradient is NaN/inf on any rank skips that update on every rank (``skipped_updates``) and
+    saves its batch to ``<logging.dir>/nonfinite/``; this many such steps in a row stop the run with NonFiniteError
+    before that step's checkpoint. 0: never stop."""
 
 
 @dataclass

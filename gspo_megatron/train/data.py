@@ -4,7 +4,10 @@ JSONL records (one per line):
     {"prompt": "What is 2+3?", "answer": "5"}
     {"messages": [{"role": "user", "content": "..."}], "answer": "..."}   (the tokenizer's chat template)
     {"prompt_ids": [1, 2, 3], "answer": "..."}                               (already tokenized)
-A malformed line stops loading with its line number, or is skipped and counted with ``skip_malformed``.
+    {"prompt": "Write add(a, b).", "tests": ["assert add(1, 2) == 3"]}       (data.reward=code_tests)
+A malformed line stops loading with its file and line number, or is skipped and counted with
+``data.skip_malformed``. A prompt longer than ``rollout.max_prompt_tokens`` likewise stops loading (file and line),
+or is dropped and counted with ``data.long_prompts=drop``.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ class Prompt:
 def _record_to_prompt(record: Any, tokenizer, where: str) -> Prompt:
     if not isinstance(record, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
-    label = record.get("answer", record.get("label"))
+    label = record.get("answer", record.get("label", record.get("tests")))  # tests: data.reward=code_tests
     if "prompt_ids" in record:
         ids = record["prompt_ids"]
         if not (isinstance(ids, list) and ids and all(isinstance(i, int) and i >= 0 for i in ids)):
@@ -54,9 +57,10 @@ def _record_to_prompt(record: Any, tokenizer, where: str) -> Prompt:
     return Prompt(list(ids), text, label)
 
 
-def load_jsonl(path: str | Path, tokenizer, skip_malformed: bool = False, max_prompt_tokens: int | None = None):
-    """-> (prompts, number of skipped lines)."""
-    prompts, skipped = [], 0
+def load_jsonl(path: str | Path, tokenizer, skip_malformed: bool = False, max_prompt_tokens: int | None = None,
+               drop_long: bool = False):
+    """-> (prompts, {"malformed": lines skipped, "too_long": prompts dropped})."""
+    prompts, skipped = [], {"malformed": 0, "too_long": 0}
     path = Path(path)
     if not path.is_file():
         raise DataError(f"data.prompts={str(path)!r} does not exist")
@@ -70,17 +74,31 @@ def load_jsonl(path: str | Path, tokenizer, skip_malformed: bool = False, max_pr
             except json.JSONDecodeError as e:
                 raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
             prompt = _record_to_prompt(record, tokenizer, where)
-            if max_prompt_tokens and len(prompt.ids) > max_prompt_tokens:
-                raise DataError(f"{where}: prompt has {len(prompt.ids)} tokens > rollout.max_prompt_tokens={max_prompt_tokens}")
         except DataError:
             if not skip_malformed:
                 raise
-            skipped += 1
+            skipped["malformed"] += 1
+            continue
+        if max_prompt_tokens and len(prompt.ids) > max_prompt_tokens:
+            if not drop_long:
+                raise DataError(f"{where}: prompt has {len(prompt.ids)} tokens > rollout.max_prompt_tokens="
+                                f"{max_prompt_tokens} (data.long_prompts=drop drops such prompts)")
+            skipped["too_long"] += 1
             continue
         prompts.append(prompt)
     if not prompts:
-        raise DataError(f"{path}: no usable prompts ({skipped} malformed lines skipped)")
+        raise DataError(f"{path}: no usable prompts ({skipped['malformed']} malformed lines skipped, "
+                        f"{skipped['too_long']} prompts longer than rollout.max_prompt_tokens dropped)")
     return prompts, skipped
+
+
+def check_prompt_lengths(prompts: list[Prompt], max_prompt_tokens: int, where: str) -> None:
+    """A built-in task's prompts must fit ``rollout.max_prompt_tokens`` (they are generated, so there is no line
+    to drop)."""
+    longest = max((len(p.ids) for p in prompts), default=0)
+    if longest > max_prompt_tokens:
+        raise DataError(f"{where}: a prompt has {longest} tokens > rollout.max_prompt_tokens={max_prompt_tokens}; "
+                        "raise rollout.max_prompt_tokens")
 
 
 def task_prompts(task: str, tokenizer, count: int, seed: int) -> list[Prompt]:

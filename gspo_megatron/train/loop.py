@@ -3,6 +3,9 @@
     rollout (G responses per prompt) -> rewards -> old-policy log-probs (or the rollout's) -> [reference
     log-probs] -> group advantages -> minibatch updates -> weight sync -> [eval] -> [checkpoint] -> metrics
 
+A non-finite loss or gradient skips its update on every rank (``faults``); a SIGTERM/SIGUSR1 on any rank stops every
+rank after the same step, saved (``preemption``).
+
 Every rank runs this; global rank 0 also owns the rollout engine (``rollout_phase``); the trainer's passes and
 updates, and their metrics over all ranks, are ``update_phase``.
 """
@@ -16,9 +19,10 @@ import torch.distributed as dist
 
 from gspo_megatron.parallel import groups
 from gspo_megatron.parallel.context import sequence_multiple
-from gspo_megatron.train import checkpoint, rollout_phase, update_phase
+from gspo_megatron.train import checkpoint, preemption, rollout_phase, update_phase
 from gspo_megatron.train.advantages import advantages
 from gspo_megatron.train.config import Config
+from gspo_megatron.train.faults import NonFiniteGuard
 from gspo_megatron.train.policy import build_policy, build_reference, layout_of
 from gspo_megatron.train.bootstrap import algo_config, load_prompts, prepare_model_dir, reward_function
 
@@ -48,6 +52,7 @@ def train(cfg: Config, resume: bool = False) -> dict:
     progress = Progress(cfg.train.steps, start=step, enabled=rank0)
     seq_multiple = sequence_multiple(cfg.parallel.tensor, cfg.parallel.context, cfg.parallel.sequence_parallel)
     metrics: dict = {}
+    nonfinite = NonFiniteGuard(cfg.train.max_consecutive_nonfinite, cfg.logging.dir, rank0)
     try:
         while step < cfg.train.steps:
             step += 1
@@ -67,15 +72,17 @@ def train(cfg: Config, resume: bool = False) -> dict:
                 update_phase.reference_logprobs(reference, batch, rows, cfg, algo, metrics)
 
             t = time.perf_counter()
-            metrics.update(update_phase.update(policy, batch, rows, routing, cfg, algo))
+            metrics.update(update_phase.update(policy, batch, rows, routing, cfg, algo))  # NaN/inf: skipped
             metrics["time/update"] = time.perf_counter() - t
+            nonfinite.check(step, batch, metrics)  # saves a skipped step's batch; N in a row stop the run
 
             version += 1
             metrics.update(rollout_phase.sync_weights(policy, engine, version))
             if cfg.train.eval_every and step % cfg.train.eval_every == 0 and eval_prompts:
                 metrics.update(rollout_phase.evaluate(engine, eval_prompts, cfg, step, tokenizer, reward_fn))
-            if cfg.checkpoint.dir and ((cfg.checkpoint.every and step % cfg.checkpoint.every == 0)
-                                       or step == cfg.train.steps):
+            stop = preemption.stop_agreed()  # SIGTERM/SIGUSR1 on any rank: every rank saves this step and stops
+            if cfg.checkpoint.dir and (stop or step == cfg.train.steps
+                                       or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0)):
                 t = time.perf_counter()
                 checkpoint.save(cfg.checkpoint.dir, step, policy.model, policy.optimizer, policy.scheduler,
                                 {"weight_version": version, "data_position": prompts.state_dict()},
@@ -83,7 +90,7 @@ def train(cfg: Config, resume: bool = False) -> dict:
                                 async_save=cfg.checkpoint.async_save)
                 metrics["time/checkpoint"] = time.perf_counter() - t
             # An asynchronous save becomes `latest` once every rank has written it (the last one: before returning).
-            checkpoint.finalize_saves(blocking=step == cfg.train.steps)
+            checkpoint.finalize_saves(blocking=stop or step == cfg.train.steps)
             metrics["time/step"] = time.perf_counter() - start
             tokens = int(batch["loss_mask"].sum()) + int(sum(len(s.prompt_ids) for s in rollout.samples))
             metrics["tokens_per_s"] = tokens / metrics["time/step"]
@@ -95,6 +102,9 @@ def train(cfg: Config, resume: bool = False) -> dict:
                 from gspo_megatron.train.plots import plot_runs
 
                 plot_runs({"run": logger.path}, Path(cfg.logging.dir) / "metrics.png", title=f"{cfg.algo.name}")
+            if stop:
+                metrics["preempted_at_step"] = step
+                break
     finally:
         progress.close()
         logger.close()

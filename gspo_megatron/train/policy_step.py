@@ -44,6 +44,7 @@ from gspo_megatron.ops import vocab_parallel_logprobs, vocab_parallel_sequence_l
 from gspo_megatron.parallel import context
 from gspo_megatron.parallel.reductions import (all_gather_rows, all_reduce_sequence_stats, all_reduce_sequence_sums,
                                               broadcast_from_last_stage)
+from gspo_megatron.train.faults import guarded_step
 
 ALGORITHMS = ("gspo", "gspo_token", "grpo")
 
@@ -365,8 +366,8 @@ def update_step(model, optimizer, micro_batches: list[dict], algo_config: AlgoCo
     ``stats`` [N, len(algo.SEQUENCE_STATS)] for every sequence of the minibatch (gathered over DP ranks in
     rank order: ``algo.update_metrics`` turns them into the logged metrics), ``seq_log_ratio`` and ``valid`` [N]
     from them, ``grad_norm``, ``update_successful``, and with ``old_routing`` ``routing_changes``
-    [changed, decisions] summed over all ranks. If the step is skipped (non-finite gradients), the weights are left
-    as they were.
+    [changed, decisions] summed over all ranks. If any rank's loss or gradient is non-finite the step is skipped on
+    every rank (``train.faults.guarded_step``): weights and optimizer state are left as they were.
     """
     _, _, ps = _groups()
     model.zero_grad_buffer()
@@ -380,7 +381,9 @@ def update_step(model, optimizer, micro_batches: list[dict], algo_config: AlgoCo
     finally:
         if "routing" in micro_batches[0] or "rollout_routing" in micro_batches[0] or volatility:
             _end_routing_replay()
-    update_successful, grad_norm, _ = optimizer.step()
+    # Skipped on every rank when any loss or gradient is NaN/inf (train.faults: megatron's fp32/bf16 step would apply it).
+    update_successful, grad_norm = guarded_step(
+        model, optimizer, [r["loss_sum"] for r in results] if ps.is_pipeline_last_stage() else [])
     summary = None
     if ps.is_pipeline_last_stage():
         totals = torch.stack([sum(r["loss_sum"] for r in results).float(), sum(r["units"] for r in results).float()])
@@ -399,8 +402,8 @@ def update_step(model, optimizer, micro_batches: list[dict], algo_config: AlgoCo
         counts = torch.stack(forward_step.volatility).sum(dim=0).to(environment.device())
         torch.distributed.all_reduce(counts)
         out["routing_changes"] = counts.cpu()
-    out["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
-    out["update_successful"] = bool(update_successful)
+    out["grad_norm"] = grad_norm
+    out["update_successful"] = update_successful
     return out
 
 

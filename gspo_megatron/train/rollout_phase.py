@@ -105,14 +105,47 @@ def _generate_and_score(engine, prompts: list[Prompt], cfg: Config, step: int, t
     return samples, rewards, seconds, responses
 
 
+_segment_pools: dict = {}  # rank 0's segment-reward workers, per (spec, workers, time limit), kept across steps
+
+
+def _segment_reward_fn(cfg: Config):
+    """``data.segment_reward`` in worker processes with the reward's time limit (as ``bootstrap.reward_function``),
+    or the function itself with ``data.reward_workers=0``."""
+    from gspo_megatron.rollout.reward_pool import RewardPool
+    from gspo_megatron.rollout.rewards import BUILTIN_SEGMENTS, load_reward_fn
+
+    d = cfg.data
+    fn = load_reward_fn(d.segment_reward, BUILTIN_SEGMENTS)
+    if not d.reward_workers:
+        return fn
+    key = (d.segment_reward, d.reward_workers, d.reward_timeout_s)
+    if key not in _segment_pools:
+        _segment_pools[key] = RewardPool(d.segment_reward, d.reward_workers, d.reward_timeout_s, "BUILTIN_SEGMENTS")
+    return _segment_pools[key]
+
+
 def _segment_rewards(samples, prompts: list[Prompt], cfg: Config, tokenizer):
     """Per-segment rewards (algo.token_advantages=segments): ([(end, reward), ...] per sample, valid [N])."""
-    from gspo_megatron.rollout.rewards import BUILTIN_SEGMENTS, load_reward_fn, score_segments
+    from gspo_megatron.rollout.rewards import score_segments
 
-    fn = load_reward_fn(cfg.data.segment_reward, BUILTIN_SEGMENTS)
+    fn = _segment_reward_fn(cfg)
     tokens = [[tokenizer.decode([t], skip_special_tokens=True) for t in s.response_ids] for s in samples]
     return score_segments(fn, samples, [prompts[s.prompt_index].label for s in samples],
                           [prompts[s.prompt_index].text for s in samples], tokens, on_error=cfg.data.on_reward_error)
+
+
+def screen_responses(samples, on_truncated: str) -> tuple[torch.Tensor, dict]:
+    """What a step does with degenerate responses -> (kept [N] bool, counts as metrics).
+
+    Cut at max_new_tokens (finish_reason length): trained with its reward (``rollout.on_truncated=keep``), or not
+    kept (``mask``: out of the loss and of its group's mean and std, as a failed reward). Empty (no token: an engine
+    that stopped before the first): kept, its reward counts in its group's statistics, and it has no token to put
+    in the loss (``samples_to_batch`` masks the whole row)."""
+    truncated = torch.tensor([s.finish_reason == "length" for s in samples], dtype=torch.bool)
+    empty = sum(not s.response_ids for s in samples)
+    kept = ~truncated if on_truncated == "mask" else torch.ones_like(truncated)
+    return kept, {"responses_truncated": float(truncated.sum()), "responses_empty": float(empty),
+                  "truncated_masked": float((~kept).sum())}
 
 
 def collect(engine, prompts: list[Prompt], cfg: Config, step: int, tokenizer, reward_fn, pad_multiple: int) -> Rollout:
@@ -127,10 +160,14 @@ def collect(engine, prompts: list[Prompt], cfg: Config, step: int, tokenizer, re
         if cfg.algo.token_advantages == "segments":
             segments, segments_valid = _segment_rewards(samples, prompts, cfg, tokenizer)
             valid = valid & segments_valid
+        kept, response_metrics = screen_responses(samples, cfg.rollout.on_truncated)
         lengths = [len(s.response_ids) for s in samples]
         metrics = {
             "reward_mean": float(rewards.values[rewards.valid].mean()) if rewards.valid.any() else float("nan"),
             "reward_masked": float((~valid).sum()),
+            "reward_timeouts": float(rewards.timed_out),
+            "reward_crashes": float(rewards.crashed),
+            **response_metrics,
             "response_length_mean": sum(lengths) / len(lengths),
             "truncated_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
             # Groups whose responses all score the same have zero advantage: no learning signal from them.
@@ -139,7 +176,7 @@ def collect(engine, prompts: list[Prompt], cfg: Config, step: int, tokenizer, re
             "time/rollout": seconds,
             "example": f"{prompts[0].text!r} -> {responses[0]!r}",
         }
-        payload = (samples, rewards.values, valid, metrics, segments)
+        payload = (samples, rewards.values, valid & kept, metrics, segments)
     samples, values, valid, metrics, segments = control.broadcast_from_rank0(payload)
     batch = samples_to_batch(samples, pad_id=0, pad_to_multiple=pad_multiple)
     return Rollout(samples, values, valid, batch, metrics, segments)

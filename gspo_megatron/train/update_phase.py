@@ -139,9 +139,11 @@ def update(policy, batch: dict, rows: list[torch.Tensor], routing, cfg: Config, 
             micro = micro_batches(batch, minibatch_rows, cfg, routing if m == 1 else None, "old_routing")
         offset += minibatch_rows.numel()
         out = update_step(policy.model, policy.optimizer, micro, algo_config)
-        policy.scheduler.step(increment=1)
+        if out["update_successful"]:  # a skipped (non-finite) update leaves the LR schedule too, as megatron does
+            policy.scheduler.step(increment=1)
         losses.append(float(out["loss"]))
-        norms.append(out["grad_norm"])
+        if out["update_successful"]:  # a skipped update's norm is NaN/inf: the metric averages the applied ones
+            norms.append(out["grad_norm"])
         stats.append(out["stats"])
         skipped += not out["update_successful"]
         if "routing_changes" in out:
@@ -152,5 +154,6 @@ def update(policy, batch: dict, rows: list[torch.Tensor], routing, cfg: Config, 
             # rollout-vs-trainer mismatch (over its sequences), measured without an old-policy pass.
             metrics.update(algo.mismatch_metrics(out["stats"]))
     metrics.update(algo.update_metrics(torch.cat(stats), algo_config.unit, algo_config.max_log_ratio))
-    metrics.update(loss=sum(losses) / len(losses), grad_norm=sum(norms) / len(norms), skipped_updates=float(skipped))
+    metrics.update(loss=sum(losses) / len(losses), grad_norm=sum(norms) / len(norms) if norms else float("nan"),
+                   skipped_updates=float(skipped))
     return metrics

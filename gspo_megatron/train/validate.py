@@ -113,6 +113,12 @@ def validate(cfg: Config, world_size: int, hf: dict | None = None) -> None:
     _one_of(r.weight_sync, WEIGHT_SYNCS, "rollout.weight_sync")
     _one_of(o.lr_decay, LR_DECAYS, "optimizer.lr_decay")
     _one_of(cfg.data.on_reward_error, ("raise", "mask"), "data.on_reward_error")
+    _one_of(cfg.data.long_prompts, ("error", "drop"), "data.long_prompts")
+    if cfg.data.reward_workers < 0:
+        raise ConfigError(f"data.reward_workers={cfg.data.reward_workers} must be >= 0 (0: in the trainer's process)")
+    if not (math.isfinite(cfg.data.reward_timeout_s) and cfg.data.reward_timeout_s > 0):
+        raise ConfigError(f"data.reward_timeout_s={cfg.data.reward_timeout_s:g} must be a positive number of seconds")
+    _one_of(r.on_truncated, ("keep", "mask"), "rollout.on_truncated")
     _one_of(a.token_advantages, TOKEN_ADVANTAGES, "algo.token_advantages")
     if a.token_advantages == "segments":
         if a.name == "gspo":
@@ -142,6 +148,9 @@ def validate(cfg: Config, world_size: int, hf: dict | None = None) -> None:
     for name in ("prompts_per_step", "max_new_tokens", "temperature"):
         _positive(getattr(r, name), f"rollout.{name}")
     _positive(a.minibatches, "algo.minibatches")
+    if cfg.train.max_consecutive_nonfinite < 0:
+        raise ConfigError(f"train.max_consecutive_nonfinite={cfg.train.max_consecutive_nonfinite} must be >= 0 "
+                          "(0: never stop on non-finite steps)")
     _positive(o.lr, "optimizer.lr") if o.lr != 0 else None
     validate_timeouts(cfg)
     dp = validate_layout(cfg, world_size)

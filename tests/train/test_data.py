@@ -1,4 +1,6 @@
-"""Prompt loading: the three record shapes, line-numbered errors or counted skips, a resumable stream."""
+"""Prompt loading: the three record shapes, line-numbered errors or counted skips (malformed lines, prompts over
+rollout.max_prompt_tokens), a resumable stream; degenerate responses (cut at max_new_tokens, empty): counted, kept or
+masked."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import json
 import pytest
 
 from gspo_megatron.rollout.synthetic import char_tokenizer
-from gspo_megatron.train.data import DataError, PromptStream, load_jsonl, task_prompts
+from gspo_megatron.train.data import DataError, PromptStream, check_prompt_lengths, load_jsonl, task_prompts
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +33,7 @@ def test_record_shapes(tmp_path, tokenizer):
         json.dumps({"prompt_ids": [5, 6], "answer": 3}),
     ])
     prompts, skipped = load_jsonl(path, tokenizer)
-    assert skipped == 0 and [p.label for p in prompts] == ["1", "2", 3]
+    assert skipped == {"malformed": 0, "too_long": 0} and [p.label for p in prompts] == ["1", "2", 3]
     assert tokenizer.decode(prompts[0].ids) == "ab"
     assert tokenizer.decode(prompts[1].ids) == "<|im_start|>c<|im_end|><|im_start|>"
     assert prompts[2].ids == [5, 6]
@@ -48,12 +50,44 @@ def test_malformed_line_is_named_or_skipped(tmp_path, tokenizer, bad, message):
     with pytest.raises(DataError, match=message):
         load_jsonl(path, tokenizer)
     prompts, skipped = load_jsonl(path, tokenizer, skip_malformed=True)
-    assert skipped == 1 and [p.text for p in prompts] == ["ok", "ok2"]
+    assert skipped == {"malformed": 1, "too_long": 0} and [p.text for p in prompts] == ["ok", "ok2"]
 
 
-def test_too_long_prompt_is_named(tmp_path, tokenizer):
+def test_too_long_prompt_is_named_or_dropped(tmp_path, tokenizer):
+    path = write(tmp_path, [json.dumps({"prompt": "abcde"}), json.dumps({"prompt": "abcd"}), "{bad"])
     with pytest.raises(DataError, match=r"p.jsonl:1: prompt has 5 tokens > rollout.max_prompt_tokens=4"):
-        load_jsonl(write(tmp_path, [json.dumps({"prompt": "abcde"})]), tokenizer, max_prompt_tokens=4)
+        load_jsonl(path, tokenizer, max_prompt_tokens=4)
+    # Too long is not malformed: skip_malformed alone still stops at it.
+    with pytest.raises(DataError, match=r"p.jsonl:1: prompt has 5 tokens"):
+        load_jsonl(path, tokenizer, skip_malformed=True, max_prompt_tokens=4)
+    prompts, skipped = load_jsonl(path, tokenizer, skip_malformed=True, max_prompt_tokens=4, drop_long=True)
+    assert [p.text for p in prompts] == ["abcd"] and skipped == {"malformed": 1, "too_long": 1}
+    with pytest.raises(DataError, match=r"no usable prompts \(0 malformed lines skipped, 2 prompts longer"):
+        load_jsonl(write(tmp_path, [json.dumps({"prompt": "abcde"}), json.dumps({"prompt": "abcd"})]), tokenizer,
+                   max_prompt_tokens=3, drop_long=True)
+    # A built-in task's prompts are generated: too long is an error naming the task.
+    task = task_prompts("reverse", tokenizer, 8, seed=0)
+    with pytest.raises(DataError, match=r"data.task='reverse': a prompt has \d+ tokens > rollout.max_prompt_tokens=2"):
+        check_prompt_lengths(task, 2, "data.task='reverse'")
+    check_prompt_lengths(task, 64, "data.task='reverse'")
+
+
+def test_truncated_and_empty_responses_are_counted_kept_or_masked():
+    from gspo_megatron.rollout import samples_to_batch
+    from gspo_megatron.rollout.types import Sample
+    from gspo_megatron.train.rollout_phase import screen_responses
+
+    samples = [Sample([1, 2], [3, 4], [-0.1, -0.2], "stop", "0"),
+               Sample([1, 2], [5, 6, 7], [-0.1] * 3, "length", "0", sample_index=1),  # cut at max_new_tokens
+               Sample([1, 2], [], [], "stop", "0", sample_index=2)]  # empty
+    kept, metrics = screen_responses(samples, "keep")
+    assert kept.tolist() == [True, True, True]
+    assert metrics == {"responses_truncated": 1.0, "responses_empty": 1.0, "truncated_masked": 0.0}
+    kept, metrics = screen_responses(samples, "mask")
+    assert kept.tolist() == [True, False, True] and metrics["truncated_masked"] == 1.0
+    # The empty response's row has no token in the loss (its reward still counts in its group's statistics).
+    batch = samples_to_batch(samples)
+    assert batch["loss_mask"].sum(dim=1).tolist() == [2, 3, 0]
 
 
 def test_stream_epochs_and_resume(tokenizer):
