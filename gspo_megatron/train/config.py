@@ -146,6 +146,18 @@ class RolloutConfig:
     """Extra sglang.launch_server arguments for servers we launch."""
     timeout_s: float = 300.0
     """A rollout request that takes longer fails the step with an error naming the server."""
+    env: str = ""
+    """Multi-turn rollouts (``rollout.multiturn``): an environment class, ``module:Class`` or a built-in
+    (calculator), with reset(prompt) and step(text, token_ids) -> Step(observation, reward, done). The trajectory's
+    reward is the sum of its turn rewards (``data.reward`` is not used). Empty: single-turn responses."""
+    env_args: dict = field(default_factory=dict)
+    """Keyword arguments of the environment class (one instance per trajectory)."""
+    max_turns: int = 4
+    """With env: model turns per trajectory (each at most max_new_tokens)."""
+    max_trajectory_tokens: int = 256
+    """With env: response tokens per trajectory, model turns and observations together (the prompt excluded)."""
+    env_concurrency: int = 32
+    """With env: trajectories in flight at once (one thread each; the local engine runs them one at a time)."""
 
 
 @dataclass
@@ -162,7 +174,10 @@ class AlgoSection:
     token_advantages: str = "sequence"
     """Where per-token advantages come from (gspo_token, grpo): sequence (A_i on every token; GSPO-token then equals
     GSPO) or segments (``data.segment_reward``'s per-segment rewards, group-normalised, summed over the segments at
-    and after each token: DeepSeekMath's process supervision)."""
+    and after each token: DeepSeekMath's process supervision) or turns (the same with ``rollout.env``'s per-turn
+    rewards as the segments, each ending at its turn's last model token, discounted by ``gamma``)."""
+    gamma: float = 1.0
+    """With token_advantages=turns: the discount of later turns' rewards in a token's advantage (1: undiscounted)."""
     routing_replay: bool | str = False
     """MoE routing replay. true (or old): GRPO + Routing Replay, the old-policy pass records its experts and the
     update replays them. rollout (R3): the SGLang engine returns the experts it routed every token to (prompt and
