@@ -77,7 +77,8 @@ def _discounted_to_go(rewards: torch.Tensor, ends: torch.Tensor, gamma: float) -
     before = ends.long().cumsum(-1) - ends.long()  # [B, T] segments ending before t: t's segment index
     K = int(ends.sum(-1).max()) if B else 0
     returns = torch.zeros(B, K + 1, dtype=rewards.dtype)  # column K: after the last segment, 0
-    returns.scatter_add_(1, torch.where(ends, before, K), torch.where(ends, rewards, torch.zeros((), dtype=rewards.dtype)))
+    zero = torch.zeros((), dtype=rewards.dtype)
+    returns.scatter_add_(1, torch.where(ends, before, K), torch.where(ends, rewards, zero))
     returns[:, K] = 0
     for k in range(K - 1, -1, -1):
         returns[:, k] += gamma * returns[:, k + 1]

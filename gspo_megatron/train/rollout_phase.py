@@ -113,7 +113,8 @@ def _trajectories(engine, prompts: list[Prompt], cfg: Config, step: int, tokeniz
     from gspo_megatron.rollout.multiturn import TurnLimits, generate_trajectories, load_env
 
     r = cfg.rollout
-    limits = TurnLimits(r.max_turns, r.max_trajectory_tokens, 1 if isinstance(engine, LocalEngine) else r.env_concurrency)
+    concurrency = 1 if isinstance(engine, LocalEngine) else r.env_concurrency  # the local engine: one at a time
+    limits = TurnLimits(r.max_turns, r.max_trajectory_tokens, concurrency)
     start = time.perf_counter()
     groups, rewards = generate_trajectories(engine, prompts, n, _sampling(cfg, step, [tokenizer.eos_token_id]),
                                             load_env(r.env), tokenizer, limits, cfg.data.on_reward_error, r.env_args)

@@ -84,6 +84,8 @@ def check_token_exact(engine, model, tokenizer, tolerance: float, concurrency: i
         trainer = fused_logprobs(model, batch)
     metrics = logprob_mismatch(trainer, batch["rollout_logprobs"], batch["loss_mask"])
     assert metrics["mismatch/token_max_abs"] < tolerance, metrics
+    print(f"multi-turn {type(engine).__name__}: |trainer - engine| per model token max "
+          f"{metrics['mismatch/token_max_abs']:.2e}")
     assert turn_metrics(samples) == {"turns_mean": 3.0, "turns_max": 3.0,
                                      "observation_tokens_mean": float(len(samples[0].response_ids) - 12),
                                      "env_done_frac": 1.0}

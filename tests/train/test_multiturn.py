@@ -40,6 +40,15 @@ def test_env_config_accepted():
                                 "algo.token_advantages=turns", "algo.gamma=0.9"]), 1)
 
 
+def test_plan_sizes_trajectories():
+    from gspo_megatron.train.memory import padded_length
+
+    single = load_config(None, ["rollout.max_prompt_tokens=16", "rollout.max_new_tokens=8"])
+    multi = load_config(None, ["rollout.max_prompt_tokens=16", "rollout.max_new_tokens=8", "rollout.env=calculator",
+                               "rollout.max_trajectory_tokens=100"])
+    assert (padded_length(single), padded_length(multi)) == (24, 116)
+
+
 def test_loop_runs_multiturn_rollouts(tmp_path):
     run = tmp_path / "run"
     command = [sys.executable, "-m", "gspo_megatron.cli", "train", str(ROOT / "examples/tiny_moe_cpu.yaml"),
