@@ -35,7 +35,7 @@ from typing import Any, Protocol, Sequence
 
 import torch
 
-from .errors import RewardError, RolloutError
+from .errors import RewardError
 from .rewards import Rewards, math_reward
 from .types import Group, Sample, SamplingParams
 
@@ -107,22 +107,34 @@ def _observation_ids(observation, tokenizer, where: str) -> list[int]:
         if not observation:
             return []
         if tokenizer is None:
-            raise ValueError(f"{where}: a text observation needs a tokenizer")
+            raise EnvError(f"{where}: a text observation needs a tokenizer")
         return list(tokenizer(observation, add_special_tokens=False)["input_ids"])
     if isinstance(observation, (list, tuple)) and all(isinstance(t, numbers.Integral) and t >= 0 for t in observation):
         return [int(t) for t in observation]
-    raise ValueError(f"{where}: observation {observation!r} is neither text nor a list of token ids")
+    raise EnvError(f"{where}: observation {observation!r} is neither text nor a list of token ids")
 
 
 def _decode(tokenizer, ids: list[int]) -> str | None:
     return tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None else None
 
 
+class EnvError(RewardError):
+    """The environment raised or answered something malformed; the message names it and the sample."""
+
+
+def _env_call(where: str, fn, *args, **kwargs):
+    try:
+        return fn(*args, **kwargs)
+    except Exception as e:  # a user environment may raise anything: report it with the sample
+        raise EnvError(f"{where}: {getattr(fn, '__name__', 'env')}() raised {type(e).__name__}: {e}") from e
+
+
 def run_trajectory(engine, prompt, prompt_index: int, sample_index: int, env, sampling: SamplingParams,
                    tokenizer, limits: TurnLimits) -> Sample:
-    """One trajectory (see the module docstring). The environment's errors propagate."""
+    """One trajectory (see the module docstring). ``EnvError`` when the environment fails, the engine's own errors
+    unchanged."""
     where = f"rollout.env {type(env).__name__}, prompt {prompt_index}, sample {sample_index}"
-    env.reset(prompt)
+    _env_call(where, env.reset, prompt)
     prompt_ids = [int(t) for t in prompt.ids]
     response: list[int] = []
     mask: list[bool] = []
@@ -141,12 +153,12 @@ def run_trajectory(engine, prompt, prompt_index: int, sample_index: int, env, sa
         mask += [True] * len(out.response_ids)
         logprobs += out.logprobs
         text = out.text if out.text is not None else _decode(tokenizer, out.response_ids)
-        step = env.step(text, list(out.response_ids))
+        step = _env_call(where, env.step, text, list(out.response_ids))
         if not isinstance(step, Step):
-            raise ValueError(f"{where}: step() returned {step!r}, not a Step")
+            raise EnvError(f"{where}: step() returned {step!r}, not a Step")
+        if isinstance(step.reward, bool) or not isinstance(step.reward, numbers.Real) or not math.isfinite(step.reward):
+            raise EnvError(f"{where}: step() returned reward {step.reward!r}, not a finite number")
         reward = float(step.reward)
-        if not math.isfinite(reward):
-            raise ValueError(f"{where}: step() returned reward {step.reward!r}")
         turns.append((len(response), reward))
         if step.done:
             finish = "stop"
@@ -177,17 +189,14 @@ def generate_trajectories(engine, prompts: Sequence, n: int, sampling: SamplingP
 
     def one(job):
         p, s = job
+        where = f"rollout.env {getattr(env_class, '__name__', env_class)}, prompt {p}, sample {s}"
         try:
-            return run_trajectory(engine, prompts[p], p, s, env_class(**(env_args or {})), sampling, tokenizer,
-                                  limits), None
-        except RolloutError:
-            raise  # the engine's own failures (a dead or hung server) propagate unchanged
-        except Exception as e:  # an environment may raise anything: report it with the sample
-            message = f"rollout.env raised {type(e).__name__}: {e} (prompt {p}, sample {s})"
+            env = _env_call(where, env_class, **(env_args or {}))
+            return run_trajectory(engine, prompts[p], p, s, env, sampling, tokenizer, limits), None
+        except EnvError as e:  # the engine's own failures (a dead or hung server) propagate unchanged
             if on_error == "raise":
-                raise RewardError(message + "; set data.on_reward_error=mask to drop such trajectories "
-                                  "instead") from e
-            return None, message
+                raise EnvError(f"{e}; set data.on_reward_error=mask to drop such trajectories instead") from e
+            return None, str(e)
 
     with ThreadPoolExecutor(max_workers=min(limits.concurrency, len(jobs)), thread_name_prefix="trajectory") as pool:
         results = list(pool.map(one, jobs))

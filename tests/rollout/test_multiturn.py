@@ -9,13 +9,14 @@ from typing import Any
 import pytest
 import torch
 
-from gspo_megatron.rollout import LocalEngine, RewardError, SamplingParams, flatten, logprob_mismatch, samples_to_batch
+from gspo_megatron.rollout import (LocalEngine, RewardError, SamplingParams, ServerDied, flatten, logprob_mismatch,
+                                   samples_to_batch)
 from gspo_megatron.rollout import synthetic
 from gspo_megatron.rollout.multiturn import (CalculatorEnv, TurnLimits, generate_trajectories, load_env, safe_eval,
                                              turn_metrics)
 
 from .helpers import fused_logprobs, prompts
-from .user_envs import OBSERVATION_IDS, FailingEnv, ScriptedEnv
+from .user_envs import OBSERVATION_IDS, BadRewardEnv, FailingEnv, ScriptedEnv
 
 
 @dataclass
@@ -127,12 +128,24 @@ def test_limits_and_env_errors(local):
                                       TurnLimits(max_turns=10, max_tokens=13, concurrency=1))
     for s in flatten(groups):
         assert len(s.response_ids) <= 13 and s.finish_reason == "length" and s.response_mask[-1]
-    with pytest.raises(RewardError, match="KeyError.*tool crashed.*prompt 0, sample 0"):
+    with pytest.raises(RewardError, match="prompt 0, sample 0: step.. raised KeyError: 'tool crashed'"):
         generate_trajectories(engine, records, 2, sampling, FailingEnv, tokenizer, TurnLimits(concurrency=1))
     groups, rewards = generate_trajectories(engine, records, 2, sampling, FailingEnv, tokenizer,
                                             TurnLimits(concurrency=1), on_error="mask")
     assert not rewards.valid.any() and len(rewards.errors) == 2
     assert all(s.response_ids == [] for s in flatten(groups))
+    assert "FailingEnv, prompt 0, sample 1: step() raised KeyError" in rewards.errors[1]
+    # a malformed answer is the environment's error too; an engine's error is not caught
+    groups, rewards = generate_trajectories(engine, records, 2, sampling, lambda: BadRewardEnv(), tokenizer,
+                                            TurnLimits(concurrency=1), on_error="mask")
+    assert "not a finite number" in rewards.errors[0]
+
+    class Broken:
+        def generate(self, *args):
+            raise ServerDied("gone")
+
+    with pytest.raises(ServerDied):
+        generate_trajectories(Broken(), records, 2, sampling, ScriptedEnv, tokenizer, TurnLimits(), on_error="mask")
 
 
 def test_load_env():

@@ -40,4 +40,12 @@ class FailingEnv:
         return Step(observation="x")
 
 
+class BadRewardEnv:
+    def reset(self, prompt) -> None:
+        pass
+
+    def step(self, text, token_ids) -> Step:
+        return Step(reward=float("nan"), done=True)
+
+
 NotAnEnv = 3
