@@ -29,6 +29,7 @@ import math
 import numbers
 import operator
 import re
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, Protocol, Sequence
@@ -102,20 +103,27 @@ def _turn_seed(seed: int | None, prompt: int, sample: int, turn: int) -> int | N
     return hash((int(seed), prompt, sample, turn)) % (2**31 - 1)
 
 
+_TOKENIZER = threading.Lock()  # a Hugging Face fast tokenizer shared by threads can fail with "Already borrowed"
+
+
 def _observation_ids(observation, tokenizer, where: str) -> list[int]:
     if isinstance(observation, str):
         if not observation:
             return []
         if tokenizer is None:
             raise EnvError(f"{where}: a text observation needs a tokenizer")
-        return list(tokenizer(observation, add_special_tokens=False)["input_ids"])
+        with _TOKENIZER:
+            return list(tokenizer(observation, add_special_tokens=False)["input_ids"])
     if isinstance(observation, (list, tuple)) and all(isinstance(t, numbers.Integral) and t >= 0 for t in observation):
         return [int(t) for t in observation]
     raise EnvError(f"{where}: observation {observation!r} is neither text nor a list of token ids")
 
 
 def _decode(tokenizer, ids: list[int]) -> str | None:
-    return tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None else None
+    if tokenizer is None:
+        return None
+    with _TOKENIZER:
+        return tokenizer.decode(ids, skip_special_tokens=True)
 
 
 class EnvError(RewardError):
