@@ -70,6 +70,21 @@ def group_advantages(
     return torch.where(all_equal | ~keep, torch.zeros_like(centered), centered).view(-1)
 
 
+def _discounted_to_go(rewards: torch.Tensor, ends: torch.Tensor, gamma: float) -> torch.Tensor:
+    """[B, T]: at token t, sum_k gamma^k r_(j+k) over the segments j, j+1, ... ending at or after t (rewards and
+    ends [B, T], rewards 0 off the ends). The recursion R_j = r_j + gamma R_(j+1) runs over segment indices."""
+    B, T = rewards.shape
+    before = ends.long().cumsum(-1) - ends.long()  # [B, T] segments ending before t: t's segment index
+    K = int(ends.sum(-1).max()) if B else 0
+    returns = torch.zeros(B, K + 1, dtype=rewards.dtype)  # column K: after the last segment, 0
+    zero = torch.zeros((), dtype=rewards.dtype)
+    returns.scatter_add_(1, torch.where(ends, before, K), torch.where(ends, rewards, zero))
+    returns[:, K] = 0
+    for k in range(K - 1, -1, -1):
+        returns[:, k] += gamma * returns[:, k + 1]
+    return returns.gather(1, before)
+
+
 def segment_advantages(
     segment_rewards: torch.Tensor,
     segment_ends: torch.Tensor,
@@ -78,6 +93,7 @@ def segment_advantages(
     normalize_std: bool = True,
     eps: float = 1e-6,
     valid: torch.Tensor | None = None,
+    gamma: float = 1.0,
 ) -> torch.Tensor:
     """Per-token advantages from per-segment rewards (DeepSeekMath's process supervision, arXiv 2402.03300 4.1.3).
 
@@ -86,8 +102,9 @@ def segment_advantages(
     response_mask: [B, T] bool, the response tokens; groups of ``group_size`` rows as in group_advantages.
     Every segment reward is normalised by the mean and (unbiased) std of all segment rewards of its group's valid
     samples; a token's advantage is the sum of the normalised rewards of the segments ending at or after it
-    (its own segment's and every later one's). Tokens after a sample's last segment, masked tokens and invalid
-    samples get 0. Returns [B, T] float.
+    (its own segment's and every later one's), the k-th later one weighted gamma^k (``gamma`` in (0, 1]: turn-level
+    discounting of multi-turn rollouts). Tokens after a sample's last segment, masked tokens (a multi-turn
+    trajectory's observations) and invalid samples get 0. Returns [B, T] float.
 
     With one segment per response ending at its last token, every token gets the group-normalised sequence
     reward: exactly group_advantages broadcast over the response, so GSPO-token then equals GSPO.
@@ -118,5 +135,10 @@ def segment_advantages(
     first = values.gather(1, keep.to(torch.int64).argmax(dim=-1, keepdim=True))
     all_equal = ((values == first) | ~keep).all(dim=-1, keepdim=True) | (count < 2)
     normalised = torch.where(all_equal, zero, centered).view(B, T)
-    to_go = normalised.flip(-1).cumsum(-1).flip(-1)  # sum over segments ending at or after t
+    if not 0 < gamma <= 1:
+        raise ValueError(f"gamma={gamma} must be in (0, 1]")
+    if gamma == 1:
+        to_go = normalised.flip(-1).cumsum(-1).flip(-1)  # sum over segments ending at or after t
+    else:
+        to_go = _discounted_to_go(normalised, ends, gamma)
     return torch.where(response_mask.bool() & valid.unsqueeze(1), to_go, zero)

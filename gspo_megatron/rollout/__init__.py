@@ -10,6 +10,8 @@ transformers), weight sync into the servers after each update, rewards.
   ``(hf_name, tensor)``; ``process_group``: the trainer's end of the sync group.
 - ``local_engine.LocalEngine``: the same interface on a transformers model in this process.
 - ``rewards``: math verifier, exact match, the synthetic tasks (``synthetic``), ``module:function``; ``score``.
+- ``multiturn``: multi-turn, tool-using rollouts: an environment (``reset(prompt)``, ``step(text, token_ids) ->
+  Step``) answering each turn; token-exact trajectories with the observations masked; the calculator tool.
 - ``batch.samples_to_batch``: samples -> token-aligned trainer tensors; ``mismatch.logprob_mismatch``: the
   train/inference log-prob gap, a metric for every step.
 - ``hf_weights``: a transformers model's weights as checkpoint-named tensors (and back).

@@ -3,6 +3,8 @@
 For a sample with prompt p (P tokens) and response r (R tokens), row b holds input_ids = p + r, right-padded, and
     labels[b, t]       = input_ids[b, t + 1]            (the next token)
     loss_mask[b, t]    = P - 1 <= t <= P + R - 2         (labels[b, t] is a response token)
+                         and response_mask[t - P + 1]     (a token the model sampled: multi-turn observations
+                                                           are in input_ids but carry no loss)
     rollout_logprobs   = the engine's log-prob of labels[b, t] where loss_mask, else 0
 so the log-prob the trainer computes at position t is comparable with the engine's, token for token.
 
@@ -42,8 +44,9 @@ def samples_to_batch(samples: Sequence[Sample], pad_id: int = 0, pad_to_multiple
         input_ids[b, :P + R] = ids
         labels[b, :P + R - 1] = ids[1:]
         if R:
-            loss_mask[b, P - 1:P + R - 1] = True
-            logprobs[b, P - 1:P + R - 1] = s.logprobs_tensor()
+            mask = s.mask_tensor()
+            loss_mask[b, P - 1:P + R - 1] = mask
+            logprobs[b, P - 1:P + R - 1] = torch.where(mask, s.logprobs_tensor(), 0.0)
     out = {
         "input_ids": input_ids,
         "labels": labels,

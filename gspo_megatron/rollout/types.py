@@ -78,8 +78,18 @@ class Sample:
     # The experts the engine routed each token to (rollout routing replay): [P + R - 1, layers, top-k] int16, row t
     # for the token at position t of prompt + response (the last token is never forwarded: it has no row).
     routed_experts: torch.Tensor | None = None
+    # Multi-turn trajectories (``rollout.multiturn``): response_ids holds the model's turns and the environment's
+    # observations in order; response_mask[j] is True where the model sampled response_ids[j] (only those carry a
+    # log-prob, a loss and an advantage; observation positions have logprobs 0). None: every token is the model's.
+    response_mask: list[bool] | None = None
+    # Per turn (end, reward): end counts the response tokens up to and including the turn's last model token (the
+    # segments of ``algo.token_advantages=turns``); None for single-turn samples.
+    turns: list[tuple[int, float]] | None = None
 
     def __post_init__(self):
+        if self.response_mask is not None and len(self.response_mask) != len(self.response_ids):
+            raise ValueError(f"sample (prompt {self.prompt_index}, sample {self.sample_index}): response_mask of "
+                             f"{len(self.response_mask)} for {len(self.response_ids)} response tokens")
         if self.routed_experts is not None:
             expected = len(self.prompt_ids) + len(self.response_ids) - 1
             if self.routed_experts.dim() != 3 or self.routed_experts.shape[0] != expected:
@@ -105,6 +115,12 @@ class Sample:
 
     def logprobs_tensor(self) -> torch.Tensor:
         return torch.tensor(self.logprobs, dtype=torch.float32)
+
+    def mask_tensor(self) -> torch.Tensor:
+        """[R] bool: the response tokens the model sampled (all of them for a single-turn sample)."""
+        if self.response_mask is None:
+            return torch.ones(len(self.response_ids), dtype=torch.bool)
+        return torch.tensor(self.response_mask, dtype=torch.bool)
 
 
 @dataclass

@@ -4,6 +4,9 @@
     segments   [N, S]: per token, from the samples' per-segment rewards (``algo.segment_advantages``), aligned
                with ``labels`` like the log-probs: response token j of a sample with a P-token prompt is position
                P - 1 + j
+    turns      [N, S]: the same with a multi-turn trajectory's turns as the segments (``rollout.env``'s turn
+               rewards, each ending at its turn's last model token), discounted by ``algo.gamma``; observation
+               tokens are outside loss_mask and get 0
 
 Samples whose reward failed and was masked (``data.on_reward_error=mask``) take no part in their group's
 statistics and get advantage 0 (the loop also drops them from the loss).
@@ -39,4 +42,6 @@ def advantages(rollout, cfg: Config) -> torch.Tensor:
         return group_advantages(rollout.rewards, group, normalize_std=normalize, valid=valid)
     batch = rollout.batch
     rewards, ends = segment_tensors(rollout.segments, batch["prompt_lengths"], tuple(batch["loss_mask"].shape), valid)
-    return segment_advantages(rewards, ends, batch["loss_mask"], group, normalize_std=normalize, valid=valid)
+    gamma = cfg.algo.gamma if cfg.algo.token_advantages == "turns" else 1.0
+    return segment_advantages(rewards, ends, batch["loss_mask"], group, normalize_std=normalize, valid=valid,
+                              gamma=gamma)

@@ -150,6 +150,18 @@ class RolloutConfig:
     """A response cut at max_new_tokens (finish_reason length; counted as ``responses_truncated``): keep (trained
     with its reward) or mask (out of the loss and of its group's mean and std, like a failed reward: DAPO's
     overlong filtering)."""
+    env: str = ""
+    """Multi-turn rollouts (``rollout.multiturn``): an environment class, ``module:Class`` or a built-in
+    (calculator), with reset(prompt) and step(text, token_ids) -> Step(observation, reward, done). The trajectory's
+    reward is the sum of its turn rewards (``data.reward`` is not used). Empty: single-turn responses."""
+    env_args: dict = field(default_factory=dict)
+    """Keyword arguments of the environment class (one instance per trajectory)."""
+    max_turns: int = 4
+    """With env: model turns per trajectory (each at most max_new_tokens)."""
+    max_trajectory_tokens: int = 256
+    """With env: response tokens per trajectory, model turns and observations together (the prompt excluded)."""
+    env_concurrency: int = 32
+    """With env: trajectories in flight at once (one thread each; the local engine runs them one at a time)."""
 
 
 @dataclass
@@ -166,7 +178,10 @@ class AlgoSection:
     token_advantages: str = "sequence"
     """Where per-token advantages come from (gspo_token, grpo): sequence (A_i on every token; GSPO-token then equals
     GSPO) or segments (``data.segment_reward``'s per-segment rewards, group-normalised, summed over the segments at
-    and after each token: DeepSeekMath's process supervision)."""
+    and after each token: DeepSeekMath's process supervision) or turns (the same with ``rollout.env``'s per-turn
+    rewards as the segments, each ending at its turn's last model token, discounted by ``gamma``)."""
+    gamma: float = 1.0
+    """With token_advantages=turns: the discount of later turns' rewards in a token's advantage (1: undiscounted)."""
     routing_replay: bool | str = False
     """MoE routing replay. true (or old): GRPO + Routing Replay, the old-policy pass records its experts and the
     update replays them. rollout (R3): the SGLang engine returns the experts it routed every token to (prompt and

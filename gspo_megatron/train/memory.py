@@ -268,8 +268,10 @@ class MemoryEstimate:
 
 def padded_length(cfg: Config) -> int:
     """Columns of every micro batch: the longest possible row (prompt + response), padded as the loop pads
-    (``rollout.batch.samples_to_batch``, a multiple of parallel.tensor)."""
-    s = cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens
+    (``rollout.batch.samples_to_batch``, a multiple of parallel.tensor). A multi-turn trajectory's response is up
+    to ``rollout.max_trajectory_tokens`` (turns and observations)."""
+    r = cfg.rollout
+    s = r.max_prompt_tokens + (r.max_trajectory_tokens if r.env else r.max_new_tokens)
     multiple = cfg.parallel.tensor * (2 * cfg.parallel.context if cfg.parallel.context > 1 else 1)
     return -(-s // multiple) * multiple
 

@@ -100,7 +100,8 @@ def memory_lines(cfg: Config, estimate: MemoryEstimate, world_size: int, gpu_mem
         "assumptions:",
         f"  layers       {impl}, {cfg.model.dtype}",
         f"  sequences    every micro batch padded to {estimate.seq_len} tokens (rollout.max_prompt_tokens + "
-        "max_new_tokens: rows are padded to the rollout's longest)",
+        f"{'max_trajectory_tokens' if cfg.rollout.env else 'max_new_tokens'}: rows are padded to the rollout's "
+        "longest)",
         f"  micro batch  {p.micro_batch_size} sequence(s); {estimate.micro_batches} per minibatch per data-parallel "
         f"rank; in flight (1F1B): "
         + ", ".join(f"{st.micro_batches_in_flight} on the {st.stage} stage" for st in estimate.stages),

@@ -93,6 +93,8 @@ def _sampling(cfg: Config, step: int, eos_ids):
 def _generate_and_score(engine, prompts: list[Prompt], cfg: Config, step: int, tokenizer, reward_fn, n: int):
     from gspo_megatron.rollout import score
 
+    if cfg.rollout.env:  # multi-turn: the environment's turn rewards instead of reward_fn
+        return _trajectories(engine, prompts, cfg, step, tokenizer, n)
     start = time.perf_counter()
     groups = engine.generate([p.ids for p in prompts], n, _sampling(cfg, step, [tokenizer.eos_token_id]))
     seconds = time.perf_counter() - start
@@ -122,6 +124,21 @@ def _segment_reward_fn(cfg: Config):
     if key not in _segment_pools:
         _segment_pools[key] = RewardPool(d.segment_reward, d.reward_workers, d.reward_timeout_s, "BUILTIN_SEGMENTS")
     return _segment_pools[key]
+
+
+def _trajectories(engine, prompts: list[Prompt], cfg: Config, step: int, tokenizer, n: int):
+    """n multi-turn trajectories per prompt with rollout.env (``rollout.multiturn``); same results as above."""
+    from gspo_megatron.rollout import LocalEngine
+    from gspo_megatron.rollout.multiturn import TurnLimits, generate_trajectories, load_env
+
+    r = cfg.rollout
+    concurrency = 1 if isinstance(engine, LocalEngine) else r.env_concurrency  # the local engine: one at a time
+    limits = TurnLimits(r.max_turns, r.max_trajectory_tokens, concurrency)
+    start = time.perf_counter()
+    groups, rewards = generate_trajectories(engine, prompts, n, _sampling(cfg, step, [tokenizer.eos_token_id]),
+                                            load_env(r.env), tokenizer, limits, cfg.data.on_reward_error, r.env_args)
+    samples = [s for g in groups for s in g.samples]
+    return samples, rewards, time.perf_counter() - start, [s.text for s in samples]
 
 
 def _segment_rewards(samples, prompts: list[Prompt], cfg: Config, tokenizer):
@@ -160,6 +177,8 @@ def collect(engine, prompts: list[Prompt], cfg: Config, step: int, tokenizer, re
         if cfg.algo.token_advantages == "segments":
             segments, segments_valid = _segment_rewards(samples, prompts, cfg, tokenizer)
             valid = valid & segments_valid
+        elif cfg.algo.token_advantages == "turns":  # multi-turn: each turn a segment with its reward
+            segments = [s.turns for s in samples]
         kept, response_metrics = screen_responses(samples, cfg.rollout.on_truncated)
         lengths = [len(s.response_ids) for s in samples]
         metrics = {
@@ -176,6 +195,10 @@ def collect(engine, prompts: list[Prompt], cfg: Config, step: int, tokenizer, re
             "time/rollout": seconds,
             "example": f"{prompts[0].text!r} -> {responses[0]!r}",
         }
+        if cfg.rollout.env:
+            from gspo_megatron.rollout.multiturn import turn_metrics
+
+            metrics.update(turn_metrics(samples))
         payload = (samples, rewards.values, valid & kept, metrics, segments)
     samples, values, valid, metrics, segments = control.broadcast_from_rank0(payload)
     batch = samples_to_batch(samples, pad_id=0, pad_to_multiple=pad_multiple)

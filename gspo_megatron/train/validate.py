@@ -13,7 +13,7 @@ from gspo_megatron.train.recompute import check_recompute
 
 ENGINES = ("sglang", "local")
 WEIGHT_SYNCS = ("distributed", "disk")
-TOKEN_ADVANTAGES = ("sequence", "segments")
+TOKEN_ADVANTAGES = ("sequence", "segments", "turns")
 LR_DECAYS = ("constant", "linear", "cosine")
 
 
@@ -104,6 +104,34 @@ def validate_timeouts(cfg: Config) -> None:
                               "long for rank 0's rollout; raise distributed.control_timeout_s")
 
 
+def validate_env(cfg: Config) -> None:
+    """Multi-turn rollouts (rollout.env) and turn-level advantages."""
+    a, r = cfg.algo, cfg.rollout
+    if not (0 < a.gamma <= 1):
+        raise ConfigError(f"algo.gamma={a.gamma} must be in (0, 1]")
+    if a.token_advantages == "turns":
+        if not r.env:
+            raise ConfigError("algo.token_advantages='turns' needs rollout.env (the environment's per-turn rewards)")
+        if a.name == "gspo":
+            raise ConfigError("algo.token_advantages='turns' needs a loss with per-token advantages: set "
+                              "algo.name=gspo_token (or grpo)")
+    elif a.gamma != 1:
+        raise ConfigError(f"algo.gamma={a.gamma} applies to algo.token_advantages='turns' only")
+    if not r.env:
+        return
+    from gspo_megatron.rollout.multiturn import load_env
+
+    try:
+        load_env(r.env)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    for name in ("max_turns", "max_trajectory_tokens", "env_concurrency"):
+        _positive(getattr(r, name), f"rollout.{name}")
+    if a.replays_rollout_routing:
+        raise ConfigError("algo.routing_replay=rollout with rollout.env: the engine's routes of a multi-turn "
+                          "trajectory are not assembled yet; set algo.routing_replay=false")
+
+
 def validate(cfg: Config, world_size: int, hf: dict | None = None) -> None:
     a, r, o = cfg.algo, cfg.rollout, cfg.optimizer
     _one_of(a.name, ALGORITHMS, "algo.name")
@@ -127,6 +155,7 @@ def validate(cfg: Config, world_size: int, hf: dict | None = None) -> None:
         if not cfg.data.segment_reward:
             raise ConfigError("algo.token_advantages='segments' needs data.segment_reward (synthetic, or "
                               "module:function returning [(end, reward), ...] per response)")
+    validate_env(cfg)
     if a.routing_replay not in (False, True, "rollout"):
         raise ConfigError(f"algo.routing_replay={a.routing_replay!r} is not one of false, true (or old: replay the "
                           "old policy's experts), rollout (replay the experts the rollout engine routed to)")

@@ -78,7 +78,7 @@ def test_bad_fields_are_named(overrides, message):
          r"routing but the model has no experts"),
         (["algo.name=grpo", "algo.routing_replay=rollout", "recompute.granularity=full"], 1, None,
          r"algo.routing_replay=rollout with recompute.granularity='full'"),
-        (["algo.token_advantages=turns"], 1, None, r"algo.token_advantages='turns' is not one of"),
+        (["algo.token_advantages=tokens"], 1, None, r"algo.token_advantages='tokens' is not one of"),
         (["algo.token_advantages=segments"], 1, None, r"algo.token_advantages='segments' needs a loss with per-token"),
         (["algo.name=gspo_token", "algo.token_advantages=segments"], 1, None, r"needs data.segment_reward"),
     ],
