@@ -18,7 +18,7 @@ of each turn, and reward the sum of the turn rewards. A trajectory ends when the
 for another model token ("length"). ``concurrency`` trajectories are in flight at once (threads; a server
 batches their requests).
 
-Built in: ``calculator`` (``CalculatorEnv``).
+Built in: ``calculator`` (``CalculatorEnv``), ``python`` (``PythonEnv``: code run in ``rollout.sandbox``).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ import torch
 
 from .errors import RewardError
 from .rewards import Rewards, math_reward
+from .sandbox import Limits, run_python
 from .types import Group, Sample, SamplingParams
 
 
@@ -295,8 +296,81 @@ class CalculatorEnv:
             except (ValueError, ZeroDivisionError, OverflowError) as e:
                 result = f"error: {e}"
             return Step(observation=f"<result>{result}</result>")
-        reward = math_reward("", text, self.label) if self.label is not None else 0.0
-        return Step(reward=reward, done=True)
+        return answer_step(text, self.label)
 
 
-BUILTIN_ENVS = {"calculator": CalculatorEnv}
+def answer_step(text: str, label) -> Step:
+    """A built-in tool's final turn (no tool call): done, reward 1.0 if its final \\boxed{} or last number equals
+    ``label`` (``rewards.math_reward``), else 0 (also without a label)."""
+    reward = math_reward("", text, label) if label is not None else 0.0
+    return Step(reward=reward, done=True)
+
+
+_PYTHON = re.compile(r"<python>(.*?)</python>", re.DOTALL)
+TRUNCATED = "[output truncated]"
+
+
+class PythonEnv:
+    """A Python tool. A turn holding ``<python>print(6*7)</python>`` is a call: the last block of the turn runs as a
+    script in the sandbox (``rollout.sandbox.run_python``: its own process, CPU, memory, output and wall-time
+    limits, a scratch directory, no network where ``unshare`` works) and the observation is
+    ``<output>42\\n</output>``: its stdout (at most ``output_bytes``: a program printing more is stopped there and
+    ``[output truncated]`` follows), then, if it failed, ``error: `` and the last line of its traceback
+    (``error: ZeroDivisionError: division by zero``) or the limit that stopped it. Reward 0. Each call is a fresh
+    process: nothing (variables, files) carries over between calls. A turn without a complete block is the answer,
+    scored like the calculator's (``answer_step``).
+
+    Keyword arguments (``rollout.env_args``): ``cpu_seconds`` (int, RLIMIT_CPU), ``memory_mb`` (int >= 64,
+    RLIMIT_AS), ``output_bytes`` (int, stdout and stderr each), ``wall_seconds`` (number, the process group is
+    killed after it). A bad value is a ``ValueError`` naming ``rollout.env_args.<name>``."""
+
+    def __init__(self, cpu_seconds: int = 5, memory_mb: int = 512, output_bytes: int = 1024,
+                 wall_seconds: float = 10.0):
+        def check(name, value, minimum, integer=True):
+            kinds = (numbers.Integral,) if integer else (numbers.Real,)
+            if isinstance(value, bool) or not isinstance(value, kinds) or not math.isfinite(value) or value < minimum:
+                raise ValueError(f"rollout.env_args.{name}={value!r} must be {'an integer' if integer else 'a number'}"
+                                 f" >= {minimum}")
+
+        check("cpu_seconds", cpu_seconds, 1)
+        check("memory_mb", memory_mb, 64)  # the interpreter itself needs a few tens of MiB of address space
+        check("output_bytes", output_bytes, 1)
+        check("wall_seconds", wall_seconds, 0.1, integer=False)
+        self.limits = Limits(wall_s=float(wall_seconds), cpu_s=int(cpu_seconds), memory_bytes=int(memory_mb) << 20,
+                             output_bytes=int(output_bytes))
+
+    def reset(self, prompt) -> None:
+        self.label = prompt.label
+
+    def step(self, text: str, token_ids: list[int]) -> Step:
+        calls = _PYTHON.findall(text)
+        if not calls:
+            return answer_step(text, self.label)
+        return Step(observation=f"<output>{self.run(calls[-1])}</output>")
+
+    def run(self, code: str) -> str:
+        """The observation's text for one program."""
+        result = run_python(code, limits=self.limits)
+        out = result.stdout
+        if result.killed_by == "output":
+            return _then(out, TRUNCATED)
+        if result.ok:
+            return out
+        if result.killed_by == "wall":
+            error = f"time limit ({self.limits.wall_s:g} s) exceeded"
+        elif result.killed_by == "cpu":
+            error = f"CPU time limit ({self.limits.cpu_s} s) exceeded"
+        elif result.killed_by == "memory":
+            error = f"MemoryError: memory limit ({self.limits.memory_bytes >> 20} MiB) exceeded"
+        else:
+            lines = [line for line in result.stderr.splitlines() if line.strip()]
+            error = lines[-1].strip() if lines else f"exit status {result.returncode}"
+        return _then(out, f"error: {error}")
+
+
+def _then(out: str, line: str) -> str:
+    """``line`` on a line of its own after ``out``."""
+    return out + line if not out or out.endswith("\n") else f"{out}\n{line}"
+
+
+BUILTIN_ENVS = {"calculator": CalculatorEnv, "python": PythonEnv}

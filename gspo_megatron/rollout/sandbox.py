@@ -1,5 +1,5 @@
 """Run untrusted Python (a model's program) in a subprocess with limits: the code-execution reward's sandbox, and
-a multi-turn Python tool's later.
+the multi-turn Python tool's (``rollout.env: python``, ``multiturn.PythonEnv``).
 
     result = run_python("print(input()[::-1])", stdin="abc", limits=Limits(wall_s=5))
     result.stdout == "cba\\n", result.ok, result.killed_by  # None, "wall", "cpu", "memory" or "output"

@@ -152,10 +152,11 @@ class RolloutConfig:
     overlong filtering)."""
     env: str = ""
     """Multi-turn rollouts (``rollout.multiturn``): an environment class, ``module:Class`` or a built-in
-    (calculator), with reset(prompt) and step(text, token_ids) -> Step(observation, reward, done). The trajectory's
-    reward is the sum of its turn rewards (``data.reward`` is not used). Empty: single-turn responses."""
+    (calculator, python), with reset(prompt) and step(text, token_ids) -> Step(observation, reward, done). The
+    trajectory's reward is the sum of its turn rewards (``data.reward`` is not used). Empty: single-turn responses."""
     env_args: dict = field(default_factory=dict)
-    """Keyword arguments of the environment class (one instance per trajectory)."""
+    """Keyword arguments of the environment class (one instance per trajectory); a built-in's are checked at start
+    (python: cpu_seconds, memory_mb, output_bytes, wall_seconds)."""
     max_turns: int = 4
     """With env: model turns per trajectory (each at most max_new_tokens)."""
     max_trajectory_tokens: int = 256

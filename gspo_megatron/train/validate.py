@@ -119,12 +119,21 @@ def validate_env(cfg: Config) -> None:
         raise ConfigError(f"algo.gamma={a.gamma} applies to algo.token_advantages='turns' only")
     if not r.env:
         return
-    from gspo_megatron.rollout.multiturn import load_env
+    from gspo_megatron.rollout.multiturn import BUILTIN_ENVS, load_env
 
     try:
-        load_env(r.env)
+        env_class = load_env(r.env)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if not isinstance(r.env_args, dict):
+        raise ConfigError(f"rollout.env_args={r.env_args!r} must be a mapping of keyword arguments")
+    if r.env in BUILTIN_ENVS:  # cheap to build: check env_args now, not in the first rollout (a user class may not be)
+        try:
+            env_class(**r.env_args)
+        except TypeError as e:
+            raise ConfigError(f"rollout.env_args={r.env_args!r} for rollout.env={r.env}: {e}") from None
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     for name in ("max_turns", "max_trajectory_tokens", "env_concurrency"):
         _positive(getattr(r, name), f"rollout.{name}")
     if a.replays_rollout_routing:

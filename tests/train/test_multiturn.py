@@ -28,6 +28,11 @@ ENV = "tests.rollout.user_envs:ScriptedEnv"
     (["algo.gamma=0.9"], r"algo.gamma=0.9 applies to algo.token_advantages='turns' only"),
     ([f"rollout.env={ENV}", "algo.token_advantages=turns", "algo.name=grpo", "algo.gamma=0"], r"algo.gamma=0.0 must"),
     ([f"rollout.env={ENV}", "algo.routing_replay=rollout"], r"algo.routing_replay=rollout with rollout.env"),
+    (["rollout.env=python", "rollout.env_args={cpu_seconds: 0}"], r"rollout.env_args.cpu_seconds=0 must be"),
+    (["rollout.env=python", "rollout.env_args={memory_mb: 8}"], r"rollout.env_args.memory_mb=8 must be"),
+    (["rollout.env=python", "rollout.env_args={cpu_secs: 2}"],
+     r"rollout.env_args=.* for rollout.env=python: .*unexpected keyword argument 'cpu_secs'"),
+    (["rollout.env=calculator", "rollout.env_args={x: 1}"], r"rollout.env=calculator: CalculatorEnv\(\) takes no"),
 ])
 def test_env_config_errors_name_the_field(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -36,6 +41,9 @@ def test_env_config_errors_name_the_field(overrides, message):
 
 def test_env_config_accepted():
     validate(load_config(None, ["data.task=count", "rollout.env=calculator"]), 1)
+    validate(load_config(None, ["data.task=count", "rollout.env=python",
+                                "rollout.env_args={cpu_seconds: 2, memory_mb: 256, output_bytes: 512, "
+                                "wall_seconds: 4}"]), 1)
     validate(load_config(None, ["data.task=count", f"rollout.env={ENV}", "algo.name=gspo_token",
                                 "algo.token_advantages=turns", "algo.gamma=0.9"]), 1)
 
