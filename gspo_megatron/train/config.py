@@ -60,6 +60,14 @@ class ParallelConfig:
     """Shard optimizer state over data-parallel ranks (ZeRO-1)."""
     micro_batch_size: int = 1
     """Sequences per micro batch."""
+    pack_sequences: bool = False
+    """Run each micro batch as one row of its sequences back to back, no padding (``parallel.packing``):
+    TransformerEngine's THD attention on GPUs, a block-diagonal causal mask with megatron's local attention. Off by
+    default (rows padded to the rollout's longest sequence). Not with parallel.context > 1 yet."""
+    max_tokens_per_micro_batch: int | None = None
+    """Token budget per micro batch (needs pack_sequences): a minibatch's sequences on each data-parallel rank are
+    balanced into the fewest micro batches of at most this many tokens (a longer sequence is its own micro batch),
+    as many on every rank; replaces micro_batch_size. None (default): micro_batch_size sequences each."""
 
 
 @dataclass

@@ -42,7 +42,15 @@ def validate_layout(cfg: Config, world_size: int) -> int:
              "launch a multiple of that many processes, or lower the parallel sizes")
     etp = p.expert_tensor or p.tensor
     _divides(world_size, p.expert * etp * p.pipeline, "world size", "parallel.expert*expert_tensor*pipeline")
+    if p.max_tokens_per_micro_batch is not None:
+        _positive(p.max_tokens_per_micro_batch, "parallel.max_tokens_per_micro_batch")
+        if not p.pack_sequences:
+            raise ConfigError("parallel.max_tokens_per_micro_batch needs parallel.pack_sequences=true (the budget "
+                              "counts the tokens of a packed row; padded rows would cost their padding too)")
     if p.context > 1:
+        if p.pack_sequences:
+            raise ConfigError(f"parallel.pack_sequences=true with parallel.context={p.context}: packed rows are not "
+                              "split over context-parallel ranks yet; set parallel.pack_sequences=false")
         if not transformer_engine_available():
             raise ConfigError(
                 f"parallel.context={p.context} needs TransformerEngine attention (megatron's local attention "
@@ -142,9 +150,13 @@ def validate(cfg: Config, world_size: int, hf: dict | None = None) -> None:
     check_performance(cfg)
     batch = r.prompts_per_step * r.group_size
     _divides(batch, a.minibatches, "rollout.prompts_per_step*group_size", "algo.minibatches")
-    _divides(batch // a.minibatches, dp * cfg.parallel.micro_batch_size, "sequences per minibatch",
-             "data-parallel size * parallel.micro_batch_size",
-             "every data-parallel rank needs whole micro batches of each minibatch")
+    if cfg.parallel.max_tokens_per_micro_batch is None:
+        _divides(batch // a.minibatches, dp * cfg.parallel.micro_batch_size, "sequences per minibatch",
+                 "data-parallel size * parallel.micro_batch_size",
+                 "every data-parallel rank needs whole micro batches of each minibatch")
+    else:
+        _divides(batch // a.minibatches, dp, "sequences per minibatch", "data-parallel size",
+                 "every data-parallel rank needs an equal share of each minibatch")
     if not (cfg.data.prompts or cfg.data.task):
         raise ConfigError("data.prompts (a JSONL file) or data.task (a built-in task) must be set")
     if cfg.data.prompts and cfg.data.task:
