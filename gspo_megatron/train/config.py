@@ -142,6 +142,12 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    filter_zero_variance_groups: bool = False
+    """DAPO's dynamic sampling: drop groups whose rewards are all equal (zero advantage: no GSPO signal) and sample
+    more prompts until prompts_per_step groups remain, for at most max_sampling_rounds rounds; a batch still short
+    then is filled with dropped groups (logged as sampling/uniform_groups_kept)."""
+    max_sampling_rounds: int = 3
+    """With filter_zero_variance_groups: generation rounds per step at most (the first included)."""
     reuse_rollout_logprobs: bool = False
     """Use SGLang's log-probs as pi_old instead of recomputing them in the trainer (the GSPO paper allows it)."""
     weight_sync: str = "distributed"

@@ -138,7 +138,7 @@ def validate(cfg: Config, world_size: int, hf: dict | None = None) -> None:
                               f"reduces over context-parallel ranks so far; set algo.{name}=0")
     if r.group_size < 2:
         raise ConfigError(f"rollout.group_size={r.group_size}: group advantages need at least 2 responses per prompt")
-    for name in ("prompts_per_step", "max_new_tokens", "temperature"):
+    for name in ("prompts_per_step", "max_new_tokens", "temperature", "max_sampling_rounds"):
         _positive(getattr(r, name), f"rollout.{name}")
     _positive(a.minibatches, "algo.minibatches")
     _positive(o.lr, "optimizer.lr") if o.lr != 0 else None
