@@ -250,7 +250,7 @@ def pipeline_gathered(bridge, model):
                     dist.broadcast(tensor.contiguous(), src=src, group=pp_group)
                 else:
                     yield name, tensor
-        else:
+        elif stage != 0:  # the first stage's tensors stay where they are
             for name in names[0]:
                 received = torch.empty(shapes[name], dtype=dtype, device=device)
                 dist.broadcast(received, src=src, group=pp_group)
