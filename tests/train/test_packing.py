@@ -12,12 +12,12 @@ absolute (fp32, values ~5), loss 1e-6 absolute (a mean of advantage-weighted rat
 gradient norm 1e-5 relative, gradients 1e-5 relative (max |a-e| / max |e|);
 routing decisions and token counts exactly.
 
-Through the trainer (``train.update_phase``, the policy built from a tiny HF Qwen3-MoE, two data-parallel ranks,
-2 minibatches at lr 0): padded rows, packed rows, and packed token-budget micro batches (``parallel.max_tokens_per_micro_batch``:
-unequal micro batches, a sequence longer than the budget alone, the count agreed over DP ranks) give the same
-old-policy pass, loss, gradient norm, update metrics and the second minibatch's gradients, for GSPO (with expert
+Through the trainer (``train.update_phase``, the policy built from a tiny HF Qwen3-MoE, two data-parallel ranks and
+then PP2, 2 minibatches at lr 0): padded rows, packed rows (DP2), and packed token-budget micro batches
+(``parallel.max_tokens_per_micro_batch``: other groupings than the fixed split, the count agreed over DP ranks) give
+the same old-policy pass, loss, gradient norm, update metrics and the second minibatch's gradients, for GSPO (with expert
 volatility) and GRPO + Routing Replay: the per-sequence normalisation is exact for token-budget splits too (1e-5
-relative).
+relative). Under PP2 rank 0 also gathers every stage's HF tensors (``rollout_phase.pipeline_gathered``).
 """
 
 from __future__ import annotations
@@ -203,8 +203,9 @@ BASE = ["data.task=reverse", "model.dtype=float32", "rollout.prompts_per_step=2"
 PHASE_CASES = {
     "padded": [],
     "packed": ["parallel.pack_sequences=true"],
-    # minibatch shares of 2 rows of 48-96 tokens: one or two micro batches, a 96-token row over the budget alone
-    "budget": ["parallel.pack_sequences=true", "parallel.max_tokens_per_micro_batch=90"],
+    # rows of 48-96 tokens: a DP2 share of 2 rows fits one micro batch or needs two (the count is agreed over
+    # the ranks); PP2's 4-row minibatches split by tokens, not by 2 rows
+    "budget": ["parallel.pack_sequences=true", "parallel.max_tokens_per_micro_batch=150"],
 }
 ALGOS = {"gspo": [], "grpo_replay": ["algo.name=grpo", "algo.routing_replay=true"]}
 
@@ -224,49 +225,71 @@ def hf_dir(tmp_path_factory):
     return str(path)
 
 
+PHASE_LAYOUTS = {"dp2": [], "pp2": ["parallel.pipeline=2"]}
+
+
 def run_phases(hf_dir: str) -> dict:
-    """Each (algorithm, batching) case on this rank: the old pass, two minibatch updates, the weights after."""
+    """Each (layout, algorithm, batching) case on this rank: the old pass, two minibatch updates (at lr 0), the
+    second one's gradients; under PP2 also the weights rank 0 gathers for the local engine / disk sync."""
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
-    from gspo_megatron.train import update_phase
+    from gspo_megatron.parallel import groups
+    from gspo_megatron.train import rollout_phase, update_phase
     from gspo_megatron.train.bootstrap import algo_config
     from gspo_megatron.train.config import load_config
     from gspo_megatron.train.memory_probe import synthetic_rollout
-    from gspo_megatron.train.policy import build_policy
+    from gspo_megatron.train.policy import build_policy, layout_of
 
     results = {}
-    for algo_name, algo_overrides in ALGOS.items():
-        for name, overrides in PHASE_CASES.items():
-            cfg = load_config(None, BASE + algo_overrides + overrides + [f"model.hf_dir={hf_dir}"])
-            batch = synthetic_rollout(cfg, 128, SEQ, seed=4)
-            RouterReplay.clear_global_router_replay_instances()  # one policy per process in the trainer
-            policy = build_policy(cfg, hf_dir)
-            rows = update_phase.row_plan(batch["input_ids"].shape[0], cfg)
-            plan = [[p.numel() for p in update_phase.micro_batch_rows(batch, r, cfg)] for r in rows]
-            metrics = {}
-            routing = update_phase.old_logprobs(policy, batch, rows, cfg, algo_config(cfg), metrics)
-            metrics.update(update_phase.update(policy, batch, rows, routing, cfg, algo_config(cfg)))
-            grads = torch.cat([p.main_grad.detach().flatten().clone() for p in policy.model.parameters()])
-            results[f"{algo_name}/{name}"] = {"metrics": metrics, "grads": grads, "plan": plan,
-                                              "old": batch["old_logprobs"][batch["loss_mask"]]}
+    for layout_name, layout_overrides in PHASE_LAYOUTS.items():
+        for algo_name, algo_overrides in ALGOS.items():
+            for name, overrides in PHASE_CASES.items():
+                if layout_name == "pp2" and name == "packed":
+                    continue  # packed rows under PP2 are in the model-level launch; here the token budget
+                cfg = load_config(None, BASE + layout_overrides + algo_overrides + overrides
+                                  + [f"model.hf_dir={hf_dir}"])
+                groups.init_model_parallel(layout_of(cfg))
+                batch = synthetic_rollout(cfg, 128, SEQ, seed=4)
+                RouterReplay.clear_global_router_replay_instances()  # one policy per process in the trainer
+                policy = build_policy(cfg, hf_dir)
+                rows = update_phase.row_plan(batch["input_ids"].shape[0], cfg)
+                plan = [[p.numel() for p in update_phase.micro_batch_rows(batch, r, cfg)] for r in rows]
+                metrics = {}
+                routing = update_phase.old_logprobs(policy, batch, rows, cfg, algo_config(cfg), metrics)
+                metrics.update(update_phase.update(policy, batch, rows, routing, cfg, algo_config(cfg)))
+                grads = torch.cat([p.main_grad.detach().flatten().clone() for p in policy.model.parameters()])
+                results[f"{layout_name}/{algo_name}/{name}"] = {
+                    "metrics": metrics, "grads": grads, "plan": plan, "old": batch["old_logprobs"][batch["loss_mask"]]}
+        if layout_name == "pp2":  # every stage's tensors reach rank 0 (the local engine's and disk sync's path)
+            names = [n for n, _ in rollout_phase.pipeline_gathered(policy.bridge, policy.model)]
+            results["pp2/gathered"] = (sorted(names), sorted(policy.bridge.hf_tensor_shapes()))
     return results
 
 
 def test_token_budget_micro_batches_equal_padded(hf_dir):
-    for rank, results in enumerate(run_on_ranks(run_phases, 2, Layout(), hf_dir)):
-        for algo_name in ALGOS:
-            ref = results[f"{algo_name}/padded"]
-            assert ref["plan"] == [[2], [2]], ref["plan"]  # 8 rows, 2 minibatches, 2 DP ranks, 2 per micro batch
-            assert ref["metrics"]["grad_norm"] > 0
-            for name in ("packed", "budget"):
-                got, where = results[f"{algo_name}/{name}"], f"rank {rank} {algo_name}/{name}"
-                assert (got["old"] - ref["old"]).abs().max() <= LOGPROB_ATOL, where
-                for key, want in ref["metrics"].items():
-                    if key.startswith("time/"):
+    for rank, results in enumerate(run_on_ranks(run_phases, 2, None, hf_dir)):
+        for layout_name in PHASE_LAYOUTS:
+            for algo_name in ALGOS:
+                ref = results[f"{layout_name}/{algo_name}/padded"]
+                # 8 rows, 2 minibatches, micro batches of 2 rows: 2 DP ranks one each, PP2 (DP 1) two each
+                assert ref["plan"] == ([[2], [2]] if layout_name == "dp2" else [[2, 2], [2, 2]]), ref["plan"]
+                assert ref["metrics"]["grad_norm"] > 0
+                for name in PHASE_CASES:
+                    key = f"{layout_name}/{algo_name}/{name}"
+                    if name == "padded" or key not in results:
                         continue
-                    assert abs(got["metrics"][key] - want) <= RTOL * max(abs(want), 1.0), (where, key, got["metrics"][key], want)
-                grads = tiny.max_rel_diff(got["grads"], ref["grads"])
-                assert grads <= GRAD_RTOL, (where, grads)
-            assert "expert_volatility" in ref["metrics"] or algo_name == "grpo_replay"
-        plan = results["gspo/budget"]["plan"]
-        assert any(len(sizes) > 1 for sizes in plan), plan  # the budget split some share into several micro batches
+                    got, where = results[key], f"rank {rank} {key}"
+                    assert (got["old"] - ref["old"]).abs().max() <= LOGPROB_ATOL, where
+                    for metric, want in ref["metrics"].items():
+                        if metric.startswith("time/"):
+                            continue
+                        assert abs(got["metrics"][metric] - want) <= RTOL * max(abs(want), 1.0), (
+                            where, metric, got["metrics"][metric], want)
+                    grads = tiny.max_rel_diff(got["grads"], ref["grads"])
+                    assert grads <= GRAD_RTOL, (where, grads)
+                assert "expert_volatility" in ref["metrics"] or algo_name == "grpo_replay"
+            plan = results[f"{layout_name}/gspo/budget"]["plan"]
+            assert plan != ref["plan"], plan  # the budget regrouped the rows: not the fixed split
+        if rank == 0:
+            names, expected = results["pp2/gathered"]
+            assert names == expected, (set(expected) - set(names), set(names) - set(expected))
