@@ -1,7 +1,9 @@
 """The rollout side of a step: the engine (on global rank 0), rewards, and the batch every rank trains on.
 
 Rank 0 owns the rollout engine (SGLang servers or the local engine). It samples G responses per prompt,
-scores them and broadcasts the samples and rewards; every rank then builds the same token-aligned batch.
+scores them and broadcasts the samples and rewards; every rank then builds the same token-aligned batch. With
+``rollout.filter_zero_variance_groups`` (DAPO's dynamic sampling) rank 0 drops groups without reward variance and
+samples more prompts, for at most ``rollout.max_sampling_rounds`` rounds.
 Weight sync is collective: to SGLang servers each pipeline stage's first rank sends its stage, gathered onto it
 from its replica's shards; for the local engine (or disk sync) every stage's tensors reach rank 0.
 Whenever the other ranks wait for rank 0's work alone (the engine's start, a rollout, an eval, the servers'
