@@ -60,6 +60,14 @@ class ParallelConfig:
     """Shard optimizer state over data-parallel ranks (ZeRO-1)."""
     micro_batch_size: int = 1
     """Sequences per micro batch."""
+    pack_sequences: bool = False
+    """Run each micro batch as one row of its sequences back to back, no padding (``parallel.packing``):
+    TransformerEngine's THD attention on GPUs, a block-diagonal causal mask with megatron's local attention. Off by
+    default (rows padded to the rollout's longest sequence). Not with parallel.context > 1 yet."""
+    max_tokens_per_micro_batch: int | None = None
+    """Token budget per micro batch (needs pack_sequences): a minibatch's sequences on each data-parallel rank are
+    balanced into the fewest micro batches of at most this many tokens (a longer sequence is its own micro batch),
+    as many on every rank; replaces micro_batch_size. None (default): micro_batch_size sequences each."""
 
 
 @dataclass
@@ -134,6 +142,12 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    filter_zero_variance_groups: bool = False
+    """DAPO's dynamic sampling: drop groups whose rewards are all equal (zero advantage: no GSPO signal) and sample
+    more prompts until prompts_per_step groups remain, for at most max_sampling_rounds rounds; a batch still short
+    then is filled with dropped groups (logged as sampling/uniform_groups_kept)."""
+    max_sampling_rounds: int = 3
+    """With filter_zero_variance_groups: generation rounds per step at most (the first included)."""
     reuse_rollout_logprobs: bool = False
     """Use SGLang's log-probs as pi_old instead of recomputing them in the trainer (the GSPO paper allows it)."""
     weight_sync: str = "distributed"

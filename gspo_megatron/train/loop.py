@@ -57,8 +57,9 @@ def train(cfg: Config, resume: bool = False) -> dict:
         while step < cfg.train.steps:
             step += 1
             start = time.perf_counter()
+            # (with rollout.filter_zero_variance_groups: groups without reward variance dropped, more prompts drawn)
             rollout = rollout_phase.collect(engine, prompts.next(cfg.rollout.prompts_per_step), cfg, step, tokenizer,
-                                            reward_fn, pad_multiple=seq_multiple)
+                                            reward_fn, pad_multiple=seq_multiple, more_prompts=prompts.next)
             metrics = dict(rollout.metrics)
             batch = rollout.batch
             batch["advantages"] = advantages(rollout, cfg)  # a masked reward leaves its group's statistics

@@ -277,10 +277,12 @@ def padded_length(cfg: Config) -> int:
 
 
 def micro_batches_per_step(cfg: Config, world_size: int) -> int:
+    """Micro batches per minibatch per data-parallel rank (with a token budget: at most one per sequence)."""
     p = cfg.parallel
     dp = world_size // (p.tensor * p.pipeline * p.context)
     per_minibatch = cfg.rollout.prompts_per_step * cfg.rollout.group_size // cfg.algo.minibatches
-    return max(1, per_minibatch // (dp * p.micro_batch_size))
+    sequences = 1 if p.max_tokens_per_micro_batch else p.micro_batch_size
+    return max(1, per_minibatch // (dp * sequences))
 
 
 def model_parameters(spec: ModelSpec) -> tuple[int, int]:
@@ -431,7 +433,9 @@ def estimate_memory(spec: ModelSpec, cfg: Config, world_size: int, seq_len: int 
                     impl: str = "te", overhead: Overhead = Overhead()) -> MemoryEstimate:
     """The per-GPU memory of training ``cfg`` on ``world_size`` ranks, every pipeline stage kind evaluated.
 
-    ``seq_len``: the micro batches' padded length (default: ``padded_length(cfg)``, what the loop produces).
+    ``seq_len``: the micro batches' padded length (default: ``padded_length(cfg)``, what the loop produces). With
+    ``parallel.pack_sequences`` a micro batch is one row of ``micro_batch_size`` such lengths (an upper bound), or
+    with a token budget the budget (or one sequence of ``seq_len``, if longer).
     ``impl``: te (GPU) or local (megatron's local spec, what CPU runs build; see IMPLEMENTATIONS).
     """
     from gspo_megatron.train.validate import validate_layout
@@ -443,7 +447,10 @@ def estimate_memory(spec: ModelSpec, cfg: Config, world_size: int, seq_len: int 
     s = seq_len or padded_length(cfg)
     a = 2 if cfg.model.dtype == "bfloat16" else 4
     sp = p.tensor if (p.sequence_parallel and p.tensor > 1) else 1
-    m = Micro(s=s, b=p.micro_batch_size, tp=p.tensor, sp=sp, cp=p.context, etp=p.expert_tensor or p.tensor, a=a)
+    b = p.micro_batch_size
+    if p.pack_sequences:  # one row per micro batch (attention over the whole row): b rows of s, or the budget
+        s, b = (max(s, -(-p.max_tokens_per_micro_batch // sp) * sp) if p.max_tokens_per_micro_batch else b * s), 1
+    m = Micro(s=s, b=b, tp=p.tensor, sp=sp, cp=p.context, etp=p.expert_tensor or p.tensor, a=a)
     micro = micro_batches_per_step(cfg, world_size)
     kinds = sorted({0, p.pipeline - 1})
     stages = []

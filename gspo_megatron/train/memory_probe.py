@@ -147,6 +147,8 @@ def synthetic_rollout(cfg, vocab_size: int, seq_len: int, seed: int = 0) -> dict
         "loss_mask": loss_mask,
         "rollout_logprobs": -torch.rand(rows, seq_len, generator=g) * loss_mask,
         "advantages": torch.randn(rows, generator=g),
+        "prompt_lengths": prompt,
+        "response_lengths": length - prompt,
     }
 
 

@@ -96,14 +96,19 @@ def memory_lines(cfg: Config, estimate: MemoryEstimate, world_size: int, gpu_mem
     edp = world_size // (etp * p.expert * p.pipeline)
     impl = ("TransformerEngine spec (fused norms, flash attention)" if estimate.impl == "te"
             else "megatron's local spec (torch norms, unfused attention)")
+    response = "max_trajectory_tokens" if cfg.rollout.env else "max_new_tokens"
     lines = [
         "assumptions:",
         f"  layers       {impl}, {cfg.model.dtype}",
-        f"  sequences    every micro batch padded to {estimate.seq_len} tokens (rollout.max_prompt_tokens + "
-        f"{'max_trajectory_tokens' if cfg.rollout.env else 'max_new_tokens'}: rows are padded to the rollout's "
-        "longest)",
-        f"  micro batch  {p.micro_batch_size} sequence(s); {estimate.micro_batches} per minibatch per data-parallel "
-        f"rank; in flight (1F1B): "
+        (f"  sequences    every micro batch one packed row of at most {estimate.seq_len} tokens "
+         + ("(parallel.max_tokens_per_micro_batch, or one longer sequence)" if p.max_tokens_per_micro_batch else
+            f"(parallel.micro_batch_size rows of rollout.max_prompt_tokens + {response})")
+         if p.pack_sequences else
+         f"  sequences    every micro batch padded to {estimate.seq_len} tokens (rollout.max_prompt_tokens + "
+         f"{response}: rows are padded to the rollout's longest)"),
+        (f"  micro batch  up to {estimate.micro_batches} (one per sequence)" if p.max_tokens_per_micro_batch else
+         f"  micro batch  {p.micro_batch_size} sequence(s); {estimate.micro_batches}")
+        + " per minibatch per data-parallel rank; in flight (1F1B): "
         + ", ".join(f"{st.micro_batches_in_flight} on the {st.stage} stage" for st in estimate.stages),
         f"  recompute    {_recompute(cfg)}",
         "  KL reference " + ("a frozen copy of the weights (algo.kl_coef > 0)" if cfg.algo.kl_coef > 0

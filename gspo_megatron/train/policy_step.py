@@ -24,6 +24,13 @@ Micro batches arrive as CPU tensors of whole sequences; ``batch_for_model`` (in 
 where the model needs it: on ``environment.device()`` and split over context-parallel ranks. Results come back
 on the device; the trainer moves what it keeps to the CPU (``train.loop``).
 
+Packed sequences (``pack=True``, ``parallel.pack_sequences``; micro batches then carry ``seq_lengths`` [b]): each
+micro batch runs as one row of its sequences back to back (``parallel.packing``: TransformerEngine's THD
+attention, or a block-diagonal causal mask with megatron's local attention). The model's per-token results are
+unpacked to the padded [b, S] layout before the loss, so losses, sequence sums and metrics are those of the padded
+path; routing records are kept per sequence ([b, L, S, k], gathered over TP under sequence parallelism) and packed
+again for replay. Not with context parallelism (yet).
+
 Context parallelism (GSPO): each CP rank holds megatron's load-balanced share of every sequence
 (``parallel.context``); its per-sequence partial sums are all-reduced as scalars (``parallel.reductions``),
 every CP rank computes the same loss, and only CP rank 0 counts the sequences (the count is summed over the
@@ -41,7 +48,7 @@ import torch
 from gspo_megatron import algo, environment
 from gspo_megatron.model.hidden_output import hidden_states_instead_of_logits
 from gspo_megatron.ops import vocab_parallel_logprobs, vocab_parallel_sequence_loss
-from gspo_megatron.parallel import context
+from gspo_megatron.parallel import context, packing
 from gspo_megatron.parallel.reductions import (all_gather_rows, all_reduce_sequence_stats, all_reduce_sequence_sums,
                                               broadcast_from_last_stage)
 from gspo_megatron.train.faults import guarded_step
@@ -182,21 +189,41 @@ def _sequences_loss(cfg: AlgoConfig, batch: dict, sequences: slice, logprobs: to
     return loss, extras
 
 
+def _padded(batch: dict, values: torch.Tensor | None) -> torch.Tensor | None:
+    """Per-token results of the model's rows -> the micro batch's padded [b, S] layout (packed rows: unpacked)."""
+    if values is None or "unpack_index" not in batch:
+        return values
+    return packing.unpack(values, batch["unpack_index"])
+
+
+def _packed_sequences_loss(cfg: AlgoConfig, batch: dict, index: torch.Tensor, sequences: slice,
+                           logprobs: torch.Tensor, entropy: torch.Tensor | None):
+    """``_sequences_loss`` of every sequence of a packed row ([1, N] log-probs: the op's one "sequence"), unpacked
+    to the padded layout by ``index`` [b, S]."""
+    unpacked = {"unpack_index": index}
+    return _sequences_loss(cfg, batch, slice(None), _padded(unpacked, logprobs), _padded(unpacked, entropy))
+
+
 def _loss_func(algo_config: AlgoConfig, batch: dict, captured, output_tensor: torch.Tensor):
     cfg = algo_config
     bonus = bool(cfg.entropy_coef)
+    packed = "unpack_index" in batch
+    # The loss sees the padded per-sequence tensors (the model's packed row is not sliced by sequence).
+    loss_batch = {k: v for k, v in batch.items() if k not in packing.MODEL_KEYS} if packed else batch
     if cfg.fused_loss:
         # Each chunk of whole sequences gets its loss and logits gradient at once: no recomputation in backward.
         tp_group, _, _ = _groups()
+        loss_fn = (partial(_packed_sequences_loss, cfg, loss_batch, batch["unpack_index"]) if packed
+                   else partial(_sequences_loss, cfg, batch))
         loss, _, _, stats = vocab_parallel_sequence_loss(
-            output_tensor.transpose(0, 1), captured.weight, batch["labels"].t(), partial(_sequences_loss, cfg, batch),
+            output_tensor.transpose(0, 1), captured.weight, batch["labels"].t(), loss_fn,
             tp_group=tp_group, temperature=cfg.temperature, with_entropy=bonus,
             sequence_parallel=captured.sequence_parallel, vocab_size=captured.vocab_size,
         )
     else:
         out = token_logprobs(output_tensor, captured, batch["labels"], cfg.temperature, with_entropy=bonus)
         logprobs, entropy = out if bonus else (out, None)
-        loss, stats = _sequences_loss(cfg, batch, slice(None), logprobs, entropy)
+        loss, stats = _sequences_loss(cfg, loss_batch, slice(None), _padded(batch, logprobs), _padded(batch, entropy))
     units = stats.pop("units").to(torch.int)
     # Every CP rank holds the whole loss; like the units, it is reported by CP rank 0 alone (summed over DP x CP).
     _, _, ps = _groups()
@@ -226,6 +253,41 @@ def _recorded_routing(batch_size: int) -> torch.Tensor:
     if not layers:  # a pipeline stage without MoE layers
         return torch.zeros(batch_size, 0, 0, 0, dtype=torch.int16)
     return torch.stack(layers, dim=1).to(torch.int16)
+
+
+def _sequence_routing(batch: dict) -> torch.Tensor:
+    """This rank's routing record of one forward, per sequence of the micro batch. Padded rows: as recorded,
+    [b, L_local, s_local, k]. A packed row: [b, L_local, S, k] in the padded layout, gathered over the TP group
+    under sequence parallelism (every TP rank then holds the whole record)."""
+    record = _recorded_routing(batch["input_ids"].shape[0])
+    if "unpack_index" not in batch:
+        return record
+    index = batch["unpack_index"]
+    if record.shape[1] == 0:  # a pipeline stage without MoE layers
+        return torch.zeros(index.shape[0], 0, 0, 0, dtype=record.dtype, device=record.device)
+    tp_group, _, ps = _groups()
+    tp = ps.get_tensor_model_parallel_world_size()
+    if batch["sequence_parallel"]:  # this rank's routers saw 1/tp of the row
+        parts = [torch.empty(record.shape, dtype=torch.int32, device=record.device) for _ in range(tp)]
+        torch.distributed.all_gather(parts, record.to(torch.int32).contiguous(), group=tp_group)
+        record = torch.cat(parts, dim=2).to(record.dtype)
+    return packing.unpack(record.transpose(1, 2), index).transpose(1, 2)
+
+
+def _packed_routing(batch: dict, routing: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``_sequence_routing`` on a packed row: [b, L, S, k] -> this rank's [1, L, s_local, k]."""
+    if "unpack_index" not in batch or routing.shape[1] == 0:
+        return routing
+    length = batch["input_ids"].shape[1]
+    row = packing.pack_rows(routing.transpose(1, 2), batch["unpack_index"], length).transpose(1, 2)
+    # The padding tail has no record: any k distinct experts (a repeated expert would miscount the dispatch).
+    row[:, :, int(batch["seq_lengths"].sum()):] = torch.arange(routing.shape[-1], dtype=row.dtype, device=row.device)
+    if batch["sequence_parallel"]:
+        _, _, ps = _groups()
+        s_local = length // ps.get_tensor_model_parallel_world_size()
+        rank = ps.get_tensor_model_parallel_rank()
+        row = row[:, :, rank * s_local:(rank + 1) * s_local]
+    return row
 
 
 def _set_routing_action(action_name: str) -> None:
@@ -302,11 +364,64 @@ def routing_changes(old: torch.Tensor, new: torch.Tensor, token_mask: torch.Tens
     return torch.stack([(differs & keep).sum(), keep.sum()]).double()
 
 
-def batch_for_model(batch: dict) -> dict:
+@dataclass(frozen=True)
+class Packing:
+    """How one schedule's micro batches are packed (``parallel.packing``): through TransformerEngine's THD
+    attention (``thd``) or a block-diagonal mask, each row ``length`` tokens (pipeline parallelism needs one
+    shape for every micro batch) or, with None, its own sequences' tokens rounded up to ``multiple``."""
+
+    thd: bool
+    multiple: int
+    sequence_parallel: bool
+    length: int | None = None
+
+    def row_length(self, seq_lengths: torch.Tensor) -> int:
+        return self.length or packing.packed_length(seq_lengths, self.multiple)
+
+
+def _unwrapped(model):
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def schedule_packing(model, micro_batches: list[dict], pack: bool) -> Packing | None:
+    """The ``Packing`` of a schedule over ``micro_batches`` (each with ``seq_lengths``), or None without ``pack``."""
+    if not pack:
+        return None
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    _, _, ps = _groups()
+    if ps.get_context_parallel_world_size() > 1:
+        raise NotImplementedError("parallel.pack_sequences with parallel.context > 1 is not supported yet")
+    if any("seq_lengths" not in mb for mb in micro_batches):
+        raise ValueError("packed micro batches need seq_lengths [b] (prompt + response tokens of each row)")
+    tp = ps.get_tensor_model_parallel_world_size()
+    sp = bool(_unwrapped(model).config.sequence_parallel) and tp > 1
+    multiple = tp if sp else 1
+    length = None
+    if ps.get_pipeline_model_parallel_world_size() > 1:  # stages exchange [length / tp, 1, H] tensors
+        length = max(packing.packed_length(mb["seq_lengths"], multiple) for mb in micro_batches)
+    layers = list(_unwrapped(model).decoder.layers)
+    local = not layers or isinstance(layers[0].self_attention.core_attention, DotProductAttention)
+    return Packing(thd=not local, multiple=multiple, sequence_parallel=sp, length=length)
+
+
+def batch_for_model(batch: dict, packed: Packing | None = None) -> dict:
     """This rank's share of a micro batch, where the model needs it (Megatron-LM's ``get_batch``): on
-    ``environment.device()``, with ``position_ids``, split over the context-parallel group."""
+    ``environment.device()``, with ``position_ids``, split over the context-parallel group; with ``packed``, its
+    sequences as one row with their packing metadata (THD ``packed_seq_params`` or a block-diagonal
+    ``attention_mask``) and the ``unpack_index`` back to the padded layout."""
     _, cp_group, _ = _groups()
     batch = environment.to_device(batch, environment.device())
+    if packed is not None:
+        batch = packing.pack(batch, packed.row_length(batch["seq_lengths"]))
+        if packed.thd:
+            batch["packed_seq_params"] = packing.packed_seq_params(batch["cu_seqlens"], batch["max_seqlen"])
+        else:
+            batch["attention_mask"] = packing.block_causal_mask(batch["cu_seqlens"], batch["input_ids"].shape[1])
+        batch["sequence_parallel"] = packed.sequence_parallel
+        return batch
     ids = batch["input_ids"]
     batch["position_ids"] = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
     return context.split_batch(batch, cp_group)
@@ -315,24 +430,28 @@ def batch_for_model(batch: dict) -> dict:
 def _forward(model, batch: dict):
     """The last stage's hidden states (logits are never formed) and what the loss needs of the output layer."""
     with hidden_states_instead_of_logits(model) as captured:
-        output = model(batch["input_ids"], batch["position_ids"], attention_mask=None)
+        output = model(batch["input_ids"], batch["position_ids"], attention_mask=batch.get("attention_mask"),
+                       packed_seq_params=batch.get("packed_seq_params"))
     return output, captured
 
 
-def policy_forward_step(algo_config: AlgoConfig):
+def policy_forward_step(algo_config: AlgoConfig, packed: Packing | None = None):
     """A ``forward_step_func`` for ``get_forward_backward_func`` computing the policy loss."""
 
     def forward_step(data_iterator, model):
-        batch = batch_for_model(next(data_iterator))
+        batch = batch_for_model(next(data_iterator), packed)
         if "routing" in batch:
-            _replay(batch["routing"])
+            _replay(_packed_routing(batch, batch["routing"]))
         elif "rollout_routing" in batch:
             _replay(rank_routing(model, batch["rollout_routing"]))
         output, captured = _forward(model, batch)
         if "old_routing" in batch:  # recorded by this forward (update_step set RECORD): expert volatility
-            new = _recorded_routing(batch["input_ids"].shape[0])
-            volatility.append(routing_changes(batch["old_routing"].to(new.device), new,
-                                              _router_token_mask(batch["loss_mask"], new.shape[2])))
+            new = _sequence_routing(batch)
+            changes = routing_changes(batch["old_routing"].to(new.device), new,
+                                      _router_token_mask(batch["loss_mask"], new.shape[2]))
+            if packed is not None and packed.sequence_parallel and _groups()[2].get_tensor_model_parallel_rank():
+                changes = torch.zeros_like(changes)  # every TP rank holds the gathered record: count it once
+            volatility.append(changes)
         return output, partial(_loss_func, algo_config, batch, captured)
 
     volatility: list[torch.Tensor] = []
@@ -340,10 +459,12 @@ def policy_forward_step(algo_config: AlgoConfig):
     return forward_step
 
 
-def _run_schedule(model, forward_step, micro_batches: list[dict], forward_only: bool):
+def _run_schedule(model, forward_step, micro_batches: list[dict], forward_only: bool, packed: Packing | None = None):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     b, seq = micro_batches[0]["input_ids"].shape
+    if packed is not None:  # one row per micro batch; its length matters to pipeline sends only (packed.length)
+        b, seq = 1, packed.length or packed.row_length(micro_batches[0]["seq_lengths"])
     return get_forward_backward_func()(
         forward_step_func=forward_step,
         data_iterator=iter(micro_batches),
@@ -355,8 +476,9 @@ def _run_schedule(model, forward_step, micro_batches: list[dict], forward_only: 
     )
 
 
-def update_step(model, optimizer, micro_batches: list[dict], algo_config: AlgoConfig) -> dict:
-    """One optimizer step on one minibatch (its share on this data-parallel rank, as micro batches).
+def update_step(model, optimizer, micro_batches: list[dict], algo_config: AlgoConfig, pack: bool = False) -> dict:
+    """One optimizer step on one minibatch (its share on this data-parallel rank, as micro batches); with
+    ``pack``, each micro batch runs as one packed row (micro batches carry ``seq_lengths``).
 
     Micro batches may carry ``routing`` (replayed: GRPO + Routing Replay), ``rollout_routing`` [b, S, L, k] (the
     engine's experts of every layer, replayed: rollout routing replay) or ``old_routing`` [b, L_local, s_local, k]
@@ -372,12 +494,13 @@ def update_step(model, optimizer, micro_batches: list[dict], algo_config: AlgoCo
     _, _, ps = _groups()
     model.zero_grad_buffer()
     optimizer.zero_grad()
-    forward_step = policy_forward_step(algo_config)
+    packed = schedule_packing(model, micro_batches, pack)
+    forward_step = policy_forward_step(algo_config, packed)
     volatility = "old_routing" in micro_batches[0] and "routing" not in micro_batches[0]
     if volatility:
         _set_routing_action("RECORD")
     try:
-        results = _run_schedule(model, forward_step, micro_batches, forward_only=False)
+        results = _run_schedule(model, forward_step, micro_batches, forward_only=False, packed=packed)
     finally:
         if "routing" in micro_batches[0] or "rollout_routing" in micro_batches[0] or volatility:
             _end_routing_replay()
@@ -411,6 +534,7 @@ def _logprob_loss_func(batch: dict, captured, temperature: float, with_entropy: 
     _, cp_group, _ = _groups()
     out = token_logprobs(output_tensor, captured, batch["labels"], temperature, with_entropy)
     logprobs, entropy = out if with_entropy else (out, None)
+    logprobs, entropy = _padded(batch, logprobs), _padded(batch, entropy)
     mask = batch["loss_mask"]
     zero = torch.zeros((), dtype=torch.float32, device=logprobs.device)
     sums, counts = all_reduce_sequence_sums(*algo.masked_log_ratio_sums(logprobs, torch.zeros_like(logprobs), mask),
@@ -425,7 +549,7 @@ def _logprob_loss_func(batch: dict, captured, temperature: float, with_entropy: 
 
 @torch.no_grad()
 def logprob_pass(model, micro_batches: Iterable[dict], temperature: float = 1.0, record_routing: bool = False,
-                 with_entropy: bool = False) -> dict:
+                 with_entropy: bool = False, pack: bool = False) -> dict:
     """Log-likelihoods of each micro batch's labels, with no gradient: the old- and reference-policy pass.
 
     Returns on every pipeline rank, on the model's device: ``logprobs`` [n, S] per token (meaningful where loss_mask is set),
@@ -433,10 +557,12 @@ def logprob_pass(model, micro_batches: Iterable[dict], temperature: float = 1.0,
     [n, S] of each position's (tempered) distribution. With ``record_routing``, also
     ``routing`` [n, L_local, s_local, k]: the experts this rank's routers chose, to put in the update pass's
     micro batches for Routing Replay (it stays on this rank: the same rank runs those layers in the update).
-    Micro batches with ``rollout_routing`` (the engine's experts) are computed under that routing instead.
+    Micro batches with ``rollout_routing`` (the engine's experts) are computed under that routing instead. With
+    ``pack``, micro batches run as packed rows and the record is [n, L_local, S, k] (whole sequences, every TP rank).
     """
     _, _, ps = _groups()
     micro_batches = list(micro_batches)
+    packed = schedule_packing(model, micro_batches, pack)
     routing = []
     replays = bool(micro_batches) and "rollout_routing" in micro_batches[0]
     if record_routing and replays:
@@ -447,16 +573,16 @@ def logprob_pass(model, micro_batches: Iterable[dict], temperature: float = 1.0,
         RouterReplay.set_global_router_replay_action(Action.RECORD)
 
     def forward_step(data_iterator, model):
-        batch = batch_for_model(next(data_iterator))
+        batch = batch_for_model(next(data_iterator), packed)
         if replays:
             _replay(rank_routing(model, batch["rollout_routing"]))
         output, captured = _forward(model, batch)
         if record_routing:
-            routing.append(_recorded_routing(batch["input_ids"].shape[0]))
+            routing.append(_sequence_routing(batch))
         return output, partial(_logprob_loss_func, batch, captured, temperature, with_entropy)
 
     try:
-        results = _run_schedule(model, forward_step, micro_batches, forward_only=True)
+        results = _run_schedule(model, forward_step, micro_batches, forward_only=True, packed=packed)
     finally:
         if record_routing or replays:
             _end_routing_replay()

@@ -1,7 +1,9 @@
 """The rollout side of a step: the engine (on global rank 0), rewards, and the batch every rank trains on.
 
 Rank 0 owns the rollout engine (SGLang servers or the local engine). It samples G responses per prompt,
-scores them and broadcasts the samples and rewards; every rank then builds the same token-aligned batch.
+scores them and broadcasts the samples and rewards; every rank then builds the same token-aligned batch. With
+``rollout.filter_zero_variance_groups`` (DAPO's dynamic sampling) rank 0 drops groups without reward variance and
+samples more prompts, for at most ``rollout.max_sampling_rounds`` rounds.
 Weight sync is collective: to SGLang servers each pipeline stage's first rank sends its stage, gathered onto it
 from its replica's shards; for the local engine (or disk sync) every stage's tensors reach rank 0.
 Whenever the other ranks wait for rank 0's work alone (the engine's start, a rollout, an eval, the servers'
@@ -11,6 +13,7 @@ side of a weight sync) they wait in the control group (``parallel.control``: glo
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -82,21 +85,24 @@ class Rollout:
     segments: list | None = None  # per sample [(end, reward), ...] with algo.token_advantages=segments
 
 
-def _sampling(cfg: Config, step: int, eos_ids):
+def _sampling(cfg: Config, step: int, eos_ids, sampling_round: int = 0):
     from gspo_megatron.rollout import SamplingParams
 
     r = cfg.rollout
+    seed = cfg.train.seed * 100_003 + step + 1_000_003 * sampling_round
     return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                          stop_token_ids=tuple(eos_ids), seed=cfg.train.seed * 100_003 + step)
+                          stop_token_ids=tuple(eos_ids), seed=seed)
 
 
-def _generate_and_score(engine, prompts: list[Prompt], cfg: Config, step: int, tokenizer, reward_fn, n: int):
+def _generate_and_score(engine, prompts: list[Prompt], cfg: Config, step: int, tokenizer, reward_fn, n: int,
+                        sampling_round: int = 0):
     from gspo_megatron.rollout import score
 
     if cfg.rollout.env:  # multi-turn: the environment's turn rewards instead of reward_fn
-        return _trajectories(engine, prompts, cfg, step, tokenizer, n)
+        return _trajectories(engine, prompts, cfg, step, tokenizer, n, sampling_round)
     start = time.perf_counter()
-    groups = engine.generate([p.ids for p in prompts], n, _sampling(cfg, step, [tokenizer.eos_token_id]))
+    groups = engine.generate([p.ids for p in prompts], n,
+                             _sampling(cfg, step, [tokenizer.eos_token_id], sampling_round))
     seconds = time.perf_counter() - start
     samples = [s for g in groups for s in g.samples]
     labels = [prompts[s.prompt_index].label for s in samples]
@@ -126,7 +132,8 @@ def _segment_reward_fn(cfg: Config):
     return _segment_pools[key]
 
 
-def _trajectories(engine, prompts: list[Prompt], cfg: Config, step: int, tokenizer, n: int):
+def _trajectories(engine, prompts: list[Prompt], cfg: Config, step: int, tokenizer, n: int,
+                  sampling_round: int = 0):
     """n multi-turn trajectories per prompt with rollout.env (``rollout.multiturn``); same results as above."""
     from gspo_megatron.rollout import LocalEngine
     from gspo_megatron.rollout.multiturn import TurnLimits, generate_trajectories, load_env
@@ -135,7 +142,8 @@ def _trajectories(engine, prompts: list[Prompt], cfg: Config, step: int, tokeniz
     concurrency = 1 if isinstance(engine, LocalEngine) else r.env_concurrency  # the local engine: one at a time
     limits = TurnLimits(r.max_turns, r.max_trajectory_tokens, concurrency)
     start = time.perf_counter()
-    groups, rewards = generate_trajectories(engine, prompts, n, _sampling(cfg, step, [tokenizer.eos_token_id]),
+    sampling = _sampling(cfg, step, [tokenizer.eos_token_id], sampling_round)
+    groups, rewards = generate_trajectories(engine, prompts, n, sampling,
                                             load_env(r.env), tokenizer, limits, cfg.data.on_reward_error, r.env_args)
     samples = [s for g in groups for s in g.samples]
     return samples, rewards, time.perf_counter() - start, [s.text for s in samples]
@@ -165,42 +173,112 @@ def screen_responses(samples, on_truncated: str) -> tuple[torch.Tensor, dict]:
                   "truncated_masked": float((~kept).sum())}
 
 
-def collect(engine, prompts: list[Prompt], cfg: Config, step: int, tokenizer, reward_fn, pad_multiple: int) -> Rollout:
-    """Rank 0 generates and scores, everyone receives: a collective (the others wait in the control group)."""
+
+def _round(engine, prompts: list[Prompt], cfg: Config, step: int, tokenizer, reward_fn, sampling_round: int) -> dict:
+    """One generation round on rank 0: samples, rewards, validity (and segment rewards) of ``prompts``."""
+    samples, rewards, seconds, responses = _generate_and_score(
+        engine, prompts, cfg, step, tokenizer, reward_fn, cfg.rollout.group_size, sampling_round)
+    segments, valid = None, rewards.valid
+    if cfg.algo.token_advantages == "segments":
+        segments, segments_valid = _segment_rewards(samples, prompts, cfg, tokenizer)
+        valid = valid & segments_valid
+    elif cfg.algo.token_advantages == "turns":  # multi-turn: each turn a segment with its reward
+        segments = [s.turns for s in samples]
+    kept, response_metrics = screen_responses(samples, cfg.rollout.on_truncated)
+    return {"samples": samples, "values": rewards.values, "valid": valid & kept, "segments": segments,
+            "seconds": seconds, "responses": responses, "prompts": prompts, "response_metrics": response_metrics,
+            "reward_valid": rewards.valid, "reward_timeouts": rewards.timed_out, "reward_crashes": rewards.crashed}
+
+
+def uniform_groups(values: torch.Tensor, valid: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[groups] bool: groups whose valid rewards are all equal (or fewer than two valid): zero advantage."""
+    v, ok = values.view(-1, group_size), valid.view(-1, group_size)
+    high = torch.where(ok, v, torch.full_like(v, -torch.inf)).amax(dim=1)
+    low = torch.where(ok, v, torch.full_like(v, torch.inf)).amin(dim=1)
+    return (ok.sum(dim=1) < 2) | (high == low)
+
+
+def _rounds(engine, prompts: list[Prompt], cfg: Config, step: int, tokenizer, reward_fn, more_prompts) -> tuple:
+    """Rank 0's rounds: one, or with rollout.filter_zero_variance_groups (DAPO's dynamic sampling) more prompts
+    until ``prompts_per_step`` groups with reward variance are in hand or ``max_sampling_rounds`` rounds ran.
+    Returns (the kept groups' round data, all rounds' data, sampling metrics, extra prompts drawn)."""
+    r = cfg.rollout
+    rounds = [_round(engine, prompts, cfg, step, tokenizer, reward_fn, 0)]
+    if not r.filter_zero_variance_groups:
+        return rounds[0], rounds, {}, 0
+    G, want, extra = r.group_size, r.prompts_per_step, 0
+    kept, dropped = [], []  # (round, group) of groups with and without signal
+    while True:
+        data = rounds[-1]
+        uniform = uniform_groups(data["values"], data["valid"], G).tolist()
+        kept += [(len(rounds) - 1, g) for g, u in enumerate(uniform) if not u]
+        dropped += [(len(rounds) - 1, g) for g, u in enumerate(uniform) if u]
+        if len(kept) >= want or len(rounds) == r.max_sampling_rounds or more_prompts is None:
+            break
+        # Oversample by the rate groups were kept so far (DAPO), at most a full step's prompts.
+        keep_rate = max(len(kept), 1) / (len(kept) + len(dropped))
+        count = min(want, math.ceil((want - len(kept)) / keep_rate))
+        extra += count
+        rounds.append(_round(engine, more_prompts(count), cfg, step, tokenizer, reward_fn, len(rounds)))
+    chosen = kept[:want] + dropped[:max(0, want - len(kept))]
+    chosen.sort()
+    metrics = {"sampling/groups_dropped": float(len(dropped)), "sampling/rounds": float(len(rounds)),
+               "sampling/prompts": float(want + extra),
+               "sampling/uniform_groups_kept": float(max(0, want - len(kept)))}
+    picked = {"samples": [], "values": [], "valid": [], "segments": [] if rounds[0]["segments"] is not None else None,
+              "responses": [], "prompts": []}
+    for i, g in chosen:
+        data, rows = rounds[i], slice(g * G, (g + 1) * G)
+        picked["samples"] += data["samples"][rows]
+        picked["responses"] += data["responses"][rows]
+        picked["values"].append(data["values"][rows])
+        picked["valid"].append(data["valid"][rows])
+        picked["prompts"].append(data["prompts"][g])
+        if picked["segments"] is not None:
+            picked["segments"] += data["segments"][rows]
+    picked["values"], picked["valid"] = torch.cat(picked["values"]), torch.cat(picked["valid"])
+    return picked, rounds, metrics, extra
+
+
+def collect(engine, prompts: list[Prompt], cfg: Config, step: int, tokenizer, reward_fn, pad_multiple: int,
+            more_prompts=None) -> Rollout:
+    """Rank 0 generates and scores, everyone receives: a collective (the others wait in the control group).
+
+    ``more_prompts(count)``: further prompts for rollout.filter_zero_variance_groups (the prompt stream's
+    ``next``); every rank calls it for as many prompts as rank 0 drew, so data positions stay equal."""
     from gspo_megatron.rollout import samples_to_batch
 
     payload = None
     if dist.get_rank() == 0:
-        samples, rewards, seconds, responses = _generate_and_score(
-            engine, prompts, cfg, step, tokenizer, reward_fn, cfg.rollout.group_size)
-        segments, valid = None, rewards.valid
-        if cfg.algo.token_advantages == "segments":
-            segments, segments_valid = _segment_rewards(samples, prompts, cfg, tokenizer)
-            valid = valid & segments_valid
-        elif cfg.algo.token_advantages == "turns":  # multi-turn: each turn a segment with its reward
-            segments = [s.turns for s in samples]
-        kept, response_metrics = screen_responses(samples, cfg.rollout.on_truncated)
-        lengths = [len(s.response_ids) for s in samples]
+        picked, rounds, sampling_metrics, extra = _rounds(engine, prompts, cfg, step, tokenizer, reward_fn,
+                                                         more_prompts)
+        # Reward statistics over everything sampled (the policy's, not the filtered batch's).
+        values = torch.cat([d["values"] for d in rounds])
+        valid = torch.cat([d["reward_valid"] for d in rounds])  # truncated responses masked from the loss count here
+        lengths = [len(s.response_ids) for d in rounds for s in d["samples"]]
         metrics = {
-            "reward_mean": float(rewards.values[rewards.valid].mean()) if rewards.valid.any() else float("nan"),
-            "reward_masked": float((~valid).sum()),
-            "reward_timeouts": float(rewards.timed_out),
-            "reward_crashes": float(rewards.crashed),
-            **response_metrics,
+            "reward_mean": float(values[valid].mean()) if valid.any() else float("nan"),
+            "reward_masked": float((~picked["valid"]).sum()),
+            "reward_timeouts": float(sum(d["reward_timeouts"] for d in rounds)),
+            "reward_crashes": float(sum(d["reward_crashes"] for d in rounds)),
+            **{k: float(sum(d["response_metrics"][k] for d in rounds)) for k in rounds[0]["response_metrics"]},
             "response_length_mean": sum(lengths) / len(lengths),
-            "truncated_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
+            "truncated_frac": sum(s.finish_reason == "length" for d in rounds for s in d["samples"]) / len(lengths),
             # Groups whose responses all score the same have zero advantage: no learning signal from them.
-            "groups_zero_advantage": float((rewards.values.view(-1, cfg.rollout.group_size).std(dim=1) == 0)
+            "groups_zero_advantage": float((values.view(-1, cfg.rollout.group_size).std(dim=1) == 0)
                                            .float().mean()),
-            "time/rollout": seconds,
-            "example": f"{prompts[0].text!r} -> {responses[0]!r}",
+            "time/rollout": sum(d["seconds"] for d in rounds),
+            "example": f"{picked['prompts'][0].text!r} -> {picked['responses'][0]!r}",
+            **sampling_metrics,
         }
         if cfg.rollout.env:
             from gspo_megatron.rollout.multiturn import turn_metrics
 
-            metrics.update(turn_metrics(samples))
-        payload = (samples, rewards.values, valid & kept, metrics, segments)
-    samples, values, valid, metrics, segments = control.broadcast_from_rank0(payload)
+            metrics.update(turn_metrics([s for d in rounds for s in d["samples"]]))
+        payload = (picked["samples"], picked["values"], picked["valid"], metrics, picked["segments"], extra)
+    samples, values, valid, metrics, segments, extra = control.broadcast_from_rank0(payload)
+    if dist.get_rank() != 0 and extra:
+        more_prompts(extra)  # rank 0 drew these: keep every rank's data position the same
     batch = samples_to_batch(samples, pad_id=0, pad_to_multiple=pad_multiple)
     return Rollout(samples, values, valid, batch, metrics, segments)
 
@@ -241,7 +319,7 @@ def pipeline_gathered(bridge, model):
                     dist.broadcast(tensor.contiguous(), src=src, group=pp_group)
                 else:
                     yield name, tensor
-        else:
+        elif stage != 0:  # the first stage's tensors stay where they are
             for name in names[0]:
                 received = torch.empty(shapes[name], dtype=dtype, device=device)
                 dist.broadcast(received, src=src, group=pp_group)

@@ -2,8 +2,9 @@
 log-prob passes, the minibatch updates, and the metrics of all of it over every rank.
 
 Rows: minibatch m is rows [m*M, (m+1)*M) of the rollout batch; DP rank r trains on the r-th contiguous share of
-each (``row_plan``). The old-policy pass visits the same rows in the same order, so routing it records lines up
-with the update's micro batches.
+each (``row_plan``), in micro batches of ``parallel.micro_batch_size`` rows or, with
+``parallel.max_tokens_per_micro_batch``, of balanced token counts (``micro_batch_rows``). The passes return
+per-row results (routing records too) in row order, so the update's micro batches may group rows differently.
 """
 
 from __future__ import annotations
@@ -30,10 +31,36 @@ def row_plan(total: int, cfg: Config) -> list[torch.Tensor]:
             for m in range(cfg.algo.minibatches)]
 
 
+def micro_batch_rows(batch: dict, rows: torch.Tensor, cfg: Config) -> list[torch.Tensor]:
+    """Each micro batch's positions in ``rows``: consecutive runs of ``parallel.micro_batch_size``, or with
+    ``parallel.max_tokens_per_micro_batch`` the fewest token-balanced micro batches within the budget
+    (``parallel.packing.balance``; a longer sequence is its own micro batch), as many on every data-parallel rank
+    (pipeline schedules run in step; one all-reduce per round over the DP group)."""
+    budget = cfg.parallel.max_tokens_per_micro_batch
+    if not budget:
+        size = cfg.parallel.micro_batch_size
+        return [torch.arange(i, min(i + size, rows.numel())) for i in range(0, rows.numel(), size)]
+    from megatron.core import parallel_state as ps
+
+    from gspo_megatron import environment
+    from gspo_megatron.parallel import packing
+
+    lengths = sequence_lengths(batch)[rows]
+    count = 1
+    while True:  # ends: every round raises ``count``, and each rank fits with one micro batch per sequence
+        agreed = torch.tensor([packing.smallest_count(lengths, budget, count)], device=environment.device())
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())
+        if int(agreed) == count:
+            return packing.balance(lengths, count)[0]
+        count = int(agreed)
+
+
 def micro_batches(batch: dict, rows: torch.Tensor, cfg: Config, routing: torch.Tensor | None = None,
-                  routing_key: str = "routing", rollout_routing: bool = True) -> list[dict]:
-    """``rows`` of the batch as micro batches of ``parallel.micro_batch_size``; ``routing`` (this rank's record for
-    exactly these rows) goes in as ``routing_key``: "routing" (replayed) or "old_routing" (compared). With rollout
+                  routing_key: str = "routing", parts: list[torch.Tensor] | None = None,
+                  rollout_routing: bool = True) -> list[dict]:
+    """``rows`` of the batch as micro batches (``micro_batch_rows``, or ``parts`` already planned); ``routing``
+    (this rank's record for exactly these rows, in their order) goes in as ``routing_key``: "routing" (replayed)
+    or "old_routing" (compared). With ``parallel.pack_sequences`` each carries ``seq_lengths``. With rollout
     routing replay (and ``rollout_routing``) the batch's ``rollout_routing`` goes in too: the engine's experts."""
     keys = [k for k in ("input_ids", "labels", "loss_mask", "old_logprobs", "ref_logprobs", "advantages")
             if k in batch]
@@ -42,14 +69,34 @@ def micro_batches(batch: dict, rows: torch.Tensor, cfg: Config, routing: torch.T
             raise ValueError("algo.routing_replay=rollout but the rollout batch has no rollout_routing: the "
                              "engine returned no routed experts")
         keys.append("rollout_routing")
-    size = cfg.parallel.micro_batch_size
     out = []
-    for i in range(0, rows.numel(), size):
-        micro = {k: batch[k][rows[i:i + size]] for k in keys}
+    for part in micro_batch_rows(batch, rows, cfg) if parts is None else parts:
+        micro = {k: batch[k][rows[part]] for k in keys}
+        if cfg.parallel.pack_sequences:  # each row's tokens: what a packed row holds of it
+            micro["seq_lengths"] = sequence_lengths(batch)[rows[part]]
         if routing is not None:
-            micro[routing_key] = routing[i:i + size]
+            micro[routing_key] = routing[part.to(routing.device)]
         out.append(micro)
     return out
+
+
+def _pass(model, batch: dict, rows: torch.Tensor, cfg: Config, rollout_routing: bool = True, **kwargs) -> dict:
+    """``logprob_pass`` over ``rows``, its per-row results back in the order of ``rows`` (micro batches may
+    regroup them); ``rollout_routing``: as ``micro_batches`` (the frozen reference routes freely)."""
+    parts = micro_batch_rows(batch, rows, cfg)
+    micro = micro_batches(batch, rows, cfg, parts=parts, rollout_routing=rollout_routing)
+    out = logprob_pass(model, micro, pack=cfg.parallel.pack_sequences, **kwargs)
+    order = torch.cat(parts)
+    if torch.equal(order, torch.arange(rows.numel())):
+        return out
+    inverse = torch.argsort(order)
+    return {k: v[inverse.to(v.device)] if torch.is_tensor(v) and v.dim() and v.shape[0] == rows.numel() else v
+            for k, v in out.items()}
+
+
+def sequence_lengths(batch: dict) -> torch.Tensor:
+    """[B] tokens of each rollout row (prompt + response; at least 1)."""
+    return (batch["prompt_lengths"] + batch["response_lengths"]).clamp_min(1)
 
 
 def all_rows(local: torch.Tensor, total: int, cfg: Config) -> torch.Tensor:
@@ -96,8 +143,8 @@ def old_logprobs(policy, batch: dict, rows: list[torch.Tensor], cfg: Config, alg
     total = batch["input_ids"].shape[0]
     record = cfg.algo.replays_old_routing or measures_volatility(cfg, policy.spec)
     t = time.perf_counter()
-    trainer = logprob_pass(policy.model, micro_batches(batch, torch.cat(rows), cfg), algo_config.temperature,
-                           record_routing=record, with_entropy=True)
+    trainer = _pass(policy.model, batch, torch.cat(rows), cfg, temperature=algo_config.temperature,
+                    record_routing=record, with_entropy=True)
     trainer_logprobs = all_rows(trainer["logprobs"], total, cfg)
     metrics["time/old_logprobs"] = time.perf_counter() - t
     mask = batch["loss_mask"]
@@ -116,8 +163,8 @@ def reference_logprobs(reference, batch: dict, rows: list[torch.Tensor], cfg: Co
     """The frozen reference's log-probs into ``batch["ref_logprobs"]`` and ``kl_ref``: KL(policy || reference)
     before this step's updates, as the loss estimates it."""
     t = time.perf_counter()
-    ref = logprob_pass(reference, micro_batches(batch, torch.cat(rows), cfg, rollout_routing=False),
-                       algo_config.temperature)
+    ref = _pass(reference, batch, torch.cat(rows), cfg, rollout_routing=False,
+                temperature=algo_config.temperature)
     batch["ref_logprobs"] = all_rows(ref["logprobs"], batch["input_ids"].shape[0], cfg)
     metrics["time/ref_logprobs"] = time.perf_counter() - t
     metrics["kl_ref"] = float(kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], batch["loss_mask"],
@@ -138,7 +185,7 @@ def update(policy, batch: dict, rows: list[torch.Tensor], routing, cfg: Config, 
         else:  # the second minibatch's forward runs on weights one step past the old policy's
             micro = micro_batches(batch, minibatch_rows, cfg, routing if m == 1 else None, "old_routing")
         offset += minibatch_rows.numel()
-        out = update_step(policy.model, policy.optimizer, micro, algo_config)
+        out = update_step(policy.model, policy.optimizer, micro, algo_config, pack=cfg.parallel.pack_sequences)
         if out["update_successful"]:  # a skipped (non-finite) update leaves the LR schedule too, as megatron does
             policy.scheduler.step(increment=1)
         losses.append(float(out["loss"]))

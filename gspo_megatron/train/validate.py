@@ -42,7 +42,15 @@ def validate_layout(cfg: Config, world_size: int) -> int:
              "launch a multiple of that many processes, or lower the parallel sizes")
     etp = p.expert_tensor or p.tensor
     _divides(world_size, p.expert * etp * p.pipeline, "world size", "parallel.expert*expert_tensor*pipeline")
+    if p.max_tokens_per_micro_batch is not None:
+        _positive(p.max_tokens_per_micro_batch, "parallel.max_tokens_per_micro_batch")
+        if not p.pack_sequences:
+            raise ConfigError("parallel.max_tokens_per_micro_batch needs parallel.pack_sequences=true (the budget "
+                              "counts the tokens of a packed row; padded rows would cost their padding too)")
     if p.context > 1:
+        if p.pack_sequences:
+            raise ConfigError(f"parallel.pack_sequences=true with parallel.context={p.context}: packed rows are not "
+                              "split over context-parallel ranks yet; set parallel.pack_sequences=false")
         if not transformer_engine_available():
             raise ConfigError(
                 f"parallel.context={p.context} needs TransformerEngine attention (megatron's local attention "
@@ -171,6 +179,9 @@ def validate(cfg: Config, world_size: int, hf: dict | None = None) -> None:
     if a.replays_rollout_routing and r.server_args.get("return_routed_experts") is False:
         raise ConfigError("algo.routing_replay=rollout needs the servers' routed experts: remove "
                           "rollout.server_args.return_routed_experts=false")
+    if a.replays_rollout_routing and cfg.parallel.pack_sequences:
+        raise ConfigError("algo.routing_replay=rollout with parallel.pack_sequences=true: the engine's routes are "
+                          "not packed yet; set parallel.pack_sequences=false")
     if a.replays_old_routing and a.name != "grpo":
         raise ConfigError(f"algo.routing_replay=true is the GRPO baseline's fix; GSPO does not need it "
                           f"(algo.name={a.name!r}): set algo.name=grpo or algo.routing_replay=false")
@@ -183,7 +194,7 @@ def validate(cfg: Config, world_size: int, hf: dict | None = None) -> None:
                               f"reduces over context-parallel ranks so far; set algo.{name}=0")
     if r.group_size < 2:
         raise ConfigError(f"rollout.group_size={r.group_size}: group advantages need at least 2 responses per prompt")
-    for name in ("prompts_per_step", "max_new_tokens", "temperature"):
+    for name in ("prompts_per_step", "max_new_tokens", "temperature", "max_sampling_rounds"):
         _positive(getattr(r, name), f"rollout.{name}")
     _positive(a.minibatches, "algo.minibatches")
     if cfg.train.max_consecutive_nonfinite < 0:
@@ -198,9 +209,13 @@ def validate(cfg: Config, world_size: int, hf: dict | None = None) -> None:
     check_performance(cfg)
     batch = r.prompts_per_step * r.group_size
     _divides(batch, a.minibatches, "rollout.prompts_per_step*group_size", "algo.minibatches")
-    _divides(batch // a.minibatches, dp * cfg.parallel.micro_batch_size, "sequences per minibatch",
-             "data-parallel size * parallel.micro_batch_size",
-             "every data-parallel rank needs whole micro batches of each minibatch")
+    if cfg.parallel.max_tokens_per_micro_batch is None:
+        _divides(batch // a.minibatches, dp * cfg.parallel.micro_batch_size, "sequences per minibatch",
+                 "data-parallel size * parallel.micro_batch_size",
+                 "every data-parallel rank needs whole micro batches of each minibatch")
+    else:
+        _divides(batch // a.minibatches, dp, "sequences per minibatch", "data-parallel size",
+                 "every data-parallel rank needs an equal share of each minibatch")
     if not (cfg.data.prompts or cfg.data.task):
         raise ConfigError("data.prompts (a JSONL file) or data.task (a built-in task) must be set")
     if cfg.data.prompts and cfg.data.task:

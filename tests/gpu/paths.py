@@ -12,6 +12,7 @@ Runs on whatever ``environment.device()`` is: the GPU test runs it once on the G
   devices), the updated weights exported through the bridge;
 - the same in bf16 (the CUDA dtype users train in): finite, and close to the CPU's bf16;
 - ``score`` (Megatron) on the HF directory, against ``transformers``;
+- the fp32 policy on packed rows (``pack=True``: TE's THD attention with TransformerEngine, else the mask);
 - with TransformerEngine: the fp32 policy run again with grouped-GEMM experts and with SequentialMLP, and with
   TE's fusions (``performance``: permutation, RoPE) on and off.
 Where every tensor lives is recorded too (parameters, what the passes return).
@@ -28,15 +29,19 @@ TE_FUSIONS = ("moe_permute_fusion", "apply_rope_fusion")
 
 
 def rollout() -> dict:
-    """CPU tensors, like the loop's rollout batch: prompts of 3-8 tokens, then responses."""
+    """CPU tensors, like the loop's rollout batch: prompts of 3-8 tokens, then responses, sequences of 10-16 tokens
+    (``seq_lengths``: what packed rows hold; padded rows carry tokens after the end that nothing attends to)."""
     g = torch.Generator().manual_seed(11)
     tokens = torch.randint(0, VOCAB - 1, (SEQUENCES, SEQ + 1), generator=g)
     prompt = torch.randint(3, 9, (SEQUENCES,), generator=g)
+    lengths = torch.randint(10, SEQ + 1, (SEQUENCES,), generator=g)
+    t = torch.arange(SEQ).unsqueeze(0)
     return {
         "input_ids": tokens[:, :-1],
         "labels": tokens[:, 1:],
-        "loss_mask": torch.arange(SEQ).unsqueeze(0) + 1 >= prompt.unsqueeze(1),
+        "loss_mask": (t + 1 >= prompt.unsqueeze(1)) & (t + 1 < lengths.unsqueeze(1)),
         "advantages": torch.randn(SEQUENCES, generator=g),
+        "seq_lengths": lengths,
     }
 
 
@@ -48,10 +53,10 @@ def _exported(policy) -> dict:
     return {name: t.detach().float().cpu().clone() for name, t in policy.bridge.export_hf_weights(policy.model)}
 
 
-def policy_run(hf_dir: str, dtype: str, overrides: tuple[str, ...] = ()) -> dict:
+def policy_run(hf_dir: str, dtype: str, overrides: tuple[str, ...] = (), pack: bool = False) -> dict:
     from gspo_megatron.train.config import load_config
     from gspo_megatron.train.policy import build_policy
-    from gspo_megatron.train.policy_step import AlgoConfig, logprob_pass, update_step
+    from gspo_megatron.train.policy_step import AlgoConfig, logprob_pass, schedule_packing, update_step
 
     cfg = load_config(None, [f"model.dtype={dtype}", "parallel.distributed_optimizer=false", "optimizer.lr=1.0",
                              "optimizer.adam_eps=1.0", "optimizer.clip_grad=0.05", "train.steps=1",
@@ -59,13 +64,15 @@ def policy_run(hf_dir: str, dtype: str, overrides: tuple[str, ...] = ()) -> dict
     policy = build_policy(cfg, hf_dir)
     start = _exported(policy)
     batch = rollout()
-    passes = logprob_pass(policy.model, micro_batches(batch), with_entropy=True)
+    passes = logprob_pass(policy.model, micro_batches(batch), with_entropy=True, pack=pack)
     noise = 1e-3 * torch.randn(passes["logprobs"].shape, generator=torch.Generator().manual_seed(3))
     batch["old_logprobs"] = passes["logprobs"].cpu() + noise
-    out = update_step(policy.model, policy.optimizer, micro_batches(batch), AlgoConfig())
+    out = update_step(policy.model, policy.optimizer, micro_batches(batch), AlgoConfig(), pack=pack)
     end = _exported(policy)
     config = policy.model.config
+    packed = schedule_packing(policy.model, micro_batches(batch), pack)
     return {
+        "packing": None if packed is None else ("thd" if packed.thd else "mask"),
         "fusions": {k: getattr(config, k) for k in TE_FUSIONS + ("bias_activation_fusion", "bias_dropout_fusion")},
         "expert_params": sorted(n for n, _ in policy.model.named_parameters() if ".mlp.experts." in n),
         "param_devices": sorted({p.device.type for p in policy.model.parameters()}),
@@ -102,7 +109,9 @@ def main(hf_dir: str, out: str) -> None:
     groups.init_distributed()
     groups.init_model_parallel(groups.Layout(), seed=1234)
     results = {"device": str(environment.device()), "fp32": policy_run(hf_dir, "float32"),
-               "bf16": policy_run(hf_dir, "bfloat16"), "score": score_run(hf_dir)}
+               "bf16": policy_run(hf_dir, "bfloat16"), "score": score_run(hf_dir),
+               # packed rows: TransformerEngine's THD attention where it imports, else the block-diagonal mask
+               "packed": policy_run(hf_dir, "float32", pack=True)}
     if environment.transformer_engine_available():  # the grouped-GEMM experts (TEGroupedMLP) against SequentialMLP
         results["grouped"] = {grouped: policy_run(hf_dir, "float32", (f"model.grouped_gemm={grouped}",))
                               for grouped in ("true", "false")}

@@ -9,6 +9,8 @@ megatron-core patched for the CPU as in every other test). Compared (fp32, TF32 
 - bf16 (the non-distributed optimizer, whose fp32 master copies are made from the parameters where they are):
   a finite, successful step, loss within 5% of the CPU's bf16;
 - ``score``: Megatron equal to ``transformers`` (1e-4 relative) on each device;
+- packed rows (``parallel.pack_sequences``: TE's THD attention on the GPU with TransformerEngine, the mask on the
+  CPU) equal padded rows in log-probs, loss, gradient norm and step, on each device;
 - with TransformerEngine: grouped-GEMM experts (TEGroupedMLP) give SequentialMLP's fp32 passes and step, and so
   do TE's fused permutation and RoPE (``performance``) against the unfused ones;
 - the fusions that default to on under CUDA (torch.compile'd SwiGLU and residual add) are on in the GPU run.
@@ -122,6 +124,26 @@ def test_te_fusions_step_equals_unfused(runs):
     scale = max(step.abs().max().item() for step in unfused["step"].values())
     diff = max((fused["step"][k] - unfused["step"][k]).abs().max().item() for k in unfused["step"])
     assert diff <= 1e-3 * scale, (diff, scale)
+
+
+def test_packed_rows_equal_padded(runs):
+    """Packed rows (TE's THD attention on the GPU with TransformerEngine, the block-diagonal mask on the CPU) give
+    the padded rows' fp32 log-probs on every real position (1e-4), loss, gradient norm (1e-4) and step (1e-3)."""
+    from tests.gpu.paths import SEQ, rollout
+
+    lengths = rollout()["seq_lengths"]
+    real = torch.arange(SEQ).unsqueeze(0) < lengths.unsqueeze(1)
+    device, cpu = runs
+    assert cpu["packed"]["packing"] == "mask"
+    for run in runs:
+        packed, padded = run["packed"], run["fp32"]
+        assert packed["update_successful"], run["device"]
+        assert (packed["logprobs"] - padded["logprobs"])[real].abs().max() <= 1e-4, run["device"]
+        assert (packed["entropy"] - padded["entropy"])[real].abs().max() <= 1e-4, run["device"]
+        assert rel(packed["loss"], padded["loss"]) <= 1e-4 and rel(packed["grad_norm"], padded["grad_norm"]) <= 1e-4
+        scale = max(step.abs().max().item() for step in padded["step"].values())
+        diff = max((packed["step"][k] - padded["step"][k]).abs().max().item() for k in padded["step"])
+        assert diff <= 1e-3 * scale, (run["device"], diff, scale)
 
 
 def test_score_equals_transformers(runs):

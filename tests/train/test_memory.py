@@ -50,6 +50,23 @@ def test_routed_tokens_per_rank_do_not_shrink_with_expert_parallelism():
     assert ep16.params < ep8.params and ep16.optimizer == pytest.approx(ep8.optimizer)
 
 
+def test_packed_micro_batches():
+    """A packed micro batch is one row: micro_batch_size rows' tokens (the same activations under TE, whose
+    attention keeps no score matrix; within 1% from terms per sequence), or the token budget."""
+    padded = estimate(8, "parallel.expert=8", "parallel.micro_batch_size=2")
+    packed = estimate(8, "parallel.expert=8", "parallel.micro_batch_size=2", "parallel.pack_sequences=true")
+    budget = estimate(8, "parallel.expert=8", "parallel.pack_sequences=true",
+                      f"parallel.max_tokens_per_micro_batch={2 * 4096}")
+    assert packed.seq_len == budget.seq_len == 2 * 4096 and padded.seq_len == 4096
+    assert packed.worst.activations == pytest.approx(padded.worst.activations, rel=0.01)
+    assert budget.worst.activations == pytest.approx(packed.worst.activations)
+    assert budget.micro_batches == 2 * packed.micro_batches  # at most one per sequence
+    # The unfused local attention's scores grow with the row: [N, N] per head.
+    local = [estimate(8, "parallel.expert=8", "parallel.micro_batch_size=2", *extra, impl="local").worst
+             for extra in ((), ("parallel.pack_sequences=true",))]
+    assert local[1].activations > local[0].activations
+
+
 def test_recompute_settings():
     none = estimate(8, "parallel.expert=8", "recompute.granularity=none").worst
     moe = estimate(8, "parallel.expert=8", "recompute.granularity=selective", "recompute.modules=[moe]").worst

@@ -6,7 +6,7 @@ world=1 reference: the loss (1e-5 relative), the sequence log-ratios (2e-6 absol
 max |a - e| / max |e|), every updated weight shard (2e-6 absolute; weights are ~0.02, the step ~1e-3), the
 gradient norm (1e-5 relative) and a step clipped to half of it (1e-5 of the largest weight change). Models are
 built as the trainer builds models it loads weights into (no initialisation: ``provider.skip_weight_init``).
-Also: 1, 2 or 4 micro batches give the same gradient, the log-prob pass equals the loss's log-probs, and the
+Also: 1, 2 or 4 micro batches (or uneven ones: 3, 1, 4 sequences) give the same gradient, the log-prob pass equals the loss's log-probs, and the
 fused loss (the default) equals the log-prob op followed by the loss (``fused_loss=False``).
 
 The other algorithms in the same launches (``ALGORITHMS``, on one more model per layout at lr 0, so every one sees
@@ -194,7 +194,12 @@ def reference(ckpt_dir: str):
         ddp, optimizer = build(ckpt_dir)
         update_step(ddp, optimizer, micro_batches(rollout, 0, NUM_SEQUENCES, size), ALGO)
         split[size] = tiny.flat(tiny.grads_sharded_state_dict(ddp.module))
-    split_diff = max(tiny.max_rel_diff(split[s][k], split[2][k]) for s in (8, 4) for k in split[2])
+    # Uneven micro batches too (what token-budget micro batches make: 3, 1 and 4 sequences).
+    ddp, optimizer = build(ckpt_dir)
+    uneven = [{k: v[rows] for k, v in rollout.items()} for rows in (slice(0, 3), slice(3, 4), slice(4, 8))]
+    update_step(ddp, optimizer, uneven, ALGO)
+    split["uneven"] = tiny.flat(tiny.grads_sharded_state_dict(ddp.module))
+    split_diff = max(tiny.max_rel_diff(split[s][k], split[2][k]) for s in (8, 4, "uneven") for k in split[2])
     # The log-prob pass must see exactly the log-probs the loss sees: with old = pass, every ratio is 1.
     same = dict(rollout, old_logprobs=passes["logprobs"])
     ddp, optimizer = build(ckpt_dir)
@@ -388,7 +393,7 @@ def _check(results, cases):
 def test_world1_reference_properties(tmp_path_factory):
     _, result = reference_dir(tmp_path_factory)
     out = result["out"]
-    assert result["split_diff"] <= 1e-6, f"1/2/4 micro batches: grads rel diff {result['split_diff']:.2e}"
+    assert result["split_diff"] <= 1e-6, f"1/2/4/uneven micro batches: grads rel diff {result['split_diff']:.2e}"
     torch.testing.assert_close(result["ratio_one"][out["valid"]], torch.zeros(int(out["valid"].sum())), rtol=0, atol=1e-6)
     # Every tensor moved by far more than the layouts' weight tolerance, so that comparison has teeth.
     assert result["moved"] > 100 * WEIGHT_ATOL, result["moved"]

@@ -1,0 +1,149 @@
+"""Packed sequences: a micro batch's b sequences back to back in one row of N tokens, no padding between them.
+
+A padded micro batch is [b, S] (each row one sequence of ``seq_lengths[i]`` tokens, then padding). Packed, the
+model sees [1, N] with N = sum(seq_lengths) rounded up to ``multiple`` (the trailing padding is one more,
+ignored, segment); each sequence attends only to itself:
+
+- TransformerEngine attention: megatron's ``PackedSeqParams`` (qkv_format "thd", cu_seqlens over the segments);
+  megatron's RoPE restarts at each ``cu_seqlens`` offset.
+- megatron's local attention (CPU): a block-diagonal causal mask [1, 1, N, N] (True = masked). RoPE then runs
+  over the row's positions 0..N-1, but attention scores depend only on relative positions inside a block, so a
+  packed row equals its unpacked sequences up to rounding. ``position_ids`` restart at 0 per sequence either way
+  (what learned absolute position embeddings would need).
+
+Per-token results on the packed row come back to the padded [b, S] layout with ``unpack`` (a differentiable
+gather): the losses, sequence sums and metrics then run unchanged on [b, S] tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Per-token tensors that become the packed row (the model's inputs and the loss op's targets).
+PACKED_KEYS = ("input_ids", "labels")
+# What a packed micro batch holds for the model only (the loss reads the padded per-sequence tensors).
+MODEL_KEYS = PACKED_KEYS + ("position_ids", "cu_seqlens", "max_seqlen", "unpack_index", "attention_mask",
+                            "packed_seq_params", "sequence_parallel")
+
+
+def packed_length(seq_lengths: torch.Tensor, multiple: int = 1) -> int:
+    """Tokens of a packed row holding sequences of ``seq_lengths`` [b]: their sum rounded up to ``multiple``."""
+    total = int(seq_lengths.sum())
+    return -(-total // multiple) * multiple
+
+
+def cu_seqlens(seq_lengths: torch.Tensor, length: int) -> torch.Tensor:
+    """int32 [b + 1] segment offsets (0, then the end of each sequence), plus the trailing padding as a last
+    segment when the row is longer than the sequences: [b + 2]."""
+    ends = torch.cumsum(seq_lengths.to(torch.int64), 0)
+    offsets = torch.cat([ends.new_zeros(1), ends])
+    if length < int(offsets[-1]):
+        raise ValueError(f"a packed row of {length} tokens cannot hold sequences of {int(offsets[-1])} tokens")
+    if length > int(offsets[-1]):
+        offsets = torch.cat([offsets, offsets.new_tensor([length])])
+    return offsets.to(torch.int32)
+
+
+def unpack_index(seq_lengths: torch.Tensor, width: int) -> torch.Tensor:
+    """[b, width] long: the packed position of each padded position (b, t); padding maps to the sequence's last
+    token (any real position would do: padded positions are never in a loss mask)."""
+    starts = torch.cumsum(seq_lengths, 0) - seq_lengths
+    t = torch.arange(width, device=seq_lengths.device).unsqueeze(0)
+    return starts.unsqueeze(1) + torch.minimum(t, (seq_lengths - 1).clamp_min(0).unsqueeze(1))
+
+
+def pack(batch: dict, length: int) -> dict:
+    """The packed model inputs of a padded micro batch with ``seq_lengths`` [b]: ``input_ids`` / ``labels`` /
+    ``position_ids`` [1, length], ``cu_seqlens`` (int32), ``max_seqlen`` and ``unpack_index`` [b, S]. The
+    per-sequence and other per-token tensors stay as they are (padded [b, S]). Pure, device-agnostic."""
+    lengths = batch["seq_lengths"].to(batch["input_ids"].device)
+    b, width = batch["input_ids"].shape[:2]
+    if (lengths < 1).any() or (lengths > width).any():
+        raise ValueError(f"seq_lengths {lengths.tolist()} must lie in [1, {width}]")
+    keep = torch.arange(width, device=lengths.device).unsqueeze(0) < lengths.unsqueeze(1)  # [b, S]
+    out = dict(batch)
+    offsets = cu_seqlens(lengths, length)
+    pad = length - int(lengths.sum())
+    for key in PACKED_KEYS:
+        if key in batch:
+            row = batch[key][keep]
+            out[key] = torch.cat([row, row.new_zeros(pad)]).unsqueeze(0)
+    segment_lengths = offsets.diff().to(torch.int64)
+    starts = torch.repeat_interleave(offsets[:-1].to(torch.int64), segment_lengths)
+    out["position_ids"] = (torch.arange(length, device=lengths.device) - starts).unsqueeze(0)
+    out["cu_seqlens"] = offsets
+    out["max_seqlen"] = int(segment_lengths.max())
+    out["unpack_index"] = unpack_index(lengths, width)
+    return out
+
+
+def block_causal_mask(offsets: torch.Tensor, length: int) -> torch.Tensor:
+    """[1, 1, length, length] bool, True where attention is masked: position q sees k <= q of its own segment."""
+    segment_lengths = offsets.diff().to(torch.int64)
+    segment = torch.repeat_interleave(torch.arange(segment_lengths.numel(), device=offsets.device), segment_lengths)
+    position = torch.arange(length, device=offsets.device)
+    visible = (segment.unsqueeze(1) == segment.unsqueeze(0)) & (position.unsqueeze(0) <= position.unsqueeze(1))
+    return (~visible).view(1, 1, length, length)
+
+
+def packed_seq_params(offsets: torch.Tensor, max_seqlen: int):
+    """megatron's ``PackedSeqParams`` for TransformerEngine's THD attention over the segments ``offsets``."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    offsets = offsets.to(torch.int32)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=offsets, cu_seqlens_kv=offsets,
+                           cu_seqlens_q_padded=offsets, cu_seqlens_kv_padded=offsets,
+                           max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen)
+
+
+def unpack(packed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """[1, N, ...] per-token values of a packed row -> [b, S, ...] in the padded layout (autograd flows back
+    to the packed positions; padded positions repeat a real one and must stay out of every mask)."""
+    row = packed[0]
+    return row[index.reshape(-1)].reshape(tuple(index.shape) + tuple(row.shape[1:]))
+
+
+def pack_rows(per_sequence: torch.Tensor, index: torch.Tensor, length: int) -> torch.Tensor:
+    """The inverse of ``unpack`` for a padded [b, S, ...] tensor whose real positions are those of ``index``:
+    -> [1, length, ...] (each packed position from its sequence; the padding tail zero). No autograd."""
+    b, width = index.shape
+    out = per_sequence.new_zeros((length,) + tuple(per_sequence.shape[2:]))
+    real = index.diff(dim=1, prepend=index[:, :1] - 1) != 0  # the first visit of each packed position
+    out[index[real]] = per_sequence[real]
+    return out.unsqueeze(0)
+
+
+# ---- token-budget micro batches ----
+
+
+def _fits(loads: list[int], counts: list[int], budget: int) -> bool:
+    """Every micro batch within ``budget`` tokens, but a lone sequence longer than it (its own micro batch)."""
+    return all(load <= budget or count == 1 for load, count in zip(loads, counts))
+
+
+def balance(lengths: torch.Tensor, count: int) -> tuple[list[torch.Tensor], list[int]]:
+    """``lengths`` [n] sequences into ``count`` micro batches of near-equal tokens (longest first, each to the
+    lightest micro batch: LPT, as verl's and slime's balancing). Returns (each micro batch's positions in
+    ``lengths``, ascending; their token counts), micro batches ordered by their first position."""
+    order = sorted(range(lengths.numel()), key=lambda i: (-int(lengths[i]), i))
+    bins: list[list[int]] = [[] for _ in range(count)]
+    loads = [0] * count
+    for i in order:
+        j = min(range(count), key=lambda b: (loads[b], b))
+        bins[j].append(i)
+        loads[j] += int(lengths[i])
+    ranked = sorted((sorted(b), load) for b, load in zip(bins, loads) if b)
+    return [torch.tensor(b, dtype=torch.long) for b, _ in ranked], [load for _, load in ranked]
+
+
+def smallest_count(lengths: torch.Tensor, budget: int, at_least: int = 1) -> int:
+    """The fewest micro batches (>= ``at_least``) that ``balance`` fits within ``budget`` tokens each."""
+    if budget < 1:
+        raise ValueError(f"a token budget of {budget} per micro batch holds no sequence")
+    count = max(at_least, min(-(-int(lengths.sum()) // budget), lengths.numel()), 1)
+    while count < lengths.numel():  # one sequence per micro batch always fits
+        parts, loads = balance(lengths, count)
+        if _fits(loads, [p.numel() for p in parts], budget):
+            return count
+        count += 1
+    return count
