@@ -1,23 +1,25 @@
 #!/usr/bin/env python
 """The trainer side of an RL step on long-tailed response lengths: padded vs packed vs packed + token budget.
 
-    .venv/bin/python bench/packing.py                 # world=1 (~3 minutes on 2 cores)
+    .venv/bin/python bench/packing.py                 # world=1 (~2 minutes on a quiet 2-core machine)
     .venv/bin/python bench/packing.py --world 2       # two data-parallel ranks over gloo
-    .venv/bin/python bench/packing.py --quick         # a smaller batch and cap, one timed step (~30 s)
+    .venv/bin/python bench/packing.py --quick         # a smaller batch and cap, one timed step (~20 s)
 
 Rollouts are synthetic, with the lengths a reasoning policy gives: prompts uniform in [16, 64) tokens, responses
-geometric with mean ``--cap`` / 4, capped at ``--cap`` (max_new_tokens). Each mode runs the loop's own functions
-on real Megatron-Core over gloo (``parallel.launch.run_on_ranks``): ``build_policy`` from the same HF weights,
-then per step ``update_phase.old_logprobs`` (the old-policy pass over every row) and ``update_phase.update``
-(``algo.minibatches`` optimizer steps), on the same rollout batches in the same order. The first step is a
-warm-up; the rest are timed.
+geometric with mean ``--cap`` / 4, capped at ``--cap`` (max_new_tokens). Each mode runs the loop's own
+functions on real Megatron-Core over gloo (``parallel.launch.run_on_ranks``): one ``build_policy`` per mode from
+the same HF weights, then per step, each mode in turn (load on a shared machine falls on every mode alike),
+``update_phase.old_logprobs`` (the old-policy pass over every row) and ``update_phase.update``
+(``algo.minibatches`` optimizer steps), on the same rollout batches. The first step is a warm-up.
 
 Modes: ``padded`` (micro batches of ``parallel.micro_batch_size`` rows [b, S], S the batch's longest row, as the
 loop pads a rollout), ``packed`` (the same micro batches as one row of their tokens: ``parallel.pack_sequences``)
-and ``packed+budget B`` (token-balanced micro batches within ``parallel.max_tokens_per_micro_batch`` B; by default
-the longest possible sequence, prompt + cap, and micro_batch_size times that, the padded micro batch's worst case). "computed" counts the token positions the model runs (each micro
-batch's row(s), once per pass: old log-probs + update); "padding" is the share of them that hold no sequence
-token; "tokens/s" is the sequences' tokens (prompt + response, each pass counted once) per second of step.
+and ``packed+budget B`` (token-balanced micro batches within ``parallel.max_tokens_per_micro_batch`` B; by
+default the longest possible sequence, prompt + cap, and micro_batch_size times that, the padded micro batch's
+worst case). "computed" counts the token positions the model runs in one pass (all ranks); "padding" is the share
+of them that hold no sequence token; "tokens/s" is the sequences' tokens (prompt + response) of both passes (old
+log-probs + update) per second of step; times are the fastest timed step (each step's slowest rank; old log-probs: its fastest pass), the
+least disturbed on a shared machine; every step's time is printed too. Equal losses across modes check that they train the same thing.
 
 On CPU the packed row's attention is megatron's local ``DotProductAttention`` with a dense block-diagonal
 [N, N] mask, so its attention FLOPs grow with N^2 (the masked blocks are computed and discarded); the GPU's THD
@@ -34,7 +36,8 @@ from pathlib import Path
 
 import torch
 
-# A ~20M-parameter Qwen3-MoE: 4 layers, hidden 256, 4 heads of 64 (2 KV heads), 8 experts of width 256, top-2.
+# A ~8M-parameter Qwen3-MoE: 4 layers, hidden 256, 4 heads of 64 (2 KV heads), 8 experts of width 256, top-2,
+# vocabulary 2048.
 MODEL = dict(vocab_size=2048, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64,
              num_experts=8, top_k=2, moe_intermediate_size=256, max_position_embeddings=4096)
 
@@ -86,8 +89,10 @@ def computed_tokens(batch: dict, rows: list[torch.Tensor], cfg) -> tuple[int, in
     return total, scores
 
 
-def run_mode(cfg, hf_dir: str, batches: list[dict]) -> dict:
-    """On each rank: build the policy, then one step (old log-prob pass + the updates) per batch, timed."""
+def run_modes(cfgs: list, hf_dir: str, batches: list[dict]) -> list[list[dict]]:
+    """On each rank: one policy per mode (``cfgs``, built from the same weights), then for each batch one step
+    (old log-prob pass + the updates) of every mode in turn, so that load on a shared machine falls on all modes
+    alike. Returns per batch, per mode, the step's times and token counts."""
     import torch.distributed as dist
 
     from gspo_megatron.parallel import groups
@@ -95,26 +100,27 @@ def run_mode(cfg, hf_dir: str, batches: list[dict]) -> dict:
     from gspo_megatron.train.bootstrap import algo_config
     from gspo_megatron.train.policy import build_policy, layout_of
 
-    groups.init_model_parallel(layout_of(cfg), seed=cfg.train.seed)
-    algo = algo_config(cfg)
-    policy = build_policy(cfg, hf_dir)
-    steps = []
+    groups.init_model_parallel(layout_of(cfgs[0]), seed=cfgs[0].train.seed)
+    algo = algo_config(cfgs[0])
+    policies = [build_policy(cfg, hf_dir) for cfg in cfgs]
+    out = []
     for batch in batches:
-        batch = dict(batch)
-        rows = update_phase.row_plan(batch["input_ids"].shape[0], cfg)
-        micro = sum(len(update_phase.micro_batch_rows(batch, r, cfg)) for r in rows)
-        computed, scores = computed_tokens(batch, rows, cfg)
-        real = int(update_phase.sequence_lengths(batch)[torch.cat(rows)].sum())
-        dist.barrier()
-        start = time.perf_counter()
-        metrics: dict = {}
-        routing = update_phase.old_logprobs(policy, batch, rows, cfg, algo, metrics)
-        old = time.perf_counter() - start
-        out = update_phase.update(policy, batch, rows, routing, cfg, algo)
-        dist.barrier()
-        steps.append(dict(step=time.perf_counter() - start, old=old, computed=computed, scores=scores, real=real,
-                          micro_batches=micro, loss=out["loss"]))
-    return {"steps": steps}
+        out.append([])
+        for cfg, policy in zip(cfgs, policies):
+            step = dict(batch)
+            rows = update_phase.row_plan(step["input_ids"].shape[0], cfg)
+            micro = sum(len(update_phase.micro_batch_rows(step, r, cfg)) for r in rows)
+            computed, scores = computed_tokens(step, rows, cfg)
+            real = int(update_phase.sequence_lengths(step)[torch.cat(rows)].sum())
+            dist.barrier()
+            start = time.perf_counter()
+            routing = update_phase.old_logprobs(policy, step, rows, cfg, algo, {})
+            old = time.perf_counter() - start
+            metrics = update_phase.update(policy, step, rows, routing, cfg, algo)
+            dist.barrier()
+            out[-1].append(dict(step=time.perf_counter() - start, old=old, computed=computed, scores=scores,
+                                real=real, micro_batches=micro, loss=metrics["loss"]))
+    return out
 
 
 def modes(args) -> list[tuple[str, int | None]]:
@@ -163,23 +169,25 @@ def main() -> int:
     results = {}
     with tempfile.TemporaryDirectory(prefix="bench_packing_") as tmp:
         hf_dir = str(save_tiny_model(Path(tmp) / "model", seed=0, **MODEL))
-        for mode, budget in modes(args):
-            cfg = config(mode, budget, args, hf_dir)
-            t = time.perf_counter()
-            per_rank = run_on_ranks(run_mode, args.world, None, cfg, hf_dir, batches, timeout=1800)
-            print(f"{mode}: {time.perf_counter() - t:.0f} s with start-up", flush=True)
-            timed = [list(zip(*(r["steps"] for r in per_rank)))[i] for i in range(1, args.steps + 1)]
-            results[mode] = dict(
-                step=sum(max(s["step"] for s in ranks) for ranks in timed) / len(timed),
-                old=sum(max(s["old"] for s in ranks) for ranks in timed) / len(timed),
-                computed=sum(sum(s["computed"] for s in ranks) for ranks in timed) / len(timed),
-                scores=sum(sum(s["scores"] for s in ranks) for ranks in timed) / len(timed),
-                real=sum(sum(s["real"] for s in ranks) for ranks in timed) / len(timed),
-                micro=sum(max(s["micro_batches"] for s in ranks) for ranks in timed) / len(timed),
-                losses=[ranks[0]["loss"] for ranks in timed])
+        cfgs = [config(mode, budget, args, hf_dir) for mode, budget in modes(args)]
+        t = time.perf_counter()
+        per_rank = run_on_ranks(run_modes, args.world, None, cfgs, hf_dir, batches, timeout=1800)
+        print(f"{len(cfgs)} modes x {len(batches)} steps: {time.perf_counter() - t:.0f} s with start-up", flush=True)
+    for i, (mode, _) in enumerate(modes(args)):
+        timed = [[rank[step][i] for rank in per_rank] for step in range(1, args.steps + 1)]  # [step][rank]
+        results[mode] = dict(
+            steps=[max(s["step"] for s in ranks) for ranks in timed],
+            step=min(max(s["step"] for s in ranks) for ranks in timed),
+            old=min(max(s["old"] for s in ranks) for ranks in timed),
+            computed=sum(sum(s["computed"] for s in ranks) for ranks in timed) / len(timed),
+            scores=sum(sum(s["scores"] for s in ranks) for ranks in timed) / len(timed),
+            real=sum(sum(s["real"] for s in ranks) for ranks in timed) / len(timed),
+            micro=sum(max(s["micro_batches"] for s in ranks) for ranks in timed) / len(timed),
+            losses=[ranks[0]["loss"] for ranks in timed])
     lengths = torch.cat([update_lengths(b) for b in batches[1:]]).float()
     print(f"\nTrainer step (old log-prob pass + {args.minibatches} updates), world={args.world} (DP), "
-          f"{rows} rows/step, cap {args.cap}, micro_batch_size {args.micro_batch_size}; mean of {args.steps} steps after a warm-up; uptime: "
+          f"{rows} rows/step, cap {args.cap}, micro_batch_size {args.micro_batch_size}; best of {args.steps} steps "
+          f"after a warm-up, modes interleaved; load average: "
           f"{os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f}")
     print(f"sequence tokens: mean {lengths.mean():.0f}, median {lengths.median():.0f}, max {lengths.max():.0f} "
           f"(responses geometric, mean cap/4, capped)")
@@ -193,7 +201,8 @@ def main() -> int:
               f"{r['computed']:.0f} | {1 - r['real'] / r['computed']:.1%} | {r['scores'] / 1e6:.2f} | {rate:.0f} | "
               f"{r['step'] / base['step']:.2f}x | {rate / (2 * base['real'] / base['step']):.2f}x |")
     for mode, r in results.items():
-        print(f"  {mode} losses: {['%.6f' % x for x in r['losses']]}")
+        print(f"  {mode}: s/step {' '.join('%.2f' % x for x in r['steps'])}; losses "
+              f"{' '.join('%.6f' % x for x in r['losses'])}")
     return 0
 
 
