@@ -114,3 +114,18 @@ def test_gspo_token_with_segment_rewards_on_the_rollout_logprobs_and_grpo_with_r
     for r in _records(replay):
         assert r["time/old_logprobs"] > 0 and "expert_volatility" not in r, sorted(r)  # replay pins the routing
         assert r["clip_frac"] == r["clip_frac_tokens"] and r["logprob_diff_max"] < 1e-4
+
+
+def test_one_step_off_through_the_loop(tmp_path):
+    """rollout.mode=one_step_off in the real loop (local engine): step 1 trains on version 0's samples, every later
+    step on samples one version old, sampled while the previous step updated; eval and checkpoints still work."""
+    run = tmp_path / "run"
+    _train(run, 3, "rollout.mode=one_step_off", "checkpoint.every=0")
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert [(r["staleness_mean"], r["staleness_max"]) for r in records] == [(0, 0), (1, 1), (1, 1)], records
+    assert [(r["weight_version_min"], r["weight_version_max"]) for r in records] == [(0, 0), (0, 0), (1, 1)]
+    # Step 1's samples are the trainer's weights' (recomputed pi_old agrees with the engine to rounding).
+    assert records[0]["logprob_diff_max"] < 1e-4
+    assert "eval_reward_mean" in records[1] and all(r["time/rollout_wait"] >= 0 for r in records)
+    assert (run / "ck" / "latest").read_text() == "step_000003"
