@@ -118,7 +118,7 @@ def test_gspo_token_with_segment_rewards_on_the_rollout_logprobs_and_grpo_with_r
 
 def test_one_step_off_through_the_loop(tmp_path):
     """rollout.mode=one_step_off in the real loop (local engine): step 1 trains on version 0's samples, every later
-    step on samples one version old, sampled while the previous step updated; eval and checkpoints still work."""
+    step on samples one version old, sampled while the previous step updated; eval, checkpoints and resume work."""
     run = tmp_path / "run"
     _train(run, 3, "rollout.mode=one_step_off", "checkpoint.every=0")
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -129,3 +129,7 @@ def test_one_step_off_through_the_loop(tmp_path):
     assert records[0]["logprob_diff_max"] < 1e-4
     assert "eval_reward_mean" in records[1] and all(r["time/rollout_wait"] >= 0 for r in records)
     assert (run / "ck" / "latest").read_text() == "step_000003"
+    # Resumed, the batch sampled ahead is gone: step 4 samples afresh under the resumed weights (version 3).
+    _train(run, 4, "rollout.mode=one_step_off", "checkpoint.every=0", "--resume")
+    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["step"] == 4 and last["staleness_max"] == 0 and last["weight_version_min"] == 3, last
