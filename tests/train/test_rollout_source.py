@@ -5,7 +5,8 @@ sync is a stand-in collective): every mode gives every rank the same prompts, ba
 mode, step by step; one_step_off samples batch k+1 before step k's weight sync starts (the overlap) and finishes
 it before the sync (no race), so every sample is exactly one version old after the first step; async pauses the
 servers around each sync instead of waiting and keeps staleness within max_staleness; the checkpointed position
-is the one before the batches not trained on yet.
+is the one before the batches not trained on yet. The old-policy pass of a real policy (world 1) gives rows marked
+stale the engine's log-probs and the others the trainer's.
 """
 
 from __future__ import annotations
@@ -177,3 +178,37 @@ def test_config_errors_name_the_field():
     validate(load_config(None, ["data.task=reverse", "rollout.mode=one_step_off", "rollout.engine=local"]), 1)
     validate(load_config(None, ["data.task=reverse", "rollout.mode=async", "rollout.max_staleness=3",
                                 "algo.routing_replay=rollout"]), 1)
+
+
+def _old_logprobs(hf_dir: str) -> dict:
+    """``update_phase.old_logprobs`` on a synthetic batch, without and with half its rows marked stale."""
+    from gspo_megatron.parallel import groups
+    from gspo_megatron.train import update_phase
+    from gspo_megatron.train.bootstrap import algo_config
+    from gspo_megatron.train.config import load_config
+    from gspo_megatron.train.memory_probe import synthetic_rollout
+    from gspo_megatron.train.policy import build_policy, layout_of
+
+    cfg = load_config(None, ["data.task=reverse", "model.dtype=float32", "rollout.prompts_per_step=2",
+                             "rollout.group_size=4", "parallel.micro_batch_size=4", f"model.hf_dir={hf_dir}"])
+    groups.init_model_parallel(layout_of(cfg))
+    policy = build_policy(cfg, hf_dir)
+    batch = synthetic_rollout(cfg, 128, 32, seed=1)
+    rows = update_phase.row_plan(batch["input_ids"].shape[0], cfg)
+    out = {"rollout": batch["rollout_logprobs"], "mask": batch["loss_mask"]}
+    stale = torch.tensor([True, False] * 4)
+    for name, extra in (("fresh", {}), ("stale", {"stale": stale})):
+        b = dict(batch, **extra)
+        update_phase.old_logprobs(policy, b, rows, cfg, algo_config(cfg), {})
+        out[name] = b["old_logprobs"]
+    out["stale_rows"] = stale
+    return out
+
+
+def test_stale_samples_take_the_engines_logprobs(moe_then_dense_dir):
+    (out,) = run_on_ranks(_old_logprobs, 1, None, moe_then_dense_dir)
+    stale, mask = out["stale_rows"], out["mask"]
+    # pi_old of a sample from older weights: the engine's log-probs, exactly; of a current one: the trainer's pass.
+    assert torch.equal(out["stale"][stale], out["rollout"][stale])
+    assert torch.equal(out["stale"][~stale], out["fresh"][~stale])
+    assert (out["fresh"][stale] - out["rollout"][stale])[mask[stale]].abs().max() > 0.1  # the two differ here
