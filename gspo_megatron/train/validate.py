@@ -179,9 +179,6 @@ def validate(cfg: Config, world_size: int, hf: dict | None = None) -> None:
     if a.replays_rollout_routing and r.server_args.get("return_routed_experts") is False:
         raise ConfigError("algo.routing_replay=rollout needs the servers' routed experts: remove "
                           "rollout.server_args.return_routed_experts=false")
-    if a.replays_rollout_routing and cfg.parallel.pack_sequences:
-        raise ConfigError("algo.routing_replay=rollout with parallel.pack_sequences=true: the engine's routes are "
-                          "not packed yet; set parallel.pack_sequences=false")
     if a.replays_old_routing and a.name != "grpo":
         raise ConfigError(f"algo.routing_replay=true is the GRPO baseline's fix; GSPO does not need it "
                           f"(algo.name={a.name!r}): set algo.name=grpo or algo.routing_replay=false")
