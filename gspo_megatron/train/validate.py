@@ -144,9 +144,6 @@ def validate_env(cfg: Config) -> None:
             raise ConfigError(str(e)) from None
     for name in ("max_turns", "max_trajectory_tokens", "env_concurrency"):
         _positive(getattr(r, name), f"rollout.{name}")
-    if a.replays_rollout_routing:
-        raise ConfigError("algo.routing_replay=rollout with rollout.env: the engine's routes of a multi-turn "
-                          "trajectory are not assembled yet; set algo.routing_replay=false")
 
 
 def validate(cfg: Config, world_size: int, hf: dict | None = None) -> None:
