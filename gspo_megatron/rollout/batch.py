@@ -6,6 +6,7 @@ For a sample with prompt p (P tokens) and response r (R tokens), row b holds inp
                          and response_mask[t - P + 1]     (a token the model sampled: multi-turn observations
                                                            are in input_ids but carry no loss)
     rollout_logprobs   = the engine's log-prob of labels[b, t] where loss_mask, else 0
+    token_versions     = the weight version that sampled labels[b, t] (partial rollouts only; -1 off responses)
 so the log-prob the trainer computes at position t is comparable with the engine's, token for token.
 
 Samples with routed experts (rollout routing replay) add rollout_routing [B, S, layers, top-k] int16: row t is the
@@ -55,6 +56,12 @@ def samples_to_batch(samples: Sequence[Sample], pad_id: int = 0, pad_to_multiple
         "prompt_lengths": torch.tensor([len(s.prompt_ids) for s in samples], dtype=torch.long),
         "response_lengths": torch.tensor([len(s.response_ids) for s in samples], dtype=torch.long),
     }
+    if any(s.token_versions is not None for s in samples):  # partial rollouts: each token's weight version
+        out["token_versions"] = torch.full((B, S), -1, dtype=torch.long)  # -1: no response token
+        for b, s in enumerate(samples):
+            P, R = len(s.prompt_ids), len(s.response_ids)
+            if R and s.token_versions is not None:
+                out["token_versions"][b, P - 1:P + R - 1] = torch.tensor(s.token_versions, dtype=torch.long)
     if any(s.routed_experts is not None for s in samples):
         out["rollout_routing"] = routing_batch(samples, S)
     return out

@@ -85,8 +85,14 @@ class Sample:
     # Per turn (end, reward): end counts the response tokens up to and including the turn's last model token (the
     # segments of ``algo.token_advantages=turns``); None for single-turn samples.
     turns: list[tuple[int, float]] | None = None
+    # Partial rollouts (``train.partial_rollouts``): the trainer's weight version that sampled each response token
+    # (a sample continued across steps spans several); None: every token is ``weight_version``'s.
+    token_versions: list[int] | None = None
 
     def __post_init__(self):
+        if self.token_versions is not None and len(self.token_versions) != len(self.response_ids):
+            raise ValueError(f"sample (prompt {self.prompt_index}, sample {self.sample_index}): token_versions of "
+                             f"{len(self.token_versions)} for {len(self.response_ids)} response tokens")
         if self.response_mask is not None and len(self.response_mask) != len(self.response_ids):
             raise ValueError(f"sample (prompt {self.prompt_index}, sample {self.sample_index}): response_mask of "
                              f"{len(self.response_mask)} for {len(self.response_ids)} response tokens")

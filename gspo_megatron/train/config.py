@@ -158,6 +158,19 @@ class RolloutConfig:
     max_staleness: int = 1
     """With mode=async: batches sampled ahead, so a sample is at most this many weight versions older than the
     weights it is trained on (one_step_off is 1 without pausing)."""
+    partial_chunk_tokens: int | None = None
+    """Partial rollouts (``train/partial_rollouts.py``; the issue's max_tokens_per_step, slime's / Kimi k1.5's
+    partial rollout): generation runs in chunks of at most this many new tokens per sample, with up to
+    partial_groups_in_flight groups in flight; the step ends as soon as prompts_per_step groups are complete (all
+    G samples finished), and the samples still running are cut there and continued next step, from their token
+    ids, under the new weights (at most max_new_tokens in all). None (default): responses generated whole."""
+    partial_groups_in_flight: int | None = None
+    """With partial_chunk_tokens: groups generating at once at most (slime's over-sampling), so that when
+    prompts_per_step of them are complete others are still running and are carried. None: 2 x prompts_per_step."""
+    partial_mask: str = "none"
+    """With partial_chunk_tokens: none (every token of a sample spanning weight versions trains, pi_old the
+    engine's per-token log-probs of the version that sampled it) or old_tokens (tokens sampled by weights older
+    than the trainer's carry no loss: only the current version's chunk trains)."""
     weight_sync: str = "distributed"
     """distributed (broadcast to the servers) or disk (save HF safetensors, server reloads)."""
     weight_sync_address: str | None = None

@@ -47,16 +47,17 @@ def train(cfg: Config, resume: bool = False) -> dict:
     from gspo_megatron.train.progress import Progress
 
     logger = MetricsLogger(cfg.logging.dir, cfg.logging.tensorboard, cfg.logging.wandb_project, enabled=rank0)
-    step, version = 0, 0
+    step, version, state = 0, 0, None
     if resume and checkpoint.latest(cfg.checkpoint.dir):
         state = checkpoint.load(checkpoint.latest(cfg.checkpoint.dir), policy.model, policy.optimizer, policy.scheduler)
         step, version = state["step"], state["weight_version"]
-        prompts.load_state_dict(state["data_position"])
         rollout_phase.sync_weights(policy, engine, f"{version}-resumed")
     progress = Progress(cfg.train.steps, start=step, enabled=rank0)
     seq_multiple = sequence_multiple(cfg.parallel.tensor, cfg.parallel.context, cfg.parallel.sequence_parallel)
     # rollout.mode: sync (sampled when asked), one_step_off / async (sampled ahead while the trainer updates)
     source = RolloutSource(engine, prompts, cfg, tokenizer, reward_fn, seq_multiple, version)
+    if state is not None:
+        source.load_state_dict(state)  # the data position (and partial rollouts' groups in flight)
     metrics: dict = {}
     nonfinite = NonFiniteGuard(cfg.train.max_consecutive_nonfinite, cfg.logging.dir, rank0)
     try:
@@ -68,6 +69,8 @@ def train(cfg: Config, resume: bool = False) -> dict:
             metrics = dict(rollout.metrics)
             batch = rollout.batch
             batch["stale"] = rollout.versions != version  # sampled by older weights: pi_old is the engine's
+            if cfg.rollout.partial_mask == "old_tokens":  # partial rollouts: only this version's tokens train
+                batch["loss_mask"] &= batch["token_versions"] == version
             batch["advantages"] = advantages(rollout, cfg)  # a masked reward leaves its group's statistics
             batch["loss_mask"] &= rollout.reward_valid.unsqueeze(1)  # and the loss
 
@@ -92,7 +95,7 @@ def train(cfg: Config, resume: bool = False) -> dict:
                                        or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0)):
                 t = time.perf_counter()
                 checkpoint.save(cfg.checkpoint.dir, step, policy.model, policy.optimizer, policy.scheduler,
-                                {"weight_version": version, "data_position": source.position()},
+                                {"weight_version": version, **source.state_dict()},
                                 keep=cfg.checkpoint.keep, model_info=policy.write_model_info,
                                 async_save=cfg.checkpoint.async_save)
                 metrics["time/checkpoint"] = time.perf_counter() - t

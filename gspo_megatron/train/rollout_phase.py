@@ -99,8 +99,7 @@ def _sampling(cfg: Config, step: int, eos_ids, sampling_round: int = 0):
 
 def _generate_and_score(engine, prompts: list[Prompt], cfg: Config, step: int, tokenizer, reward_fn, n: int,
                         sampling_round: int = 0):
-    from gspo_megatron.rollout import score
-
+    """(samples, Rewards, response texts, generation seconds) of n responses per prompt."""
     if cfg.rollout.env:  # multi-turn: the environment's turn rewards instead of reward_fn
         return _trajectories(engine, prompts, cfg, step, tokenizer, n, sampling_round)
     start = time.perf_counter()
@@ -108,12 +107,19 @@ def _generate_and_score(engine, prompts: list[Prompt], cfg: Config, step: int, t
                              _sampling(cfg, step, [tokenizer.eos_token_id], sampling_round))
     seconds = time.perf_counter() - start
     samples = [s for g in groups for s in g.samples]
+    return (samples, *_score_samples(samples, prompts, cfg, tokenizer, reward_fn), seconds)
+
+
+def _score_samples(samples, prompts: list[Prompt], cfg: Config, tokenizer, reward_fn) -> tuple:
+    """(Rewards, response texts) of samples generated for ``prompts`` (``Sample.prompt_index`` into them)."""
+    from gspo_megatron.rollout import score
+
     labels = [prompts[s.prompt_index].label for s in samples]
     prompt_texts = [prompts[s.prompt_index].text for s in samples]
     responses = [s.text if s.text is not None else tokenizer.decode(s.response_ids, skip_special_tokens=True)
                  for s in samples]
     rewards = score(reward_fn, samples, labels, prompt_texts, responses, on_error=cfg.data.on_reward_error)
-    return samples, rewards, seconds, responses
+    return rewards, responses
 
 
 _segment_pools: dict = {}  # rank 0's segment-reward workers, per (spec, workers, time limit), kept across steps
@@ -144,7 +150,7 @@ def _trajectories(engine, prompts: list[Prompt], cfg: Config, step: int, tokeniz
     groups, rewards = generate_trajectories(engine, prompts, n, sampling,
                                             load_env(r.env), tokenizer, limits, cfg.data.on_reward_error, r.env_args)
     samples = [s for g in groups for s in g.samples]
-    return samples, rewards, time.perf_counter() - start, [s.text for s in samples]
+    return samples, rewards, [s.text for s in samples], time.perf_counter() - start
 
 
 def _segment_rewards(samples, prompts: list[Prompt], cfg: Config, tokenizer):
@@ -174,8 +180,13 @@ def screen_responses(samples, on_truncated: str) -> tuple[torch.Tensor, dict]:
 
 def _round(engine, prompts: list[Prompt], cfg: Config, step: int, tokenizer, reward_fn, sampling_round: int) -> dict:
     """One generation round on rank 0: samples, rewards, validity (and segment rewards) of ``prompts``."""
-    samples, rewards, seconds, responses = _generate_and_score(
+    samples, rewards, responses, seconds = _generate_and_score(
         engine, prompts, cfg, step, tokenizer, reward_fn, cfg.rollout.group_size, sampling_round)
+    return _round_data(samples, rewards, responses, seconds, prompts, cfg, tokenizer)
+
+
+def _round_data(samples, rewards, responses, seconds: float, prompts: list[Prompt], cfg: Config, tokenizer) -> dict:
+    """A round's samples and rewards with their validity, segment rewards and response counts."""
     segments, valid = None, rewards.valid
     if cfg.algo.token_advantages == "segments":
         segments, segments_valid = _segment_rewards(samples, prompts, cfg, tokenizer)
@@ -239,23 +250,33 @@ def _rounds(engine, prompts: list[Prompt], cfg: Config, step: int, tokenizer, re
 
 
 def collect(engine, prompts: list[Prompt], cfg: Config, step: int, tokenizer, reward_fn, pad_multiple: int,
-            more_prompts=None, version: int = 0) -> Rollout:
+            more_prompts=None, version: int = 0, partial=None) -> Rollout:
     """Rank 0 generates and scores, everyone receives: a collective (the others wait in the control group).
 
     ``more_prompts(count)``: further prompts for rollout.filter_zero_variance_groups (the prompt stream's
     ``next``); every rank calls it for as many prompts as rank 0 drew, so data positions stay equal."""
     payload = None
     if dist.get_rank() == 0:
-        payload = produce(engine, prompts, cfg, step, tokenizer, reward_fn, more_prompts, version)
+        payload = produce(engine, prompts, cfg, step, tokenizer, reward_fn, more_prompts, version, partial)
     return deliver(payload, pad_multiple, more_prompts)
 
 
 def produce(engine, prompts: list[Prompt], cfg: Config, step: int, tokenizer, reward_fn, more_prompts=None,
-            version: int = 0) -> tuple:
+            version: int = 0, partial=None) -> tuple:
     """Rank 0's side of ``collect``: generate, score, and the payload every rank receives; ``version``: the weights
     the engine serves as generation starts. No collective: the rollout source (``train/rollout_source.py``) runs it
-    on a background thread, which talks only to the servers (HTTP) and the reward workers."""
-    picked, rounds, sampling_metrics, extra = _rounds(engine, prompts, cfg, step, tokenizer, reward_fn, more_prompts)
+    on a background thread, which talks only to the servers (HTTP) and the reward workers. ``partial``: rank 0's
+    ``PartialRollouts`` (``rollout.partial_chunk_tokens``), which draws every prompt through ``more_prompts``."""
+    if partial is not None:  # the groups completed this step, some begun in earlier steps under older weights
+        sampling = _sampling(cfg, step, [tokenizer.eos_token_id])
+        samples, chosen, seconds, extra, sampling_metrics = partial.step(engine, more_prompts, sampling, version)
+        rewards, responses = _score_samples(samples, chosen, cfg, tokenizer, reward_fn)
+        picked = _round_data(samples, rewards, responses, seconds, chosen, cfg, tokenizer)
+        rounds = [picked]
+        version = [min(s.token_versions, default=version) for s in samples]  # each sample's oldest token's
+    else:
+        picked, rounds, sampling_metrics, extra = _rounds(engine, prompts, cfg, step, tokenizer, reward_fn,
+                                                          more_prompts)
     # Reward statistics over everything sampled (the policy's, not the filtered batch's).
     values = torch.cat([d["values"] for d in rounds])
     valid = torch.cat([d["reward_valid"] for d in rounds])  # truncated responses masked from the loss count here
@@ -291,7 +312,8 @@ def deliver(payload: tuple | None, pad_multiple: int, more_prompts=None) -> Roll
     if dist.get_rank() != 0 and extra:
         more_prompts(extra)  # rank 0 drew these: keep every rank's data position the same
     batch = samples_to_batch(samples, pad_id=0, pad_to_multiple=pad_multiple)
-    return Rollout(samples, values, valid, batch, metrics, segments, torch.full((len(samples),), version))
+    versions = torch.tensor(version) if isinstance(version, list) else torch.full((len(samples),), version)
+    return Rollout(samples, values, valid, batch, metrics, segments, versions)
 
 
 def evaluate(engine, prompts: list[Prompt], cfg: Config, step: int, tokenizer, reward_fn) -> dict:
@@ -302,7 +324,7 @@ def evaluate(engine, prompts: list[Prompt], cfg: Config, step: int, tokenizer, r
 
 def eval_metrics(engine, prompts: list[Prompt], cfg: Config, step: int, tokenizer, reward_fn) -> dict:
     """Rank 0's side of ``evaluate`` (no collective)."""
-    _, rewards, seconds, _ = _generate_and_score(engine, prompts, cfg, -step, tokenizer, reward_fn, 1)
+    _, rewards, _, seconds = _generate_and_score(engine, prompts, cfg, -step, tokenizer, reward_fn, 1)
     return {"eval_reward_mean": float(rewards.values[rewards.valid].mean()), "time/eval": seconds}
 
 

@@ -12,7 +12,8 @@ Rank 0 owns the engine: the batches ahead are generated and scored on one backgr
 to the servers (HTTP) and the reward workers; every collective (the batch's broadcast, the weight sync) stays on
 the caller's thread, in the same order on every rank. Every rank draws each batch's prompts when the batch is
 queued, so data positions stay equal; the checkpointed position is the one before the batches not trained on
-yet (a resumed run samples them again). A sample's version is the trainer's weight version the engine served
+yet (a resumed run samples them again). With ``rollout.partial_chunk_tokens`` (sync mode) the samples still running
+when a step's batch is full are carried to the next step (``train/partial_rollouts.py``). A sample's version is the trainer's weight version the engine served
 when its batch started (``Rollout.versions``); the loop takes pi_old of samples from older weights from the
 engine's log-probs (the behaviour policy's), and logs ``staleness_mean`` / ``staleness_max``.
 """
@@ -29,6 +30,7 @@ from gspo_megatron.parallel import control
 from gspo_megatron.train import rollout_phase
 from gspo_megatron.train.config import Config
 from gspo_megatron.train.data import PromptStream
+from gspo_megatron.train.partial_rollouts import PartialRollouts
 
 MODES = ("sync", "one_step_off", "async")
 
@@ -54,15 +56,19 @@ class RolloutSource:
         self._queue: deque = deque()  # (step, data position before its prompts, rank 0: its Future) per queued batch
         # Rank 0: the name the engine reports for each version it served (samples carry the one they finished under).
         self._names = {version: engine.weight_version()} if self.rank0 and self.ahead else {}
+        # rollout.partial_chunk_tokens: rank 0's groups in flight across steps (sync mode only).
+        self.partial = PartialRollouts(cfg) if self.rank0 and cfg.rollout.partial_chunk_tokens else None
 
     def next(self, step: int, version: int) -> rollout_phase.Rollout:
         """Step ``step``'s rollout (collective); ``version``: the weights the trainer holds now, which the engine
         serves. Staleness (mean, max) is ``version`` minus the samples' versions."""
         cfg = self.cfg
         if not self.ahead:  # sync: sampled now (with dynamic sampling: more prompts drawn as rank 0 needs them)
-            rollout = rollout_phase.collect(self.engine, self.prompts.next(cfg.rollout.prompts_per_step), cfg, step,
-                                            self.tokenizer, self.reward_fn, self.pad_multiple,
-                                            more_prompts=self.prompts.next, version=version)
+            # (partial rollouts: rank 0 draws every prompt as it starts groups, the others as many)
+            first = [] if cfg.rollout.partial_chunk_tokens else self.prompts.next(cfg.rollout.prompts_per_step)
+            rollout = rollout_phase.collect(self.engine, first, cfg, step, self.tokenizer, self.reward_fn,
+                                            self.pad_multiple, more_prompts=self.prompts.next, version=version,
+                                            partial=self.partial)
         else:
             while not self._queue or self._queue[-1][0] < step + self.ahead:
                 self._enqueue(self._queue[-1][0] + 1 if self._queue else step)
@@ -126,6 +132,19 @@ class RolloutSource:
             payload = self._pool.submit(rollout_phase.eval_metrics, self.engine, prompts, self.cfg, step,
                                         self.tokenizer, self.reward_fn).result()
         return control.broadcast_from_rank0(payload)
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps (collective): the data position and, with partial rollouts, rank 0's groups in
+        flight (the other ranks save the same)."""
+        state = {"data_position": self.position()}
+        if self.cfg.rollout.partial_chunk_tokens:
+            state["partial_rollouts"] = control.broadcast_from_rank0(self.partial.state_dict() if self.rank0 else None)
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.prompts.load_state_dict(state["data_position"])
+        if self.partial is not None and state.get("partial_rollouts"):
+            self.partial.load_state_dict(state["partial_rollouts"])
 
     def position(self) -> dict:
         """The data position to checkpoint: before the prompts of the batches not trained on yet."""

@@ -152,6 +152,7 @@ def validate_rollout_mode(cfg: Config) -> None:
 
     r = cfg.rollout
     _one_of(r.mode, MODES, "rollout.mode")
+    validate_partial(cfg)
     if r.mode == "sync":
         return
     if r.mode == "async":
@@ -172,6 +173,34 @@ def validate_rollout_mode(cfg: Config) -> None:
         raise ConfigError(f"rollout.filter_zero_variance_groups=true with rollout.mode={r.mode}: the extra prompts "
                           "of dynamic sampling are drawn mid-rollout, which a batch sampled ahead cannot do yet; "
                           "set rollout.mode=sync or rollout.filter_zero_variance_groups=false")
+
+
+def validate_partial(cfg: Config) -> None:
+    """Partial rollouts (``rollout.partial_chunk_tokens``, ``train/partial_rollouts.py``)."""
+    r = cfg.rollout
+    _one_of(r.partial_mask, ("none", "old_tokens"), "rollout.partial_mask")
+    if r.partial_chunk_tokens is None:
+        if r.partial_mask != "none":
+            raise ConfigError(f"rollout.partial_mask={r.partial_mask!r} needs rollout.partial_chunk_tokens (partial "
+                              "rollouts); without it every sample comes from one weight version")
+        return
+    if r.partial_chunk_tokens < 1:
+        raise ConfigError(f"rollout.partial_chunk_tokens={r.partial_chunk_tokens} must be >= 1 (or null: off)")
+    if r.partial_groups_in_flight is not None and r.partial_groups_in_flight < r.prompts_per_step:
+        raise ConfigError(f"rollout.partial_groups_in_flight={r.partial_groups_in_flight} is below "
+                          f"rollout.prompts_per_step={r.prompts_per_step}: a batch needs that many groups generating")
+    refused = [
+        (r.mode != "sync", f"rollout.mode={r.mode}", "set rollout.mode=sync (the carried samples already overlap "
+                                                     "steps)"),
+        (r.filter_zero_variance_groups, "rollout.filter_zero_variance_groups=true",
+         "set rollout.filter_zero_variance_groups=false"),
+        (bool(r.env), f"rollout.env={r.env}", "multi-turn trajectories are not cut yet: unset rollout.env"),
+        (cfg.algo.routing_replay is not False, f"algo.routing_replay={cfg.algo.routing_replay}",
+         "the experts of a sample's earlier chunks are not kept: set algo.routing_replay=false"),
+    ]
+    for bad, what, fix in refused:
+        if bad:
+            raise ConfigError(f"rollout.partial_chunk_tokens={r.partial_chunk_tokens} with {what}: {fix}")
 
 
 def validate(cfg: Config, world_size: int, hf: dict | None = None) -> None:
