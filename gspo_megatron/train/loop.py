@@ -4,7 +4,8 @@
     log-probs] -> group advantages -> minibatch updates -> weight sync -> [eval] -> [checkpoint] -> metrics
 
 The rollouts come from a ``RolloutSource``: sampled when asked (``rollout.mode=sync``) or ahead, while the trainer
-updates (one_step_off, async); the same loop runs all three.
+updates (one_step_off, async); the same loop runs all three. With ``rollout.partial_chunk_tokens`` the samples still
+running when a batch is full are carried into the next step and continued under the new weights (partial rollouts).
 
 A non-finite loss or gradient skips its update on every rank (``faults``); a SIGTERM/SIGUSR1 on any rank stops every
 rank after the same step, saved (``preemption``).
