@@ -29,8 +29,9 @@ class ModelConfig:
     tiny: dict = field(default_factory=dict)
     """If set and ``hf_dir`` does not exist yet: build a random model there from these HF config fields."""
     warm_start_steps: int = 0
-    """With ``tiny`` and ``data.task``: this many supervised steps on task examples before RL (the CPU
-    example's brief warm start, so the random model has seen the answer format)."""
+    """With ``tiny`` and ``data.task``: this many supervised steps of 32 task demonstrations before RL (the CPU
+    example's brief warm start, so the random model has seen the answer format; the tool-use example's, so it has
+    seen calculator calls)."""
     warm_start_lr: float = 3e-3
     megatron_checkpoint: str = ""
     """Start from this Megatron dist checkpoint (tools/convert_hf_to_megatron.py) instead of hf_dir's weights."""
@@ -256,7 +257,8 @@ class DataConfig:
     prompts: str = ""
     """JSONL of {"prompt": str, "answer": ...} or {"messages": [...], "answer": ...}."""
     task: str = ""
-    """A synthetic task shipped in the repo instead of a file (see gspo_megatron.rollout.tasks)."""
+    """A synthetic task shipped in the repo instead of a file (gspo_megatron.rollout.synthetic: reverse, copy, add,
+    count, mul)."""
     eval_prompts: str = ""
     skip_malformed: bool = False
     """Skip (and count) malformed JSONL lines instead of stopping at the first with its line number."""
