@@ -102,3 +102,43 @@ def test_a_killed_rank_is_restarted_with_the_sglang_server_kept_and_synced(tmp_p
     assert [r["step"] for r in records[3:]] == [3, 4]
     assert max(r["logprob_diff_max"] for r in records[3:]) < 1e-4, [r["logprob_diff_max"] for r in records]
     assert _gone(record), "the server or its watchdog outlived the run"
+
+
+def test_a_restart_resumes_only_from_checkpoints_this_run_wrote(tmp_path, monkeypatch):
+    """``checkpoint_to_resume``'s choice (rank 0's; one process here): an earlier run's checkpoint is resumed only
+    with --resume, this run's on any restart."""
+    from gspo_megatron.train import elastic
+    from gspo_megatron.train.config import load_config
+
+    monkeypatch.setattr(elastic.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(elastic.control, "broadcast_from_rank0", lambda obj: obj)
+    cfg = load_config(None, [f"logging.dir={tmp_path / 'log'}", f"checkpoint.dir={tmp_path / 'ck'}"])
+    ck = tmp_path / "ck"
+
+    def save(step: int) -> Path:  # what checkpoint.save leaves: the directory and a replaced `latest`
+        (ck / f"step_{step:06d}").mkdir(parents=True)
+        (ck / "latest.tmp").write_text(f"step_{step:06d}")
+        os.replace(ck / "latest.tmp", ck / "latest")
+        return ck / f"step_{step:06d}"
+
+    old = save(7)  # an earlier run's
+    assert elastic.checkpoint_to_resume(cfg, resume=False) is None  # outside torchrun: --resume decides
+    assert elastic.checkpoint_to_resume(cfg, resume=True) == old
+
+    def attempt(restart: int, run_id: str = "run-a") -> None:
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", run_id)
+        monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", str(restart))
+
+    attempt(0)
+    assert elastic.checkpoint_to_resume(cfg, resume=False) is None  # a fresh run beside an old checkpoint
+    attempt(1)
+    assert elastic.checkpoint_to_resume(cfg, resume=False) is None  # failed before its first checkpoint: afresh
+    assert elastic.checkpoint_to_resume(cfg, resume=True) == old  # unless told to resume whatever is there
+    mine = save(2)
+    assert elastic.checkpoint_to_resume(cfg, resume=False) == mine  # this run's: resumed on its own
+    attempt(2)
+    assert elastic.checkpoint_to_resume(cfg, resume=False) == mine
+    assert elastic.resumed_version(2) == "2-resumed-restart2"
+    attempt(1, run_id="run-b")  # another torchrun's record does not count
+    assert elastic.checkpoint_to_resume(cfg, resume=False) is None
