@@ -88,15 +88,15 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None,
 
 
 def _attempt_store(timeout: timedelta | None) -> dict:
-    """Under torchrun's restarts, the store arguments of ``init_process_group``: the agent's store under a prefix of
-    this attempt; else none (``env://``).
+    """In a worker torchrun restarted, the store arguments of ``init_process_group``: the agent's store under a prefix
+    of this attempt; else none (``env://``, as torch does it).
 
     torchrun's workers share its rendezvous store (TORCHELASTIC_USE_AGENT_STORE=True), one for every attempt, and
     torch's ``env://`` rendezvous adds no prefix per attempt: a restarted worker finds the failed attempt's keys
     (gloo's addresses of the dead ranks) and waits, connecting to them, until the timeout.
     """
     env = os.environ
-    if env.get("TORCHELASTIC_USE_AGENT_STORE") != str(True) or "TORCHELASTIC_RESTART_COUNT" not in env:
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != str(True) or int(env.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
         return {}
     store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["WORLD_SIZE"]), is_master=False,
                           timeout=timeout or timedelta(minutes=30))
