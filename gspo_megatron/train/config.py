@@ -150,6 +150,14 @@ class RolloutConfig:
     """With filter_zero_variance_groups: generation rounds per step at most (the first included)."""
     reuse_rollout_logprobs: bool = False
     """Use SGLang's log-probs as pi_old instead of recomputing them in the trainer (the GSPO paper allows it)."""
+    mode: str = "sync"
+    """sync (sample each batch when its step starts), one_step_off (sample batch k+1 while the trainer updates on
+    batch k; the weight sync waits for it: every sample one version old) or async (up to max_staleness batches
+    sampled ahead; weight syncs pause the servers' requests in flight and continue them on the new weights).
+    Samples from older weights than the trainer's take the engine's log-probs as pi_old."""
+    max_staleness: int = 1
+    """With mode=async: batches sampled ahead, so a sample is at most this many weight versions older than the
+    weights it is trained on (one_step_off is 1 without pausing)."""
     weight_sync: str = "distributed"
     """distributed (broadcast to the servers) or disk (save HF safetensors, server reloads)."""
     weight_sync_address: str | None = None

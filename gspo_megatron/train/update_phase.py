@@ -24,11 +24,15 @@ def row_plan(total: int, cfg: Config) -> list[torch.Tensor]:
     """The rollout rows this data-parallel rank trains on, one index tensor per minibatch."""
     from megatron.core import parallel_state as ps
 
-    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    per_minibatch = total // cfg.algo.minibatches
+    return rank_rows(total, cfg.algo.minibatches, ps.get_data_parallel_world_size(), ps.get_data_parallel_rank())
+
+
+def rank_rows(total: int, minibatches: int, dp: int, dp_rank: int) -> list[torch.Tensor]:
+    """Data-parallel rank ``dp_rank``'s share of each minibatch of ``total`` rows: consecutive, in rank order."""
+    per_minibatch = total // minibatches
     share = per_minibatch // dp
     return [torch.arange(m * per_minibatch + dp_rank * share, m * per_minibatch + (dp_rank + 1) * share)
-            for m in range(cfg.algo.minibatches)]
+            for m in range(minibatches)]
 
 
 def micro_batch_rows(batch: dict, rows: torch.Tensor, cfg: Config) -> list[torch.Tensor]:
@@ -106,13 +110,9 @@ def all_rows(local: torch.Tensor, total: int, cfg: Config) -> torch.Tensor:
     group = ps.get_data_parallel_group()
     parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, local.contiguous(), group=group)  # on the model's device (NCCL)
-    per_minibatch = total // cfg.algo.minibatches
-    share = per_minibatch // len(parts)
     out = torch.empty((total,) + tuple(local.shape[1:]), dtype=local.dtype)  # the rollout batch's side: CPU
     for r, part in enumerate(parts):
-        rows = torch.cat([torch.arange(m * per_minibatch + r * share, m * per_minibatch + (r + 1) * share)
-                          for m in range(cfg.algo.minibatches)])
-        out[rows] = part.cpu()
+        out[torch.cat(rank_rows(total, cfg.algo.minibatches, len(parts), r))] = part.cpu()
     return out
 
 
@@ -135,7 +135,8 @@ def old_logprobs(policy, batch: dict, rows: list[torch.Tensor], cfg: Config, alg
     """pi_old into ``batch["old_logprobs"]``: the trainer's pass over this rank's rows, or the engine's log-probs
     with rollout.reuse_rollout_logprobs (no pass). The pass also gives the policy's entropy and the
     rollout-vs-trainer mismatch over the whole batch (under rollout routing replay, with the engine's experts
-    replayed). Returns this rank's recorded routing when Routing Replay (all its rows, in the order of ``rows``) or
+    replayed). Rows of ``batch["stale"]`` (sampled by older weights than the policy's, ``rollout.mode`` one_step_off
+    or async) always take the engine's log-probs: their behaviour policy is not these weights. Returns this rank's recorded routing when Routing Replay (all its rows, in the order of ``rows``) or
     expert volatility (the second minibatch's rows) needs it, else None."""
     if not runs_old_pass(cfg):
         batch["old_logprobs"] = batch["rollout_logprobs"]  # the mismatch is measured by the first update instead
@@ -152,6 +153,9 @@ def old_logprobs(policy, batch: dict, rows: list[torch.Tensor], cfg: Config, alg
     metrics["entropy"] = float(all_rows(trainer["entropy"], total, cfg)[mask].mean()) if mask.any() else 0.0
     metrics.update(algo.mismatch_metrics(algo.sequence_stats(trainer_logprobs, batch["rollout_logprobs"], mask)))
     batch["old_logprobs"] = batch["rollout_logprobs"] if cfg.rollout.reuse_rollout_logprobs else trainer_logprobs
+    stale = batch.get("stale")
+    if stale is not None and stale.any():
+        batch["old_logprobs"] = torch.where(stale.unsqueeze(1), batch["rollout_logprobs"], batch["old_logprobs"])
     if record and not cfg.algo.replays_old_routing:  # volatility compares the second minibatch's rows only
         first = rows[0].numel()
         return trainer["routing"][first:first + rows[1].numel()].clone()
