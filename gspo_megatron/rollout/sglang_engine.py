@@ -111,6 +111,14 @@ class SGLangEngine:
             process.shutdown()
         self._router, self._servers = None, []
 
+    def leave_kept_servers(self) -> None:
+        """Let go of the kept servers (``ServerProcess(keep=True)``) without stopping them, for the next process to
+        adopt (a trainer rank failing with torchrun restarts left); ``close`` then stops only the rest."""
+        for process in self._servers:
+            if process.keep:
+                process.detach()
+        self._servers = [p for p in self._servers if not p.keep]
+
     @property
     def servers(self) -> list[ServerProcess]:
         """The launched server processes (empty when attached)."""

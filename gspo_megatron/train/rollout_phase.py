@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from gspo_megatron.parallel import control
+from gspo_megatron.train import elastic
 from gspo_megatron.train.config import Config, ConfigError
 from gspo_megatron.train.data import Prompt
 
@@ -55,7 +56,9 @@ def _engine(cfg: Config, hf_dir: str | Path, tokenizer):
         **server_args,
     )
     refuse_colocation(config, trainer_gpus=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    return SGLangEngine(config)
+    # under torchrun --max-restarts: servers kept through a restart of the workers (adopted), or launched to be kept
+    servers = None if config.urls else elastic.servers(cfg, config)
+    return SGLangEngine(config, servers=servers)
 
 
 def refuse_colocation(config, trainer_gpus: int) -> None:
