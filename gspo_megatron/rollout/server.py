@@ -91,6 +91,7 @@ class ServerProcess:
 
     def __init__(self, cmd: list[str], env: dict[str, str], url: str, log_path: Path, name: str):
         self.url, self.log_path, self.name = url, log_path, name
+        self.cmd, self.env = list(cmd), dict(env)
         self._log_file = open(log_path, "ab")
         self.process = subprocess.Popen(cmd, env=env, stdout=self._log_file, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, start_new_session=True,
@@ -98,6 +99,12 @@ class ServerProcess:
         with _LIVE_LOCK:
             _LIVE.add(self)
         log.info("%s: started pid %d at %s, log %s", name, self.process.pid, url, log_path)
+
+    def relaunch(self) -> "ServerProcess":
+        """Stop this process (if it still runs) and start the same command again: same port, same log (appended).
+        Call from the thread that owns the servers (PR_SET_PDEATHSIG); wait with ``wait_ready``."""
+        self.shutdown(grace_s=5.0)
+        return ServerProcess(self.cmd, self.env, self.url, self.log_path, self.name)
 
     def alive(self) -> bool:
         return self.process.poll() is None

@@ -365,12 +365,14 @@ _stage_senders: dict = {}  # this process's sender (its group with the servers),
 def _stage_sender(target):
     from gspo_megatron import environment
 
-    key = (target.urls, target.backend)
+    key = (target.urls, target.backend, target.epoch)
     sender = _stage_senders.get(key)
     if sender is not None and sender.broken:
         sender.close()
         sender = None
     if sender is None:
+        for stale in [k for k in _stage_senders if k[:2] == key[:2] and k != key]:  # servers restarted since
+            _stage_senders.pop(stale).close()
         sender = _stage_senders[key] = target.connect(environment.device(), tag=f"_r{dist.get_rank()}")
     return sender
 
