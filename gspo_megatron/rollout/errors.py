@@ -40,5 +40,10 @@ class WeightSyncError(RolloutError):
     """A weight update failed or the server does not report the new weight version afterwards."""
 
 
+class StaleWeights(WeightSyncError):
+    """A restarted server serves its launch weights, and the current ones came by distributed sync: only the
+    trainer can send them again (``train/rollout_phase.collect`` does, then generates again)."""
+
+
 class RewardError(RuntimeError):
     """A reward function raised or returned a non-finite value (the message names the sample)."""

@@ -40,7 +40,7 @@ from . import weight_sync
 from .client import HttpClient, RetryPolicy
 from .config import SGLangConfig
 from .errors import (BadResponse, RequestFailed, RolloutError, ServerDied, ServerStartError, ServerUnresponsive,
-                     TooManyRestarts, WeightSyncError)
+                     StaleWeights, TooManyRestarts, WeightSyncError)
 from .server import ServerProcess, launch_router, launch_servers, wait_all_ready
 from .types import Group, NamedTensors, Sample, SamplingParams, SyncStats, check_prompts
 
@@ -315,7 +315,7 @@ class SGLangEngine:
 
     def _check_current(self) -> None:
         if self._stale:
-            raise WeightSyncError(
+            raise StaleWeights(
                 f"{sorted(self._stale)} restarted and serve their launch weights, not version {self._version!r}, which "
                 "came by distributed sync (only the trainer can send it again): sync the weights before generating",
                 url=sorted(self._stale)[0])

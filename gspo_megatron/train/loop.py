@@ -12,6 +12,7 @@ updates, and their metrics over all ranks, are ``update_phase``.
 
 from __future__ import annotations
 
+import itertools
 import time
 from pathlib import Path
 
@@ -53,13 +54,19 @@ def train(cfg: Config, resume: bool = False) -> dict:
     seq_multiple = sequence_multiple(cfg.parallel.tensor, cfg.parallel.context, cfg.parallel.sequence_parallel)
     metrics: dict = {}
     nonfinite = NonFiniteGuard(cfg.train.max_consecutive_nonfinite, cfg.logging.dir, rank0)
+    resyncs = itertools.count()
+
+    def resync():  # a rollout server restarted after a distributed sync lacks the weights: collect/evaluate resend
+        rollout_phase.sync_weights(policy, engine, f"{version}-resync{next(resyncs)}")
+
     try:
         while step < cfg.train.steps:
             step += 1
             start = time.perf_counter()
             # (with rollout.filter_zero_variance_groups: groups without reward variance dropped, more prompts drawn)
             rollout = rollout_phase.collect(engine, prompts.next(cfg.rollout.prompts_per_step), cfg, step, tokenizer,
-                                            reward_fn, pad_multiple=seq_multiple, more_prompts=prompts.next)
+                                            reward_fn, pad_multiple=seq_multiple, more_prompts=prompts.next,
+                                            resync=resync)
             metrics = dict(rollout.metrics)
             batch = rollout.batch
             batch["advantages"] = advantages(rollout, cfg)  # a masked reward leaves its group's statistics
@@ -80,7 +87,7 @@ def train(cfg: Config, resume: bool = False) -> dict:
             version += 1
             metrics.update(rollout_phase.sync_weights(policy, engine, version))
             if cfg.train.eval_every and step % cfg.train.eval_every == 0 and eval_prompts:
-                metrics.update(rollout_phase.evaluate(engine, eval_prompts, cfg, step, tokenizer, reward_fn))
+                metrics.update(rollout_phase.evaluate(engine, eval_prompts, cfg, step, tokenizer, reward_fn, resync))
             stop = preemption.stop_agreed()  # SIGTERM/SIGUSR1 on any rank: every rank saves this step and stops
             if cfg.checkpoint.dir and (stop or step == cfg.train.steps
                                        or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0)):

@@ -45,6 +45,8 @@ def _engine(cfg: Config, hf_dir: str | Path, tokenizer):
                            return_routed_experts=cfg.algo.replays_rollout_routing)
     server_args = dict(cfg.rollout.server_args)
     server_args.setdefault("seed", cfg.train.seed)
+    for name in ("max_server_restarts", "restart_window_s", "attached_wait_s"):  # fault tolerance
+        server_args.setdefault(name, getattr(cfg.rollout, name))
     if cfg.algo.replays_rollout_routing:  # the servers return the experts they routed every token to
         server_args["return_routed_experts"] = True
     config = SGLangConfig(
@@ -241,55 +243,104 @@ def _rounds(engine, prompts: list[Prompt], cfg: Config, step: int, tokenizer, re
 
 
 def collect(engine, prompts: list[Prompt], cfg: Config, step: int, tokenizer, reward_fn, pad_multiple: int,
-            more_prompts=None) -> Rollout:
+            more_prompts=None, resync=None) -> Rollout:
     """Rank 0 generates and scores, everyone receives: a collective (the others wait in the control group).
 
     ``more_prompts(count)``: further prompts for rollout.filter_zero_variance_groups (the prompt stream's
-    ``next``); every rank calls it for as many prompts as rank 0 drew, so data positions stay equal."""
+    ``next``); every rank calls it for as many prompts as rank 0 drew, so data positions stay equal.
+    ``resync()``: the weight sync (collective), for a rollout server restarted without the current weights (they
+    came by distributed sync): every rank syncs and rank 0 generates the step again (``on_rank0``)."""
     from gspo_megatron.rollout import samples_to_batch
 
-    payload = None
-    if dist.get_rank() == 0:
-        picked, rounds, sampling_metrics, extra = _rounds(engine, prompts, cfg, step, tokenizer, reward_fn,
-                                                         more_prompts)
-        # Reward statistics over everything sampled (the policy's, not the filtered batch's).
-        values = torch.cat([d["values"] for d in rounds])
-        valid = torch.cat([d["reward_valid"] for d in rounds])  # truncated responses masked from the loss count here
-        lengths = [len(s.response_ids) for d in rounds for s in d["samples"]]
-        metrics = {
-            "reward_mean": float(values[valid].mean()) if valid.any() else float("nan"),
-            "reward_masked": float((~picked["valid"]).sum()),
-            "reward_timeouts": float(sum(d["reward_timeouts"] for d in rounds)),
-            "reward_crashes": float(sum(d["reward_crashes"] for d in rounds)),
-            **{k: float(sum(d["response_metrics"][k] for d in rounds)) for k in rounds[0]["response_metrics"]},
-            "response_length_mean": sum(lengths) / len(lengths),
-            "truncated_frac": sum(s.finish_reason == "length" for d in rounds for s in d["samples"]) / len(lengths),
-            # Groups whose responses all score the same have zero advantage: no learning signal from them.
-            "groups_zero_advantage": float((values.view(-1, cfg.rollout.group_size).std(dim=1) == 0)
-                                           .float().mean()),
-            "time/rollout": sum(d["seconds"] for d in rounds),
-            "example": f"{picked['prompts'][0].text!r} -> {picked['responses'][0]!r}",
-            **sampling_metrics,
-        }
-        if cfg.rollout.env:
-            from gspo_megatron.rollout.multiturn import turn_metrics
-
-            metrics.update(turn_metrics([s for d in rounds for s in d["samples"]]))
-        payload = (picked["samples"], picked["values"], picked["valid"], metrics, picked["segments"], extra)
-    samples, values, valid, metrics, segments, extra = control.broadcast_from_rank0(payload)
+    more = _Redraw(more_prompts) if more_prompts is not None else None
+    payload = on_rank0(lambda: _collect_rank0(engine, prompts, cfg, step, tokenizer, reward_fn, more), resync,
+                       retry=more.rewind if more is not None else None)
+    samples, values, valid, metrics, segments, extra = payload
     if dist.get_rank() != 0 and extra:
         more_prompts(extra)  # rank 0 drew these: keep every rank's data position the same
     batch = samples_to_batch(samples, pad_id=0, pad_to_multiple=pad_multiple)
     return Rollout(samples, values, valid, batch, metrics, segments)
 
 
-def evaluate(engine, prompts: list[Prompt], cfg: Config, step: int, tokenizer, reward_fn) -> dict:
-    """Mean reward of one response per held-out prompt (rank 0; others get the numbers by broadcast)."""
-    payload = None
-    if dist.get_rank() == 0:
+class _Redraw:
+    """Rank 0's ``more_prompts`` across attempts at a step: an attempt after a resync gets the prompts the earlier
+    one drew (in order) before new ones; ``prompts`` holds everything the stream gave."""
+
+    def __init__(self, more_prompts):
+        self.more_prompts, self.prompts, self.used = more_prompts, [], 0
+
+    def __call__(self, count: int) -> list:
+        if self.used + count > len(self.prompts):
+            self.prompts += self.more_prompts(self.used + count - len(self.prompts))
+        self.used += count
+        return self.prompts[self.used - count:self.used]
+
+    def rewind(self) -> None:
+        self.used = 0
+
+
+def on_rank0(work, resync=None, retry=None):
+    """``work()`` on rank 0, its result on every rank (collective). If a rollout server was restarted without the
+    current weights (``StaleWeights``: they came by distributed sync), every rank calls ``resync()`` and rank 0
+    works again (after ``retry()``); without ``resync`` the error is raised."""
+    from gspo_megatron.rollout import StaleWeights
+
+    while True:
+        payload = None
+        if dist.get_rank() == 0:
+            try:
+                payload = ("done", work())
+            except StaleWeights as e:
+                if resync is None:
+                    raise
+                print(f"{e}: syncing the weights again, then generating again", flush=True)
+                payload = ("resync", None)
+        kind, result = control.broadcast_from_rank0(payload)
+        if kind == "done":
+            return result
+        resync()
+        if retry is not None:
+            retry()
+
+
+def _collect_rank0(engine, prompts, cfg: Config, step: int, tokenizer, reward_fn, more) -> tuple:
+    picked, rounds, sampling_metrics, _ = _rounds(engine, prompts, cfg, step, tokenizer, reward_fn, more)
+    extra = len(more.prompts) if more is not None else 0
+    # Reward statistics over everything sampled (the policy's, not the filtered batch's).
+    values = torch.cat([d["values"] for d in rounds])
+    valid = torch.cat([d["reward_valid"] for d in rounds])  # truncated responses masked from the loss count here
+    lengths = [len(s.response_ids) for d in rounds for s in d["samples"]]
+    metrics = {
+        "reward_mean": float(values[valid].mean()) if valid.any() else float("nan"),
+        "reward_masked": float((~picked["valid"]).sum()),
+        "reward_timeouts": float(sum(d["reward_timeouts"] for d in rounds)),
+        "reward_crashes": float(sum(d["reward_crashes"] for d in rounds)),
+        **{k: float(sum(d["response_metrics"][k] for d in rounds)) for k in rounds[0]["response_metrics"]},
+        "response_length_mean": sum(lengths) / len(lengths),
+        "truncated_frac": sum(s.finish_reason == "length" for d in rounds for s in d["samples"]) / len(lengths),
+        # Groups whose responses all score the same have zero advantage: no learning signal from them.
+        "groups_zero_advantage": float((values.view(-1, cfg.rollout.group_size).std(dim=1) == 0)
+                                       .float().mean()),
+        "time/rollout": sum(d["seconds"] for d in rounds),
+        "example": f"{picked['prompts'][0].text!r} -> {picked['responses'][0]!r}",
+        **sampling_metrics,
+    }
+    if cfg.rollout.env:
+        from gspo_megatron.rollout.multiturn import turn_metrics
+
+        metrics.update(turn_metrics([s for d in rounds for s in d["samples"]]))
+    metrics.update(engine.fault_metrics() if hasattr(engine, "fault_metrics") else {})
+    return picked["samples"], picked["values"], picked["valid"], metrics, picked["segments"], extra
+
+
+def evaluate(engine, prompts: list[Prompt], cfg: Config, step: int, tokenizer, reward_fn, resync=None) -> dict:
+    """Mean reward of one response per held-out prompt (rank 0; others get the numbers by broadcast).
+    ``resync``: as ``collect``'s."""
+    def work():
         _, rewards, seconds, _ = _generate_and_score(engine, prompts, cfg, -step, tokenizer, reward_fn, 1)
-        payload = {"eval_reward_mean": float(rewards.values[rewards.valid].mean()), "time/eval": seconds}
-    return control.broadcast_from_rank0(payload)
+        return {"eval_reward_mean": float(rewards.values[rewards.valid].mean()), "time/eval": seconds}
+
+    return on_rank0(work, resync)
 
 
 def pipeline_gathered(bridge, model):
