@@ -2,7 +2,8 @@
 restarted on its port, brought back to the current weights (the last disk sync's snapshot) and the unanswered
 requests are resent, with the same (greedy) samples as an undisturbed run; more restarts than
 ``max_server_restarts`` within the window fail naming the server; an attached server that goes away is waited for
-up to ``attached_wait_s``, then named in the error."""
+up to ``attached_wait_s``, then named in the error; after a distributed sync a restarted server is stale until the
+next sync."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from dataclasses import replace
 
 import pytest
 
-from gspo_megatron.rollout import SamplingParams, SGLangEngine, TooManyRestarts
+from gspo_megatron.rollout import SamplingParams, SGLangEngine, StaleWeights, TooManyRestarts
 from gspo_megatron.rollout import hf_weights
 
 from .helpers import prompts
@@ -88,6 +89,26 @@ def test_killed_server_is_restarted_at_the_current_weights(engine, trainer):
     for g, e in zip(groups, expected):
         for s, t in zip(g.samples, e.samples):
             assert max(abs(a - b) for a, b in zip(s.logprobs, t.logprobs)) < 1e-4
+
+
+@pytest.mark.destroys_server
+def test_after_a_distributed_sync_a_restarted_server_waits_for_the_next_sync(engine, trainer):
+    """The weights came by broadcast, which only the trainer can repeat: a server killed between rollouts is
+    restarted, generation refuses (StaleWeights) until the next distributed sync, which forms a new group with
+    the restarted server, and then serves that version."""
+    engine.generate(prompts(1), n=1, sampling=QUICK)
+    synced = f"dist-{uuid.uuid4().hex[:6]}"
+    engine.update_weights(hf_weights.checkpoint_tensors(trainer.model), synced, method="distributed")
+    server = engine.servers[0]
+    os.killpg(server.process.pid, signal.SIGKILL)
+    server.process.wait(timeout=10)
+    with pytest.raises(StaleWeights, match=rf"restarted and serve their launch weights, not version '{synced}'"):
+        engine.generate(prompts(2), n=2, sampling=QUICK)
+    assert engine.servers[0].alive() and engine.servers[0].process.pid != server.process.pid
+    resynced = f"{synced}-resync0"
+    engine.update_weights(hf_weights.checkpoint_tensors(trainer.model), resynced, method="distributed")
+    groups = engine.generate(prompts(2), n=2, sampling=QUICK)
+    assert {s.weight_version for g in groups for s in g.samples} == {resynced}
 
 
 @pytest.mark.destroys_server
