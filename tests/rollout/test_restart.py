@@ -1,6 +1,6 @@
 """Rollout server fault tolerance against the real CPU server: a launched server SIGKILLed mid-generation is
 restarted on its port, brought back to the current weights (the last disk sync's snapshot) and the unanswered
-requests are resent, with the same (greedy) samples as an undisturbed run; more restarts than
+requests are resent, with the same (greedy) samples as an undisturbed run (also when it hangs: SIGSTOP); more restarts than
 ``max_server_restarts`` within the window fail naming the server; an attached server that goes away is waited for
 up to ``attached_wait_s``, then named in the error; after a distributed sync a restarted server is stale until the
 next sync."""
@@ -92,10 +92,33 @@ def test_killed_server_is_restarted_at_the_current_weights(engine, trainer):
 
 
 @pytest.mark.destroys_server
-def test_after_a_distributed_sync_a_restarted_server_waits_for_the_next_sync(engine, trainer):
+def test_hung_server_is_restarted(engine, monkeypatch):
+    """SIGSTOP the launched server mid-rollout: after health_failures missed probes it is killed, started again and
+    the requests resent; the tokens equal the undisturbed run's (greedy)."""
+    monkeypatch.setattr(engine, "config", replace(engine.config, health_interval_s=1.0, health_timeout_s=2.0,
+                                                  health_failures=2, max_server_restarts=10))
+    expected = engine.generate(prompts(8), n=4, sampling=LONG)
+    before = engine.fault_metrics()["rollout/server_restarts"]
+    server = engine.servers[0]
+    timer = threading.Timer(1.0, lambda: os.killpg(server.process.pid, signal.SIGSTOP))
+    timer.start()
+    try:
+        groups = engine.generate(prompts(8), n=4, sampling=LONG)
+    finally:
+        timer.join()
+        if server.alive():
+            os.killpg(server.process.pid, signal.SIGCONT)
+    assert engine.fault_metrics()["rollout/server_restarts"] == before + 1
+    assert not server.alive() and engine.servers[0].alive()
+    assert _tokens(groups) == _tokens(expected)
+
+
+@pytest.mark.destroys_server
+def test_after_a_distributed_sync_a_restarted_server_waits_for_the_next_sync(engine, trainer, monkeypatch):
     """The weights came by broadcast, which only the trainer can repeat: a server killed between rollouts is
     restarted, generation refuses (StaleWeights) until the next distributed sync, which forms a new group with
     the restarted server, and then serves that version."""
+    monkeypatch.setattr(engine, "config", replace(engine.config, max_server_restarts=10))
     engine.generate(prompts(1), n=1, sampling=QUICK)
     synced = f"dist-{uuid.uuid4().hex[:6]}"
     engine.update_weights(hf_weights.checkpoint_tensors(trainer.model), synced, method="distributed")
