@@ -16,8 +16,8 @@ Fault tolerance: a launched server found dead (before a call or during one) or h
 its timeout) is restarted with the same command on the same port and brought back to the current weights: the
 launch weights, or the last disk sync's snapshot (still on disk); after a distributed sync only the trainer can
 send them again, so the restarted server is marked stale and ``generate`` refuses until the next sync. The requests
-without an answer yet are then sent again (same prompts, same sampling parameters). At most ``max_server_restarts`` restarts of
-one server per ``restart_window_s``, then ``TooManyRestarts``. An attached server is waited for up to
+without an answer yet are then sent again (same prompts, same sampling parameters). At most
+``max_server_restarts`` restarts of one server per ``restart_window_s``, then ``TooManyRestarts``. An attached server is waited for up to
 ``attached_wait_s`` and must come back at the current weight version. ``fault_metrics()`` counts restarts and the
 seconds lost to them.
 """
@@ -324,7 +324,8 @@ class SGLangEngine:
         """An attached server refused connections or stopped answering: probe it with backoff up to
         ``attached_wait_s``; it must come back serving the current weight version."""
         cfg, url = self.config, error.url
-        if not isinstance(error, (ServerDied, ServerUnresponsive)) or url not in self._clients or not cfg.attached_wait_s:
+        waitable = isinstance(error, (ServerDied, ServerUnresponsive)) and url in self._clients
+        if not waitable or not cfg.attached_wait_s:
             raise error
         deadline, delay = time.monotonic() + cfg.attached_wait_s, cfg.backoff_s
         log.warning("attached server %s failed (%s): waiting up to %.0f s for it", url, error, cfg.attached_wait_s)
@@ -342,9 +343,9 @@ class SGLangEngine:
         if url in self.worker_urls:
             info = self._clients[url].get("/model_info", timeout=cfg.health_timeout_s * 4)
             if info.get("weight_version") != self._version:
-                raise WeightSyncError(f"attached server {url} came back serving weight version "
-                                      f"{info.get('weight_version')!r}, not {self._version!r} (restarted by its owner?)",
-                                      url=url) from error
+                served = info.get("weight_version")
+                raise WeightSyncError(f"attached server {url} came back serving weight version {served!r}, not "
+                                      f"{self._version!r} (restarted by its owner?)", url=url) from error
 
     # ---- weights --------------------------------------------------------------------------------------------
 

@@ -1,9 +1,9 @@
 """Rollout server fault tolerance against the real CPU server: a launched server SIGKILLed mid-generation is
 restarted on its port, brought back to the current weights (the last disk sync's snapshot) and the unanswered
-requests are resent, with the same (greedy) samples as an undisturbed run (also when it hangs: SIGSTOP); more restarts than
-``max_server_restarts`` within the window fail naming the server; an attached server that goes away is waited for
-up to ``attached_wait_s``, then named in the error; after a distributed sync a restarted server is stale until the
-next sync."""
+requests are resent, with the same (greedy) samples as an undisturbed run (also when it hangs: SIGSTOP); more
+restarts than ``max_server_restarts`` within the window fail naming the server; an attached server that goes away
+is waited for up to ``attached_wait_s``, then named in the error; after a distributed sync a restarted server is
+stale until the next sync."""
 
 from __future__ import annotations
 
@@ -41,7 +41,8 @@ def test_attached_server_that_goes_away_is_waited_for(started_servers, engine):
     expected = _tokens(attached.generate(prompts(4), n=2, sampling=QUICK))
     proxy.__exit__()  # connections refused from now on
     back = []
-    timer = threading.Timer(2.0, lambda: back.append(FailingProxy(engine.worker_urls[0], failures=0, port=port).__enter__()))
+    timer = threading.Timer(2.0, lambda: back.append(
+        FailingProxy(engine.worker_urls[0], failures=0, port=port).__enter__()))
     timer.start()
     try:
         start = time.monotonic()
