@@ -24,7 +24,6 @@ Built in: ``calculator`` (``CalculatorEnv``), ``python`` (``PythonEnv``: code ru
 from __future__ import annotations
 
 import ast
-import importlib
 import math
 import numbers
 import operator
@@ -40,6 +39,7 @@ from .errors import RewardError
 from .rewards import Rewards, math_reward
 from .sandbox import Limits, run_python
 from .types import Group, Sample, SamplingParams
+from .user_code import load_named
 
 
 @dataclass
@@ -74,21 +74,10 @@ class TurnLimits:
 
 def load_env(spec: str):
     """The environment class of ``rollout.env``: a built-in name (``BUILTIN_ENVS``) or ``"module:Class"``."""
-    if spec in BUILTIN_ENVS:
-        return BUILTIN_ENVS[spec]
-    if ":" not in spec:
-        raise ValueError(f"rollout.env={spec!r} is neither a built-in ({sorted(BUILTIN_ENVS)}) nor 'module:Class'")
-    module_name, _, attr = spec.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"rollout.env={spec!r}: cannot import module {module_name!r}: {e}") from e
-    cls = getattr(module, attr, None)
-    if cls is None or not callable(cls):
-        raise ValueError(f"rollout.env={spec!r}: {module_name} has no class {attr!r}")
+    cls = load_named(spec, BUILTIN_ENVS, "rollout.env", "module:Class", "class")
     missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]
     if missing:
-        raise ValueError(f"rollout.env={spec!r}: {attr} lacks {missing} (an environment has reset(prompt) and "
+        raise ValueError(f"rollout.env={spec!r}: {cls.__name__} lacks {missing} (an environment has reset(prompt) and "
                          "step(text, token_ids) -> Step)")
     return cls
 

@@ -16,8 +16,8 @@ or PR_SET_PDEATHSIG if it dies). The worst case of one ``map`` is ceil(calls / w
 
 from __future__ import annotations
 
-import atexit
 import multiprocessing as mp
+import multiprocessing.util as mp_util
 import time
 from collections import deque
 from multiprocessing.connection import wait
@@ -100,6 +100,7 @@ class RewardPool:
         self._ctx.set_forkserver_preload(["gspo_megatron.rollout.rewards"])
         self._workers: list[_Worker] = []
         self._start_failures = 0
+        self._at_exit = None
 
     @property
     def name(self) -> str:
@@ -107,9 +108,11 @@ class RewardPool:
 
     def map(self, calls: list[tuple]) -> list[tuple]:
         """(value, None) or (None, problem) per call, in order."""
-        if not self._workers:
-            # Before multiprocessing's own exit handler, which would SIGTERM the workers (they ignore it) and wait.
-            atexit.register(self.close)
+        if not self._workers and self._at_exit is None:
+            # Before multiprocessing's exit handler terminates daemonic children (SIGTERM: the workers ignore it) and
+            # joins them forever: a finalizer with a priority runs first, at a process's exit (atexit in a main
+            # process, multiprocessing's own bootstrap in a child such as a rank of ``parallel.launch``).
+            self._at_exit = mp_util.Finalize(None, self.close, exitpriority=100)
         while len(self._workers) < self.size:
             self._workers.append(_Worker(self._ctx, self.spec, self.builtin))
         pending, results = deque(enumerate(calls)), [None] * len(calls)
@@ -165,4 +168,6 @@ class RewardPool:
         for worker in self._workers:
             worker.kill()
         self._workers = []
-        atexit.unregister(self.close)
+        if self._at_exit is not None:
+            self._at_exit.cancel()
+            self._at_exit = None

@@ -23,7 +23,6 @@ processes, ``data.reward_timeout_s`` per call): a call that hangs or crashes its
 
 from __future__ import annotations
 
-import importlib
 import math
 import numbers
 import re
@@ -36,6 +35,7 @@ import torch
 from .errors import RewardError
 from .synthetic import position_credit, position_credit_segments
 from .types import Sample
+from .user_code import load_named
 
 RewardFn = Callable[[str, str, Any], float]
 
@@ -119,20 +119,7 @@ BUILTIN_SEGMENTS: dict[str, SegmentRewardFn] = {
 def load_reward_fn(spec: str, builtin: dict | None = None) -> RewardFn:
     """A built-in name (``math``, ``exact_match``, ``synthetic``; ``builtin`` replaces that table, e.g.
     ``BUILTIN_SEGMENTS``) or ``"module:function"``."""
-    builtin = BUILTIN if builtin is None else builtin
-    if spec in builtin:
-        return builtin[spec]
-    if ":" not in spec:
-        raise ValueError(f"reward={spec!r} is neither a built-in ({sorted(builtin)}) nor 'module:function'")
-    module_name, _, attr = spec.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"reward={spec!r}: cannot import module {module_name!r}: {e}") from e
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ValueError(f"reward={spec!r}: {module_name} has no callable {attr!r}")
-    return fn
+    return load_named(spec, BUILTIN if builtin is None else builtin, "reward", "module:function", "callable")
 
 
 @dataclass

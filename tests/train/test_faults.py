@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 
-import pytest
 import torch
 
 from gspo_megatron.parallel.groups import Layout
@@ -28,20 +27,6 @@ BASE = ["data.task=reverse", "model.dtype=float32", "rollout.prompts_per_step=2"
         "algo.minibatches=2", "parallel.micro_batch_size=2", "parallel.expert=2", "optimizer.lr=1e-3",
         "parallel.distributed_optimizer=false", "algo.eps_low=0.2", "algo.eps_high=0.2",
         f"train.max_consecutive_nonfinite={LIMIT}"]
-
-
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    config = Qwen3MoeConfig(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                            num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1],
-                            tie_word_embeddings=False, max_position_embeddings=256, initializer_range=0.1)
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("faults_model")
-    Qwen3MoeForCausalLM(config).to(torch.float32).save_pretrained(path)
-    return str(path)
 
 
 def _state(policy) -> tuple:
@@ -103,8 +88,8 @@ def nonfinite_steps(hf_dir: str, log_dir: str) -> dict:
     return out
 
 
-def test_a_nonfinite_step_is_skipped_on_every_rank_and_too_many_stop_the_run(hf_dir, tmp_path):
-    per_rank = run_on_ranks(nonfinite_steps, 2, Layout(expert=2), hf_dir, str(tmp_path))
+def test_a_nonfinite_step_is_skipped_on_every_rank_and_too_many_stop_the_run(moe_then_dense_dir, tmp_path):
+    per_rank = run_on_ranks(nonfinite_steps, 2, Layout(expert=2), moe_then_dense_dir, str(tmp_path))
     for rank, out in enumerate(per_rank):
         assert out["good"]["skipped_updates"] == 0 and torch.isfinite(torch.tensor(out["good"]["grad_norm"]))
         # The limit-th poisoned step raises: the ones before it returned, each skipped and leaving everything as it was.

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from gspo_megatron.parallel.launch import run_on_ranks
+from tests.train.saved import final_weights
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,22 +36,6 @@ def _train(run: Path, steps: int, *extra: str) -> subprocess.CompletedProcess:
     out = subprocess.run(_command(run, steps, *extra), capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     return out
-
-
-def _final_weights(*checkpoints: str) -> list[dict]:
-    from megatron.core import dist_checkpointing
-
-    def flat(tree, prefix=""):
-        out = {}
-        for key, value in tree.items():
-            if isinstance(value, dict):
-                out.update(flat(value, f"{prefix}{key}."))
-            elif torch.is_tensor(value):
-                out[f"{prefix}{key}"] = value
-        return out
-
-    return [{k: v for k, v in flat(dist_checkpointing.load_plain_tensors(c)).items()
-             if not k.startswith(("optimizer", "rng_state"))} for c in checkpoints]
 
 
 def test_train_logs_plots_and_resumes_exactly(tmp_path):
@@ -86,7 +71,7 @@ def test_train_logs_plots_and_resumes_exactly(tmp_path):
     _train(resumed, 3, "--resume")
     assert (resumed / "ck" / "latest").read_text() == "step_000003"
 
-    (a, b), = run_on_ranks(_final_weights, 1, None, str(uninterrupted / "ck" / "step_000003"),
+    (a, b), = run_on_ranks(final_weights, 1, None, str(uninterrupted / "ck" / "step_000003"),
                            str(resumed / "ck" / "step_000003"))
     assert a.keys() == b.keys() and len(a) > 10
     different = [k for k in a if not torch.equal(a[k], b[k])]

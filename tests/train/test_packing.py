@@ -22,7 +22,6 @@ relative). Under PP2 rank 0 also gathers every stage's HF tensors (``rollout_pha
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from gspo_megatron.algo import group_advantages
@@ -210,21 +209,6 @@ PHASE_CASES = {
 ALGOS = {"gspo": [], "grpo_replay": ["algo.name=grpo", "algo.routing_replay=true"]}
 
 
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    """A tiny Qwen3-MoE: layer 0 routed experts (4, top-2), layer 1 a dense MLP."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    config = Qwen3MoeConfig(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                            num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1],
-                            tie_word_embeddings=False, max_position_embeddings=256, initializer_range=0.1)
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("packing_model")
-    Qwen3MoeForCausalLM(config).to(torch.float32).save_pretrained(path)
-    return str(path)
-
-
 PHASE_LAYOUTS = {"dp2": [], "pp2": ["parallel.pipeline=2"]}
 
 
@@ -266,8 +250,8 @@ def run_phases(hf_dir: str) -> dict:
     return results
 
 
-def test_token_budget_micro_batches_equal_padded(hf_dir):
-    for rank, results in enumerate(run_on_ranks(run_phases, 2, None, hf_dir)):
+def test_token_budget_micro_batches_equal_padded(moe_then_dense_dir):
+    for rank, results in enumerate(run_on_ranks(run_phases, 2, None, moe_then_dense_dir)):
         for layout_name in PHASE_LAYOUTS:
             for algo_name in ALGOS:
                 ref = results[f"{layout_name}/{algo_name}/padded"]

@@ -18,6 +18,7 @@ import psutil
 import torch
 
 from gspo_megatron.parallel.launch import run_on_ranks
+from tests.train.saved import final_weights
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 4
@@ -60,22 +61,6 @@ def _rank(process: subprocess.Popen, rank: int) -> psutil.Process:
     raise AssertionError(f"no rank {rank} under torchrun")
 
 
-def _final_weights(*checkpoints: str) -> list[dict]:
-    from megatron.core import dist_checkpointing
-
-    def flat(tree, prefix=""):
-        out = {}
-        for key, value in tree.items():
-            if isinstance(value, dict):
-                out.update(flat(value, f"{prefix}{key}."))
-            elif torch.is_tensor(value):
-                out[f"{prefix}{key}"] = value
-        return out
-
-    return [{k: v for k, v in flat(dist_checkpointing.load_plain_tensors(c)).items()
-             if not k.startswith(("optimizer", "rng_state"))} for c in checkpoints]
-
-
 def test_a_signal_on_one_rank_stops_every_rank_after_the_same_step_and_resume_is_exact(tmp_path):
     uninterrupted = tmp_path / "a"
     _run(uninterrupted)
@@ -102,7 +87,7 @@ def test_a_signal_on_one_rank_stops_every_rank_after_the_same_step_and_resume_is
 
     _run(preempted, "--resume")
     assert _steps(preempted) == list(range(1, STEPS + 1))
-    (a, b), = run_on_ranks(_final_weights, 1, None, str(uninterrupted / "ck" / f"step_{STEPS:06d}"),
+    (a, b), = run_on_ranks(final_weights, 1, None, str(uninterrupted / "ck" / f"step_{STEPS:06d}"),
                            str(preempted / "ck" / f"step_{STEPS:06d}"))
     assert a.keys() == b.keys() and len(a) > 10
     different = [k for k in a if not torch.equal(a[k], b[k])]
