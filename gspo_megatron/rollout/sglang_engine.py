@@ -434,8 +434,7 @@ class SGLangEngine:
         if served != version:
             raise WeightSyncError(f"after a {method} weight update to {version!r} the servers report {served!r}")
         self._restore = (method, version)  # what a restarted server is brought back to
-        if method == "distributed":
-            self._stale.clear()  # every worker received every tensor
+        self._stale.clear()  # either method brings every worker (restarted ones too) to ``version``
         log.info("weight sync (%s) to version %s: %.2f s, %.3f GB in %d tensors / %d buckets (%.2f GB/s)",
                  method, version, stats.seconds, stats.num_bytes / 1e9, stats.num_tensors, stats.num_buckets,
                  stats.gb_per_s)

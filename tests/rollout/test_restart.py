@@ -66,9 +66,10 @@ def test_attached_server_that_goes_away_is_waited_for(started_servers, engine):
 
 @pytest.mark.destroys_server
 def test_killed_server_is_restarted_at_the_current_weights(engine, trainer):
-    """SIGKILL the launched server mid-rollout: restarted (the one extra server start of this file), back at the
-    disk-synced version, and the resent requests give exactly the undisturbed run's (greedy) tokens."""
-    engine.generate(prompts(1), n=1, sampling=QUICK)  # restarts it first if an earlier test left it dead
+    """SIGKILL the launched server mid-rollout: restarted, back at the disk-synced version, and the resent requests
+    give exactly the undisturbed run's (greedy) tokens."""
+    # A sync first: it restarts the server if an earlier test left it dead, and brings it to this version even when
+    # that restart is stale (the suite's last sync was a distributed one), which a generate would refuse.
     version = f"restart-{uuid.uuid4().hex[:6]}"
     engine.update_weights(hf_weights.checkpoint_tensors(trainer.model), version, method="disk")
     start = time.monotonic()
@@ -117,8 +118,8 @@ def test_hung_server_is_restarted(engine, monkeypatch):
 @pytest.mark.destroys_server
 def test_after_a_distributed_sync_a_restarted_server_waits_for_the_next_sync(engine, trainer, monkeypatch):
     """The weights came by broadcast, which only the trainer can repeat: a server killed between rollouts is
-    restarted, generation refuses (StaleWeights) until the next distributed sync, which forms a new group with
-    the restarted server, and then serves that version."""
+    restarted, generation refuses (StaleWeights) until the next sync: a disk sync serves its version, and so does
+    the next distributed one, which forms a new group with the restarted server."""
     monkeypatch.setattr(engine, "config", replace(engine.config, max_server_restarts=10))
     engine.generate(prompts(1), n=1, sampling=QUICK)
     synced = f"dist-{uuid.uuid4().hex[:6]}"
@@ -129,6 +130,10 @@ def test_after_a_distributed_sync_a_restarted_server_waits_for_the_next_sync(eng
     with pytest.raises(StaleWeights, match=rf"restarted and serve their launch weights, not version '{synced}'"):
         engine.generate(prompts(2), n=2, sampling=QUICK)
     assert engine.servers[0].alive() and engine.servers[0].process.pid != server.process.pid
+    on_disk = f"{synced}-disk"  # every worker loads the whole snapshot: none is stale any more
+    engine.update_weights(hf_weights.checkpoint_tensors(trainer.model), on_disk, method="disk")
+    groups = engine.generate(prompts(2), n=2, sampling=QUICK)
+    assert {s.weight_version for g in groups for s in g.samples} == {on_disk}
     resynced = f"{synced}-resync0"
     engine.update_weights(hf_weights.checkpoint_tensors(trainer.model), resynced, method="distributed")
     groups = engine.generate(prompts(2), n=2, sampling=QUICK)
