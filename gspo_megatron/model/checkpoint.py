@@ -124,6 +124,9 @@ def save_weights(model, directory: str | Path) -> None:
     """torch_dist save of this rank's shards (collective: every rank of the model calls it)."""
     from megatron.core import dist_checkpointing
 
+    from patches import megatron_ckpt_queue
+
+    megatron_ckpt_queue.apply()  # megatron's writer's queue server must not outlive a killed rank
     dist_checkpointing.save(tensors_state_dict(model), str(directory))
 
 

@@ -111,7 +111,9 @@ def save(directory: str | Path, step: int, model, optimizer, scheduler, trainer_
     from megatron.core import dist_checkpointing
 
     from gspo_megatron.train.performance import params_current
+    from patches import megatron_ckpt_queue
 
+    megatron_ckpt_queue.apply()  # megatron's writer's queue server must not outlive a killed rank
     finalize_saves(blocking=True)
     params_current(model)  # the optimizer's latest weights, also under overlap_param_gather
     root = Path(directory)
