@@ -33,6 +33,6 @@ from .types import Group, RolloutEngine, Sample, SamplingParams, SyncStats, flat
 __all__ = [
     "BadResponse", "Group", "LocalEngine", "RequestFailed", "RewardError", "Rewards", "RolloutEngine",
     "RolloutError", "SGLangConfig", "SGLangEngine", "Sample", "SamplingParams", "ServerDied", "ServerStartError",
-    "ServerUnresponsive", "StaleWeights", "SyncStats", "TooManyRestarts", "WeightSyncConfig", "WeightSyncError", "flatten", "load_reward_fn",
-    "logprob_mismatch", "samples_to_batch", "score",
+    "ServerUnresponsive", "StaleWeights", "SyncStats", "TooManyRestarts", "WeightSyncConfig", "WeightSyncError",
+    "flatten", "load_reward_fn", "logprob_mismatch", "samples_to_batch", "score",
 ]

@@ -17,9 +17,9 @@ its timeout) is restarted with the same command on the same port and brought bac
 launch weights, or the last disk sync's snapshot (still on disk); after a distributed sync only the trainer can
 send them again, so the restarted server is marked stale and ``generate`` refuses until the next sync. The requests
 without an answer yet are then sent again (same prompts, same sampling parameters). At most
-``max_server_restarts`` restarts of one server per ``restart_window_s``, then ``TooManyRestarts``. An attached server is waited for up to
-``attached_wait_s`` and must come back at the current weight version. ``fault_metrics()`` counts restarts and the
-seconds lost to them.
+``max_server_restarts`` restarts of one server per ``restart_window_s``, then ``TooManyRestarts``. An attached
+server is waited for up to ``attached_wait_s`` and must come back at the current weight version.
+``fault_metrics()`` counts restarts and the seconds lost to them.
 """
 
 from __future__ import annotations
