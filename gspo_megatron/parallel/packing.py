@@ -23,7 +23,7 @@ import torch
 PACKED_KEYS = ("input_ids", "labels")
 # What a packed micro batch holds for the model only (the loss reads the padded per-sequence tensors).
 MODEL_KEYS = PACKED_KEYS + ("position_ids", "cu_seqlens", "max_seqlen", "unpack_index", "attention_mask",
-                            "packed_seq_params", "sequence_parallel")
+                            "packed_seq_params", "sequence_parallel", "rollout_routing")
 
 
 def packed_length(seq_lengths: torch.Tensor, multiple: int = 1) -> int:
@@ -54,8 +54,9 @@ def unpack_index(seq_lengths: torch.Tensor, width: int) -> torch.Tensor:
 
 def pack(batch: dict, length: int) -> dict:
     """The packed model inputs of a padded micro batch with ``seq_lengths`` [b]: ``input_ids`` / ``labels`` /
-    ``position_ids`` [1, length], ``cu_seqlens`` (int32), ``max_seqlen`` and ``unpack_index`` [b, S]. The
-    per-sequence and other per-token tensors stay as they are (padded [b, S]). Pure, device-agnostic."""
+    ``position_ids`` [1, length] (and the engine's ``rollout_routing`` [1, length, L, k]), ``cu_seqlens`` (int32),
+    ``max_seqlen`` and ``unpack_index`` [b, S]. The per-sequence and other per-token tensors stay as they are
+    (padded [b, S]). Pure, device-agnostic."""
     lengths = batch["seq_lengths"].to(batch["input_ids"].device)
     b, width = batch["input_ids"].shape[:2]
     if (lengths < 1).any() or (lengths > width).any():
@@ -68,6 +69,11 @@ def pack(batch: dict, length: int) -> dict:
         if key in batch:
             row = batch[key][keep]
             out[key] = torch.cat([row, row.new_zeros(pad)]).unsqueeze(0)
+    if "rollout_routing" in batch:  # the engine's experts [b, S, L, k] -> [1, length, L, k]
+        routes = batch["rollout_routing"][keep]
+        # The padding tail has no route: any k distinct experts (a repeated expert would miscount the dispatch).
+        tail = torch.arange(routes.shape[-1], dtype=routes.dtype, device=routes.device)
+        out["rollout_routing"] = torch.cat([routes, tail.expand((pad,) + tuple(routes.shape[1:]))]).unsqueeze(0)
     segment_lengths = offsets.diff().to(torch.int64)
     starts = torch.repeat_interleave(offsets[:-1].to(torch.int64), segment_lengths)
     out["position_ids"] = (torch.arange(length, device=lengths.device) - starts).unsqueeze(0)

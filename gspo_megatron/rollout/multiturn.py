@@ -16,7 +16,8 @@ appended as is. The result is one ``Sample`` whose ``response_ids`` hold turns a
 of each turn, and reward the sum of the turn rewards. A trajectory ends when the environment says done
 ("stop"), after ``max_turns`` turns, or when ``max_tokens`` response tokens (turns + observations) leave no room
 for another model token ("length"). ``concurrency`` trajectories are in flight at once (threads; a server
-batches their requests).
+batches their requests). With rollout routing replay the engine's routes of every call are assembled into the
+trajectory's (each position's from the call that first routed it).
 
 Built in: ``calculator`` (``CalculatorEnv``), ``python`` (``PythonEnv``: code run in ``rollout.sandbox``).
 """
@@ -138,6 +139,7 @@ def run_trajectory(engine, prompt, prompt_index: int, sample_index: int, env, sa
     mask: list[bool] = []
     logprobs: list[float] = []
     turns: list[tuple[int, float]] = []
+    routes = None  # rollout routing replay: [positions routed so far, layers, top-k]
     version, finish = None, "length"
     for turn in range(limits.max_turns):
         budget = limits.max_tokens - len(response)
@@ -147,6 +149,7 @@ def run_trajectory(engine, prompt, prompt_index: int, sample_index: int, env, sa
                          seed=_turn_seed(sampling.seed, prompt_index, sample_index, turn))
         out = engine.generate([prompt_ids + response], 1, params)[0].samples[0]  # token ids in, never text
         version = version or out.weight_version
+        routes = _extend_routes(routes, out.routed_experts)
         response += out.response_ids
         mask += [True] * len(out.response_ids)
         logprobs += out.logprobs
@@ -170,8 +173,19 @@ def run_trajectory(engine, prompt, prompt_index: int, sample_index: int, env, sa
         mask += [False] * len(observation)
         logprobs += [0.0] * len(observation)
     return Sample(prompt_ids, response, logprobs, finish, str(version), prompt_index, sample_index,
-                  _decode(tokenizer, response), response_mask=mask,
-                  turns=turns)
+                  _decode(tokenizer, response), routed_experts=routes, response_mask=mask, turns=turns)
+
+
+def _extend_routes(routes: torch.Tensor | None, turn: torch.Tensor | None) -> torch.Tensor | None:
+    """A trajectory's routed experts after one more turn. A turn's call routes its whole context and its sampled
+    tokens but the last ([context + sampled - 1, L, k]); the positions routed before keep the routes of the call that
+    routed them first (a model token: the decode step that sampled the next one), the rest (the previous turn's
+    last token, the observation, this turn's tokens) come from this call."""
+    if turn is None:
+        return routes
+    if routes is None:
+        return turn
+    return torch.cat([routes, turn[routes.shape[0]:]])
 
 
 def generate_trajectories(engine, prompts: Sequence, n: int, sampling: SamplingParams, env_class, tokenizer,
@@ -199,10 +213,16 @@ def generate_trajectories(engine, prompts: Sequence, n: int, sampling: SamplingP
     with ThreadPoolExecutor(max_workers=min(limits.concurrency, len(jobs)), thread_name_prefix="trajectory") as pool:
         results = list(pool.map(one, jobs))
     samples, values, valid, errors = [], [], [], []
+    # Rollout routing replay: a dropped trajectory (no response) still needs routes for its prompt: any k distinct
+    # experts (it trains nothing; the batch needs one routes shape).
+    routed = next((r.routed_experts for r, _ in results if r is not None and r.routed_experts is not None), None)
     for (p, s), (sample, error) in zip(jobs, results):
         if sample is None:
             ids = [int(t) for t in prompts[p].ids]
-            sample = Sample(ids, [], [], "length", "", p, s, "", response_mask=[], turns=[])
+            routes = None
+            if routed is not None:
+                routes = torch.arange(routed.shape[-1], dtype=routed.dtype).expand(len(ids) - 1, *routed.shape[1:])
+            sample = Sample(ids, [], [], "length", "", p, s, "", routed_experts=routes, response_mask=[], turns=[])
             errors.append(error)
         samples.append(sample)
         values.append(sum(r for _, r in sample.turns))

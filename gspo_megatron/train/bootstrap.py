@@ -27,16 +27,18 @@ def algo_config(cfg: Config) -> AlgoConfig:
     )
 
 
-def reward_function(cfg: Config):
-    """The reward: in ``data.reward_workers`` worker processes with a time limit per call (started by rank 0's
-    first scoring; the others never score), or with 0 workers the function itself."""
+def reward_function(cfg: Config, segments: bool = False):
+    """The reward (``data.reward``, or with ``segments`` ``data.segment_reward``): in ``data.reward_workers`` worker
+    processes with a time limit per call (started by rank 0's first scoring; the others never score), or with 0
+    workers the function itself."""
+    from gspo_megatron.rollout import rewards
     from gspo_megatron.rollout.reward_pool import RewardPool
-    from gspo_megatron.rollout.rewards import load_reward_fn
 
-    fn = load_reward_fn(cfg.data.reward)  # a bad spec fails here, before anything starts
+    spec, builtin = (cfg.data.segment_reward, "BUILTIN_SEGMENTS") if segments else (cfg.data.reward, "BUILTIN")
+    fn = rewards.load_reward_fn(spec, getattr(rewards, builtin))  # a bad spec fails here, before anything starts
     if not cfg.data.reward_workers:
         return fn
-    return RewardPool(cfg.data.reward, cfg.data.reward_workers, cfg.data.reward_timeout_s)
+    return RewardPool(spec, cfg.data.reward_workers, cfg.data.reward_timeout_s, builtin)
 
 
 def model_hf_config(cfg: Config) -> dict:

@@ -119,18 +119,13 @@ _segment_pools: dict = {}  # rank 0's segment-reward workers, per (spec, workers
 
 
 def _segment_reward_fn(cfg: Config):
-    """``data.segment_reward`` in worker processes with the reward's time limit (as ``bootstrap.reward_function``),
-    or the function itself with ``data.reward_workers=0``."""
-    from gspo_megatron.rollout.reward_pool import RewardPool
-    from gspo_megatron.rollout.rewards import BUILTIN_SEGMENTS, load_reward_fn
+    """``data.segment_reward`` as ``bootstrap.reward_function`` makes it, its worker pool kept across steps."""
+    from gspo_megatron.train.bootstrap import reward_function
 
     d = cfg.data
-    fn = load_reward_fn(d.segment_reward, BUILTIN_SEGMENTS)
-    if not d.reward_workers:
-        return fn
     key = (d.segment_reward, d.reward_workers, d.reward_timeout_s)
     if key not in _segment_pools:
-        _segment_pools[key] = RewardPool(d.segment_reward, d.reward_workers, d.reward_timeout_s, "BUILTIN_SEGMENTS")
+        _segment_pools[key] = reward_function(cfg, segments=True)
     return _segment_pools[key]
 
 
@@ -310,14 +305,15 @@ def _collect_rank0(engine, prompts, cfg: Config, step: int, tokenizer, reward_fn
     values = torch.cat([d["values"] for d in rounds])
     valid = torch.cat([d["reward_valid"] for d in rounds])  # truncated responses masked from the loss count here
     lengths = [len(s.response_ids) for d in rounds for s in d["samples"]]
+    counts = {k: float(sum(d["response_metrics"][k] for d in rounds)) for k in rounds[0]["response_metrics"]}
     metrics = {
         "reward_mean": float(values[valid].mean()) if valid.any() else float("nan"),
         "reward_masked": float((~picked["valid"]).sum()),
         "reward_timeouts": float(sum(d["reward_timeouts"] for d in rounds)),
         "reward_crashes": float(sum(d["reward_crashes"] for d in rounds)),
-        **{k: float(sum(d["response_metrics"][k] for d in rounds)) for k in rounds[0]["response_metrics"]},
+        **counts,
         "response_length_mean": sum(lengths) / len(lengths),
-        "truncated_frac": sum(s.finish_reason == "length" for d in rounds for s in d["samples"]) / len(lengths),
+        "truncated_frac": counts["responses_truncated"] / len(lengths),
         # Groups whose responses all score the same have zero advantage: no learning signal from them.
         "groups_zero_advantage": float((values.view(-1, cfg.rollout.group_size).std(dim=1) == 0)
                                        .float().mean()),

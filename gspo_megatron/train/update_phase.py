@@ -24,11 +24,15 @@ def row_plan(total: int, cfg: Config) -> list[torch.Tensor]:
     """The rollout rows this data-parallel rank trains on, one index tensor per minibatch."""
     from megatron.core import parallel_state as ps
 
-    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    per_minibatch = total // cfg.algo.minibatches
+    return rank_rows(total, cfg.algo.minibatches, ps.get_data_parallel_world_size(), ps.get_data_parallel_rank())
+
+
+def rank_rows(total: int, minibatches: int, dp: int, dp_rank: int) -> list[torch.Tensor]:
+    """Data-parallel rank ``dp_rank``'s share of each minibatch of ``total`` rows: consecutive, in rank order."""
+    per_minibatch = total // minibatches
     share = per_minibatch // dp
     return [torch.arange(m * per_minibatch + dp_rank * share, m * per_minibatch + (dp_rank + 1) * share)
-            for m in range(cfg.algo.minibatches)]
+            for m in range(minibatches)]
 
 
 def micro_batch_rows(batch: dict, rows: torch.Tensor, cfg: Config) -> list[torch.Tensor]:
@@ -106,13 +110,9 @@ def all_rows(local: torch.Tensor, total: int, cfg: Config) -> torch.Tensor:
     group = ps.get_data_parallel_group()
     parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, local.contiguous(), group=group)  # on the model's device (NCCL)
-    per_minibatch = total // cfg.algo.minibatches
-    share = per_minibatch // len(parts)
     out = torch.empty((total,) + tuple(local.shape[1:]), dtype=local.dtype)  # the rollout batch's side: CPU
     for r, part in enumerate(parts):
-        rows = torch.cat([torch.arange(m * per_minibatch + r * share, m * per_minibatch + (r + 1) * share)
-                          for m in range(cfg.algo.minibatches)])
-        out[rows] = part.cpu()
+        out[torch.cat(rank_rows(total, cfg.algo.minibatches, len(parts), r))] = part.cpu()
     return out
 
 

@@ -144,9 +144,6 @@ def validate_env(cfg: Config) -> None:
             raise ConfigError(str(e)) from None
     for name in ("max_turns", "max_trajectory_tokens", "env_concurrency"):
         _positive(getattr(r, name), f"rollout.{name}")
-    if a.replays_rollout_routing:
-        raise ConfigError("algo.routing_replay=rollout with rollout.env: the engine's routes of a multi-turn "
-                          "trajectory are not assembled yet; set algo.routing_replay=false")
 
 
 def validate(cfg: Config, world_size: int, hf: dict | None = None) -> None:
@@ -179,9 +176,6 @@ def validate(cfg: Config, world_size: int, hf: dict | None = None) -> None:
     if a.replays_rollout_routing and r.server_args.get("return_routed_experts") is False:
         raise ConfigError("algo.routing_replay=rollout needs the servers' routed experts: remove "
                           "rollout.server_args.return_routed_experts=false")
-    if a.replays_rollout_routing and cfg.parallel.pack_sequences:
-        raise ConfigError("algo.routing_replay=rollout with parallel.pack_sequences=true: the engine's routes are "
-                          "not packed yet; set parallel.pack_sequences=false")
     if a.replays_old_routing and a.name != "grpo":
         raise ConfigError(f"algo.routing_replay=true is the GRPO baseline's fix; GSPO does not need it "
                           f"(algo.name={a.name!r}): set algo.name=grpo or algo.routing_replay=false")

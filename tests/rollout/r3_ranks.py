@@ -1,7 +1,8 @@
 """Rank function of test_routing_replay (module level: ``run_on_ranks`` spawns it).
 
 Every rank builds the Megatron policy (routers built for replay) through the bridge from the HF directory the
-server serves; rank 0 attaches an SGLangEngine asking for routed experts and broadcasts its samples. Then, on one
+server serves; rank 0 attaches an SGLangEngine asking for routed experts and broadcasts its samples (single-turn, or
+multi-turn trajectories whose routes were assembled from each turn's call). Then, on one
 micro batch of all of them, three forwards of ``logprob_pass``: the server's routes replayed (R3), the same routes
 shifted by one position (replay that is misaligned), and free routing. Hooks on every router record the experts it
 actually used (its routing map), compared here with the server's routes for the same tokens, worked out
@@ -27,7 +28,27 @@ def _server_multi_hot(samples, S: int, layer: int, experts: int) -> tuple[torch.
     return hot, routed
 
 
-def r3_replay(model_dir: str, server_url: str, layout) -> dict:
+def _generate(engine, multiturn: bool) -> list:
+    """Single-turn samples, or 3-turn trajectories of ``ScriptedEnv`` (text and token-id observations)."""
+    from types import SimpleNamespace
+
+    from gspo_megatron.rollout import SamplingParams, flatten, synthetic
+    from gspo_megatron.rollout.multiturn import TurnLimits, generate_trajectories
+
+    from .helpers import prompts
+    from .user_envs import ScriptedEnv
+
+    if not multiturn:
+        return flatten(engine.generate(prompts(N_PROMPTS, seed=30), n=GROUP,
+                                       sampling=SamplingParams(max_new_tokens=NEW_TOKENS)))
+    records = [SimpleNamespace(ids=p, text="", label=None) for p in prompts(N_PROMPTS, seed=31)]
+    groups, _ = generate_trajectories(engine, records, GROUP, SamplingParams(max_new_tokens=4, seed=11,
+                                                                             ignore_eos=True),
+                                      ScriptedEnv, synthetic.char_tokenizer(), TurnLimits(3, 64, concurrency=8))
+    return flatten(groups)
+
+
+def r3_replay(model_dir: str, server_url: str, layout, multiturn: bool = False) -> dict:
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.moe.router import TopKRouter
@@ -35,11 +56,8 @@ def r3_replay(model_dir: str, server_url: str, layout) -> dict:
     from gspo_megatron.model.bridge import Bridge
     from gspo_megatron.model.hf_config import read_hf_config
     from gspo_megatron.model.provider import build_gpt_model
-    from gspo_megatron.rollout import SamplingParams, SGLangConfig, SGLangEngine, flatten, logprob_mismatch
-    from gspo_megatron.rollout import samples_to_batch
+    from gspo_megatron.rollout import SGLangConfig, SGLangEngine, logprob_mismatch, samples_to_batch
     from gspo_megatron.train.policy_step import logprob_pass
-
-    from .helpers import prompts
 
     spec = read_hf_config(model_dir)
     model = build_gpt_model(spec, layout, calculate_per_token_loss=True, moe_enable_routing_replay=True)
@@ -51,8 +69,7 @@ def r3_replay(model_dir: str, server_url: str, layout) -> dict:
         config = SGLangConfig(urls=(server_url,), model_path=model_dir, device="cpu", request_timeout_s=120,
                               return_routed_experts=True)
         with SGLangEngine(config) as engine:
-            samples = flatten(engine.generate(prompts(N_PROMPTS, seed=30), n=GROUP,
-                                              sampling=SamplingParams(max_new_tokens=NEW_TOKENS)))
+            samples = _generate(engine, multiturn)
         out["shapes"] = [(len(s.prompt_ids), len(s.response_ids), tuple(s.routed_experts.shape)) for s in samples]
         out["distinct"] = all(len(set(row.tolist())) == len(row) for s in samples for row in s.routed_experts.flatten(0, 1))
     box = [samples]

@@ -90,6 +90,21 @@ def test_replayed_routing_and_logprobs_equal_the_servers_tp2(engine, trainer, ti
         assert shifted["mismatch/token_max_abs"] > 100 * TOLERANCE, shifted  # replay is in effect, alignment counts
 
 
+def test_multiturn_trajectory_routes_replayed_equal_the_servers(engine, trainer, tiny_model_dir, tmp_path):
+    """3-turn trajectories (observations between the turns): the routes assembled from each turn's call, replayed at
+    world=1, make every router use the server's experts, and the model tokens' log-probs equal SGLang's."""
+    current = tmp_path / "current"
+    save_checkpoint(hf_weights.checkpoint_tensors(trainer.model), current, tiny_model_dir, shard_bytes=1 << 30)
+    (r,) = run_on_ranks(r3_replay, 1, Layout(), str(current), engine.worker_urls[0], Layout(), True, timeout=300)
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    assert all(shape == (p + n - 1, config["num_hidden_layers"], config["num_experts_per_tok"])
+               for p, n, shape in r["shapes"]), r["shapes"]
+    print("multi-turn: " + "  ".join(f"{k}: {r[k]}" for k in ("r3", "shifted", "free")))
+    assert r["r3"]["routes_total"] > 0 and r["r3"]["routes_same"] == r["r3"]["routes_total"], r["r3"]
+    assert r["r3"]["mismatch/token_max_abs"] <= TOLERANCE, r["r3"]
+    assert r["shifted"]["mismatch/token_max_abs"] > 100 * TOLERANCE, r["shifted"]
+
+
 def test_training_with_rollout_routing_replay_logs_metrics(engine, trainer, tiny_model_dir, tmp_path):
     """Two GRPO steps with algo.routing_replay=rollout (world=1) attached to the server by URL: the loop asks for
     the routes, replays them in the old-policy pass (which then agrees with SGLang) and the update, and logs."""

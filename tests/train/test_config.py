@@ -82,8 +82,6 @@ def test_bad_fields_are_named(overrides, message):
          r"routing but the model has no experts"),
         (["algo.name=grpo", "algo.routing_replay=rollout", "recompute.granularity=full"], 1, None,
          r"algo.routing_replay=rollout with recompute.granularity='full'"),
-        (["algo.routing_replay=rollout", "parallel.pack_sequences=true"], 1, None,
-         r"algo.routing_replay=rollout with parallel.pack_sequences=true"),
         (["algo.token_advantages=tokens"], 1, None, r"algo.token_advantages='tokens' is not one of"),
         (["algo.token_advantages=segments"], 1, None, r"algo.token_advantages='segments' needs a loss with per-token"),
         (["algo.name=gspo_token", "algo.token_advantages=segments"], 1, None, r"needs data.segment_reward"),

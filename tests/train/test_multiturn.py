@@ -27,7 +27,6 @@ ENV = "tests.rollout.user_envs:ScriptedEnv"
     ([f"rollout.env={ENV}", "algo.token_advantages=turns"], r"set algo.name=gspo_token"),
     (["algo.gamma=0.9"], r"algo.gamma=0.9 applies to algo.token_advantages='turns' only"),
     ([f"rollout.env={ENV}", "algo.token_advantages=turns", "algo.name=grpo", "algo.gamma=0"], r"algo.gamma=0.0 must"),
-    ([f"rollout.env={ENV}", "algo.routing_replay=rollout"], r"algo.routing_replay=rollout with rollout.env"),
     (["rollout.env=python", "rollout.env_args={cpu_seconds: 0}"], r"rollout.env_args.cpu_seconds=0 must be"),
     (["rollout.env=python", "rollout.env_args={memory_mb: 8}"], r"rollout.env_args.memory_mb=8 must be"),
     (["rollout.env=python", "rollout.env_args={cpu_secs: 2}"],

@@ -5,7 +5,8 @@ mask path), the same rollout of 8 sequences of 5-16 tokens (garbage after each s
 attention keeps out of the padded path) in micro batches of 2, padded and packed, on the same weights:
 the log-prob pass (log-probs and entropies on every real position, sequence sums), a GSPO update (loss,
 per-sequence stats, every gradient, gradient norm), GRPO + Routing Replay of experts recorded (packed, and padded)
-under drifted routers, and expert volatility (the update's routing against that record). At world=1 and in one
+under drifted routers, GRPO + rollout routing replay of an engine's routes (packed with the tokens), and expert
+volatility (the update's routing against that record). At world=1 and in one
 2-rank launch: TP2 + SP, PP2, EP2. Tolerances: RoPE runs over the packed row's positions, so queries and keys
 rotate by different angles than padded (relative positions, hence scores, equal up to rounding): log-probs 2e-5
 absolute (fp32, values ~5), loss 1e-6 absolute (a mean of advantage-weighted ratios ~1 that nearly cancel),
@@ -42,7 +43,12 @@ GRPO = AlgoConfig(name="grpo", eps_low=1e-3, eps_high=1e-3)
 def test_pack_and_unpack():
     lengths = torch.tensor([3, 1, 2])
     ids = torch.tensor([[1, 2, 3, 9], [4, 9, 9, 9], [5, 6, 9, 9]])
-    packed = packing.pack({"input_ids": ids, "labels": ids + 10, "seq_lengths": lengths}, length=8)
+    routes = torch.stack([ids, ids + 20], dim=-1).unsqueeze(2)  # [b, S, L=1, k=2]
+    packed = packing.pack({"input_ids": ids, "labels": ids + 10, "seq_lengths": lengths, "rollout_routing": routes},
+                          length=8)
+    # each token's routes go with it; the padding tail gets k distinct experts
+    assert packed["rollout_routing"][0, :, 0].tolist() == [[1, 21], [2, 22], [3, 23], [4, 24], [5, 25], [6, 26],
+                                                           [0, 1], [0, 1]]
     assert packed["input_ids"].tolist() == [[1, 2, 3, 4, 5, 6, 0, 0]]
     assert packed["labels"].tolist() == [[11, 12, 13, 14, 15, 16, 0, 0]]
     assert packed["position_ids"].tolist() == [[0, 1, 2, 0, 0, 1, 0, 1]]
@@ -146,6 +152,12 @@ def compare(cases) -> dict:
         replayed = {pack: step(GRPO, pack, drifted[pack]) for pack in (False, True)}
         r["replay"] = diff(replayed[True], replayed[False])
         r["replay_changes_loss"] = diff(replayed[False], free)["loss"]
+        # Rollout routing replay: an engine's experts for every layer of the whole sequence [N, S, L, k], packed
+        # with the tokens (each rank's routers then take their stage's layers and sequence-parallel share).
+        routes = torch.rand(NUM_SEQUENCES, tiny.SEQ, 2, 4, generator=torch.Generator().manual_seed(4)).topk(2).indices
+        engine = {pack: step(GRPO, pack, routes[rows], "rollout_routing") for pack in (False, True)}
+        r["r3"] = diff(engine[True], engine[False])
+        r["r3_changes_loss"] = diff(engine[False], free)["loss"]
         volatility = {pack: step(GSPO, pack, drifted[pack], "old_routing")[0]["routing_changes"].tolist()
                       for pack in (False, True)}
         r["volatility"] = volatility
@@ -158,11 +170,12 @@ def _check(results, cases):
         for name, _ in cases:
             r, where = res[name], f"{name} rank {rank}"
             assert r["pass"] <= LOGPROB_ATOL and r["pass_sums"] <= LOGPROB_ATOL, (where, r)
-            for key in ("gspo", "replay"):
+            for key in ("gspo", "replay", "r3"):
                 d = r[key]
                 assert d["loss"] <= LOSS_ATOL and d["grad_norm"] <= RTOL, (where, key, d)
                 assert d["stats"] <= LOGPROB_ATOL and d["grads"] <= GRAD_RTOL, (where, key, d)
             assert r["replay_changes_loss"] > 1e-4, (where, r)  # the replayed experts are not the free ones
+            assert r["r3_changes_loss"] > 1e-4, (where, r)
             packed, padded = r["volatility"][True], r["volatility"][False]
             assert packed == padded and 0 < packed[0] < packed[1], (where, r["volatility"])
 
