@@ -29,8 +29,9 @@ class ModelConfig:
     tiny: dict = field(default_factory=dict)
     """If set and ``hf_dir`` does not exist yet: build a random model there from these HF config fields."""
     warm_start_steps: int = 0
-    """With ``tiny`` and ``data.task``: this many supervised steps on task examples before RL (the CPU
-    example's brief warm start, so the random model has seen the answer format)."""
+    """With ``tiny`` and ``data.task``: this many supervised steps of 32 task demonstrations before RL (the CPU
+    example's brief warm start, so the random model has seen the answer format; the tool-use example's, so it has
+    seen calculator calls)."""
     warm_start_lr: float = 3e-3
     megatron_checkpoint: str = ""
     """Start from this Megatron dist checkpoint (tools/convert_hf_to_megatron.py) instead of hf_dir's weights."""
@@ -180,7 +181,14 @@ class RolloutConfig:
     server_args: dict = field(default_factory=dict)
     """Extra sglang.launch_server arguments for servers we launch."""
     timeout_s: float = 300.0
-    """A rollout request that takes longer fails the step with an error naming the server."""
+    """A rollout request that takes longer counts as a hung server (restarted if launched, waited for if attached)."""
+    max_server_restarts: int = 3
+    """A launched server that dies or hangs is restarted at the current weights and its requests resent, at most this
+    many times per restart_window_s (then TooManyRestarts naming it); 0: the failure stops the run."""
+    restart_window_s: float = 3600.0
+    """The window max_server_restarts counts restarts of one server in (seconds)."""
+    attached_wait_s: float = 120.0
+    """An attached server (urls) that refuses connections or hangs is waited for this long, then named in an error."""
     on_truncated: str = "keep"
     """A response cut at max_new_tokens (finish_reason length; counted as ``responses_truncated``): keep (trained
     with its reward) or mask (out of the loss and of its group's mean and std, like a failed reward: DAPO's
@@ -269,7 +277,8 @@ class DataConfig:
     prompts: str = ""
     """JSONL of {"prompt": str, "answer": ...} or {"messages": [...], "answer": ...}."""
     task: str = ""
-    """A synthetic task shipped in the repo instead of a file (see gspo_megatron.rollout.tasks)."""
+    """A synthetic task shipped in the repo instead of a file (gspo_megatron.rollout.synthetic: reverse, copy, add,
+    count, mul)."""
     eval_prompts: str = ""
     skip_malformed: bool = False
     """Skip (and count) malformed JSONL lines instead of stopping at the first with its line number."""

@@ -8,7 +8,8 @@ updates (one_step_off, async); the same loop runs all three. With ``rollout.part
 running when a batch is full are carried into the next step and continued under the new weights (partial rollouts).
 
 A non-finite loss or gradient skips its update on every rank (``faults``); a SIGTERM/SIGUSR1 on any rank stops every
-rank after the same step, saved (``preemption``).
+rank after the same step, saved (``preemption``); under ``torchrun --max-restarts`` a failed rank's restarted workers
+resume on their own, rank 0's servers kept (``elastic``).
 
 Every rank runs this; global rank 0 also owns the rollout engine (``rollout_phase``); the trainer's passes and
 updates, and their metrics over all ranks, are ``update_phase``.
@@ -23,7 +24,7 @@ import torch.distributed as dist
 
 from gspo_megatron.parallel import groups
 from gspo_megatron.parallel.context import sequence_multiple
-from gspo_megatron.train import checkpoint, preemption, rollout_phase, update_phase
+from gspo_megatron.train import checkpoint, elastic, preemption, rollout_phase, update_phase
 from gspo_megatron.train.rollout_source import RolloutSource
 from gspo_megatron.train.advantages import advantages
 from gspo_megatron.train.config import Config
@@ -49,14 +50,17 @@ def train(cfg: Config, resume: bool = False) -> dict:
 
     logger = MetricsLogger(cfg.logging.dir, cfg.logging.tensorboard, cfg.logging.wandb_project, enabled=rank0)
     step, version, state = 0, 0, None
-    if resume and checkpoint.latest(cfg.checkpoint.dir):
-        state = checkpoint.load(checkpoint.latest(cfg.checkpoint.dir), policy.model, policy.optimizer, policy.scheduler)
+    resume_from = elastic.checkpoint_to_resume(cfg, resume)  # --resume, or a torchrun restart: this run's latest
+    if resume_from:
+        state = checkpoint.load(resume_from, policy.model, policy.optimizer, policy.scheduler)
         step, version = state["step"], state["weight_version"]
-        rollout_phase.sync_weights(policy, engine, f"{version}-resumed")
+    if resume_from or elastic.restarted():  # servers kept through a restart serve the failed attempt's weights
+        rollout_phase.sync_weights(policy, engine, elastic.resumed_version(version))
     progress = Progress(cfg.train.steps, start=step, enabled=rank0)
     seq_multiple = sequence_multiple(cfg.parallel.tensor, cfg.parallel.context, cfg.parallel.sequence_parallel)
-    # rollout.mode: sync (sampled when asked), one_step_off / async (sampled ahead while the trainer updates)
-    source = RolloutSource(engine, prompts, cfg, tokenizer, reward_fn, seq_multiple, version)
+    # rollout.mode: sync (sampled when asked), one_step_off / async (sampled ahead while the trainer updates); a
+    # rollout server restarted after a distributed sync lacks the weights: the source syncs them again (resync)
+    source = RolloutSource(engine, prompts, cfg, tokenizer, reward_fn, seq_multiple, version, policy)
     if state is not None:
         source.load_state_dict(state)  # the data position (and partial rollouts' groups in flight)
     metrics: dict = {}
@@ -116,6 +120,9 @@ def train(cfg: Config, resume: bool = False) -> dict:
             if stop:
                 metrics["preempted_at_step"] = step
                 break
+    except BaseException:
+        elastic.leave_servers(engine)  # torchrun restarts left: the next attempt adopts rank 0's servers
+        raise
     finally:
         source.close()
         progress.close()
