@@ -8,7 +8,8 @@ produced each. Checked: every continuation is sent the prompt plus the response 
 and versions are concatenated per token; a batch holds only complete groups, exactly prompts_per_step of them;
 samples spanning versions are what ``Rollout.versions`` marks stale; with chunks as long as max_new_tokens every
 step is sync mode's; on two ranks (RolloutSource, a stand-in weight sync) every rank gets the same batches and
-data positions; the groups in flight survive a checkpoint. The loop runs it in tests/train/test_loop.py.
+data positions; the groups in flight survive a checkpoint and a step generated again after a resync (a
+restarted server) starts from them as the step began. The loop runs it in tests/train/test_loop.py.
 """
 
 from __future__ import annotations
@@ -53,10 +54,27 @@ class FakeEngine:
                     self.errors.append((ctx, "is not prompt + the response so far"))
                 new = whole[len(so_far):len(so_far) + sampling.max_new_tokens]
                 done = len(so_far) + len(new) == len(whole) and _length(i, k) <= MAX_NEW
-                logprobs = [-(len(so_far) + j + 1) / 100 - float(self.version) for j in range(len(new))]
+                served = float(self.version.split("-")[0])  # "3-resync1": version 3 sent again
+                logprobs = [-(len(so_far) + j + 1) / 100 - served for j in range(len(new))]
                 samples.append(Sample(list(ctx), new, logprobs, "stop" if done else "length", self.version, g, s))
             groups.append(Group(g, list(ctx), samples))
         return groups
+
+
+class RestartedEngine(FakeEngine):
+    """Raises StaleWeights once, at generate call ``fail_at`` (1-based): a server restarted mid-step."""
+
+    def __init__(self, fail_at: int):
+        super().__init__()
+        self.fail_at = fail_at
+
+    def generate(self, prompt_ids, n, sampling):
+        from gspo_megatron.rollout import StaleWeights
+
+        if len(self.calls) + 1 == self.fail_at:
+            self.fail_at = None
+            raise StaleWeights("['http://127.0.0.1:1'] restarted and serve their launch weights")
+        return super().generate(prompt_ids, n, sampling)
 
 
 class FakeTokenizer:
@@ -141,8 +159,9 @@ def test_groups_in_flight_survive_a_checkpoint():
     assert head + run(5, resumed, restored, start=2) == whole
 
 
-def _source_run(chunk: int) -> dict:
-    """RolloutSource in sync mode with partial rollouts on this rank (rank 0 owns the fake engine)."""
+def _source_run(chunk: int, fail_at: int | None = None) -> dict:
+    """RolloutSource in sync mode with partial rollouts on this rank (rank 0 owns the fake engine; ``fail_at``: its
+    generate call that finds the server restarted, then every rank resyncs and rank 0 generates the step again)."""
     import torch.distributed as dist
 
     from gspo_megatron.parallel import control
@@ -150,7 +169,7 @@ def _source_run(chunk: int) -> dict:
 
     cfg = _cfg(chunk) if chunk else _cfg(1, "rollout.partial_chunk_tokens=null")
     stream = _stream()
-    engine = FakeEngine() if dist.get_rank() == 0 else None
+    engine = (RestartedEngine(fail_at) if fail_at else FakeEngine()) if dist.get_rank() == 0 else None
 
     def sync_weights(policy, engine, version):  # stand-in: a collective, rank 0 loading the engine
         if engine is not None:
@@ -159,11 +178,13 @@ def _source_run(chunk: int) -> dict:
         return {}
 
     rollout_phase.sync_weights = sync_weights  # this rank process only
-    source = rollout_source.RolloutSource(engine, stream, cfg, FakeTokenizer(), _reward, pad_multiple=1)
+    source = rollout_source.RolloutSource(engine, stream, cfg, FakeTokenizer(), _reward, pad_multiple=1,
+                                          policy=object())  # a policy: the source can resync (stand-in above)
     steps = []
     for step in range(1, 6):
         rollout = source.next(step, step - 1)
         steps.append({"input_ids": rollout.batch["input_ids"], "versions": rollout.versions,
+                      "logprobs": rollout.batch["rollout_logprobs"],
                       "token_versions": rollout.batch.get("token_versions"), "mask": rollout.batch["loss_mask"],
                       "rewards": rollout.rewards, "position": source.position(), "metrics": rollout.metrics})
         source.sync_weights(None, step)
@@ -172,7 +193,8 @@ def _source_run(chunk: int) -> dict:
 
 
 def _source_runs() -> dict:
-    return {"partial": _source_run(3), "whole_chunks": _source_run(MAX_NEW), "sync": _source_run(0)}
+    return {"partial": _source_run(3), "whole_chunks": _source_run(MAX_NEW), "sync": _source_run(0),
+            "restarted": _source_run(3, fail_at=6)}
 
 
 @pytest.fixture(scope="module")
@@ -225,3 +247,16 @@ def test_config_errors_name_the_field():
                                 "rollout.partial_mask=old_tokens"]), 1)
     assert "rollout.partial_groups_in_flight=1" in error("rollout.partial_chunk_tokens=2",
                                                         "rollout.partial_groups_in_flight=1")
+
+
+def test_a_step_generated_again_after_a_resync_starts_from_the_groups_in_flight(two_ranks):
+    """A server restart mid-step (call 6: chunks of the step already appended): the step is generated again from the
+    groups in flight as it began and the prompts rank 0 drew, so every batch and data position is the undisturbed
+    run's."""
+    for rank in two_ranks:
+        for k, (a, b) in enumerate(zip(rank["restarted"]["steps"], rank["partial"]["steps"])):
+            assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["logprobs"], b["logprobs"]), k
+            assert torch.equal(a["versions"], b["versions"]) and a["position"] == b["position"], k
+    calls, undisturbed = two_ranks[0]["restarted"]["calls"], two_ranks[0]["partial"]["calls"]
+    assert any("resync" in c[3] for c in calls)  # the failure happened, every rank synced again
+    assert len(calls) > len(undisturbed)  # the failed attempt's chunks were generated again
