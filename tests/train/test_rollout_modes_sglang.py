@@ -45,3 +45,17 @@ def test_one_step_off_and_async_against_sglang(tmp_path):
     assert all(0 <= r["staleness_mean"] <= r["staleness_max"] <= 2 for r in records), records
     print("async:", [(r["staleness_max"], r["samples_across_syncs"]) for r in records])
     assert all(r["weight_sync/tensors"] > 0 for r in records)
+
+
+def test_partial_rollouts_against_sglang(tmp_path):
+    """rollout.partial_chunk_tokens against the real server: chunks continued from token ids (prompt + response so
+    far) under the next step's weights. With partial_mask=old_tokens the loss and the log-prob gap cover only the
+    tokens recorded as the current version's: they equal the trainer's recomputation to fp32 rounding at every step,
+    so each token's recorded version is the one the server sampled it with (older tokens differ by ~0.5)."""
+    require_sglang()
+    records = _train(tmp_path, "partial", "train.steps=3", "rollout.partial_chunk_tokens=2",
+                     "rollout.partial_mask=old_tokens")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(r["logprob_diff_max"] < 1e-4 for r in records), [r["logprob_diff_max"] for r in records]
+    assert max(r["partial/max_versions_spanned"] for r in records) == 2
+    assert any(r["partial/samples_spanning_versions"] > 0 and r["staleness_max"] == 1 for r in records)
