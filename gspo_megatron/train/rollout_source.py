@@ -12,9 +12,9 @@ Rank 0 owns the engine: the batches ahead are generated and scored on one backgr
 to the servers (HTTP) and the reward workers; every collective (the batch's broadcast, the weight sync) stays on
 the caller's thread, in the same order on every rank. Every rank draws each batch's prompts when the batch is
 queued, so data positions stay equal; the checkpointed position is the one before the batches not trained on
-yet (a resumed run samples them again). With ``rollout.partial_chunk_tokens`` (sync mode) the samples still running
-when a step's batch is full are carried to the next step (``train/partial_rollouts.py``). A sample's version is the trainer's weight version the engine served
-when its batch started (``Rollout.versions``); the loop takes pi_old of samples from older weights from the
+yet (a resumed run samples them again). With ``rollout.partial_chunk_tokens`` (sync mode) the samples still
+running when a step's batch is full are carried to the next step (``train/partial_rollouts.py``). A sample's
+version is the trainer's weight version the engine served when its batch started (``Rollout.versions``); the loop takes pi_old of samples from older weights from the
 engine's log-probs (the behaviour policy's), and logs ``staleness_mean`` / ``staleness_max``.
 """
 
