@@ -10,6 +10,7 @@ generates with the training model itself). Start-up and the first (warm-up) step
     .venv/bin/pip install trl==1.16.0          # bench-only dependency
     .venv/bin/python bench/rl_step.py --size tiny
     .venv/bin/python bench/rl_step.py --size 100m
+    .venv/bin/python bench/rl_step.py --size tiny --modes sync,one_step_off --no-trl   # rollout.mode only
 
 Sizes: ``tiny`` is the CPU example's model (2 layers, hidden 128, 4 experts) at 32 samples x 16 tokens;
 ``100m`` is a ~115M-parameter Qwen3-MoE (8 layers, hidden 512, 16 experts top-2, vocab 8192) at
@@ -53,9 +54,9 @@ def build_model(size: str, directory: Path) -> Path:
     return path
 
 
-def run_ours(size: str, model_dir: Path, out: Path) -> dict:
+def run_ours(size: str, model_dir: Path, out: Path, mode: str = "sync") -> dict:
     s = SIZES[size]
-    run = out / "ours"
+    run = out / f"ours-{mode}"
     shutil.rmtree(run, ignore_errors=True)  # metrics.jsonl appends: a rerun in the same work dir starts clean
     cmd = [sys.executable, "-m", "gspo_megatron.cli", "train", str(ROOT / "examples/tiny_moe_cpu.yaml"),
            f"model.hf_dir={model_dir}", "model.warm_start_steps=0", f"train.steps={STEPS}", "train.eval_every=0",
@@ -64,12 +65,16 @@ def run_ours(size: str, model_dir: Path, out: Path) -> dict:
            f"rollout.max_new_tokens={s['new_tokens']}", f"algo.minibatches={s['minibatches']}",
            f"parallel.micro_batch_size={s['prompts'] * s['group'] // s['minibatches']}",
            "rollout.max_prompt_tokens=32", f"rollout.server_args={{dtype: float32, max_total_tokens: {16384 * 4}}}",
-           f"logging.dir={run}", "checkpoint.dir=", "logging.plot_every=0", "logging.tensorboard=false"]
+           f"logging.dir={run}", "checkpoint.dir=", "logging.plot_every=0", "logging.tensorboard=false",
+           f"rollout.mode={mode}"]
     subprocess.run(cmd, check=True, cwd=ROOT, env=dict(os.environ, WORLD_SIZE="1"))
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][1:]
     phases = ["time/rollout", "time/old_logprobs", "time/update", "time/weight_sync"]
-    mean = lambda key: sum(r[key] for r in records) / len(records)  # noqa: E731
-    return {"step": mean("time/step"), **{p.split("/")[1]: mean(p) for p in phases}}
+    mean = lambda key: sum(r.get(key, 0.0) for r in records) / len(records)  # noqa: E731
+    # rollout_wait: how long the trainer waited for its batch (one_step_off: only what the update did not hide)
+    wait = mean("time/rollout") if mode == "sync" else mean("time/rollout_wait")
+    return {"step": mean("time/step"), "rollout_wait": wait,
+            "staleness": mean("staleness_mean"), **{p.split("/")[1]: mean(p) for p in phases}}
 
 
 def run_trl(size: str, model_dir: Path, out: Path) -> dict:
@@ -131,16 +136,24 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
     parser.add_argument("--work-dir", default=None)
+    parser.add_argument("--modes", default="sync", help="rollout.mode values to run ours with, comma-separated")
+    parser.add_argument("--no-trl", action="store_true", help="skip TRL (compare rollout modes only)")
     args = parser.parse_args()
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench_rl_step_"))
     model_dir = build_model(args.size, work)
-    ours = run_ours(args.size, model_dir, work)
-    trl = run_trl(args.size, model_dir, work)
+    modes = args.modes.split(",")
+    runs = {mode: run_ours(args.size, model_dir, work, mode) for mode in modes}
     s = SIZES[args.size]
     print(f"\nRL step, {args.size}: {s['prompts']} prompts x {s['group']} samples x {s['new_tokens']} new tokens, "
           f"{s['minibatches']} minibatches (mean of {STEPS - 1} steps after a warm-up)")
-    print(f"  gspo-megatron: {ours['step']:.2f} s  (rollout {ours['rollout']:.2f}, old log-probs "
-          f"{ours['old_logprobs']:.2f}, update {ours['update']:.2f}, weight sync {ours['weight_sync']:.2f})")
+    for mode, ours in runs.items():
+        print(f"  gspo-megatron, rollout.mode={mode}: {ours['step']:.2f} s  (rollout {ours['rollout']:.2f}, waited "
+              f"for {ours['rollout_wait']:.2f}, old log-probs {ours['old_logprobs']:.2f}, update {ours['update']:.2f}, "
+              f"weight sync {ours['weight_sync']:.2f}; staleness {ours['staleness']:.2f})")
+    if args.no_trl:
+        return 0
+    ours = runs[modes[0]]
+    trl = run_trl(args.size, model_dir, work)
     print(f"  TRL GRPOTrainer (sequence-level IS): {trl['step']:.2f} s  (generation + rewards + old log-probs "
           f"{trl['rollout_and_old_logprobs']:.2f}, update {trl['update']:.2f})")
     print(f"  ratio TRL / gspo-megatron: {trl['step'] / ours['step']:.2f}x")

@@ -2,6 +2,7 @@
 
     gspo-megatron train examples/tiny_moe_cpu.yaml [section.field=value ...] [--resume]
     torchrun --nproc-per-node 8 --nnodes 2 ... $(which gspo-megatron) train examples/qwen3_30b_a3b.yaml
+    torchrun --max-restarts 3 ... train CONFIG.yaml      # a dead rank: workers restarted, resumed, servers kept
     gspo-megatron plan examples/qwen3_30b_a3b.yaml --nodes 2 --gpus-per-node 8
     gspo-megatron score --model DIR --input records.jsonl [--tp N --pp N --ep N]
 """
@@ -72,7 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("config", help="YAML config, e.g. examples/tiny_moe_cpu.yaml (sections: model, parallel, "
                        "rollout, algo, optimizer, data, train, checkpoint, logging, distributed)")
     train.add_argument("overrides", nargs="*", help="section.field=value overrides, e.g. parallel.tensor=2 algo.name=grpo")
-    train.add_argument("--resume", action="store_true", help="continue from checkpoint.dir's latest checkpoint")
+    train.add_argument("--resume", action="store_true", help="continue from checkpoint.dir's latest checkpoint if "
+                       "there is one (else start afresh). Under `torchrun --max-restarts N` restarted workers resume "
+                       "from the checkpoints this run wrote without it, and keep rank 0's SGLang servers")
     plan = sub.add_parser(
         "plan", help="print the resolved parallel layout and per-GPU memory estimate",
         description="The ranks of every TP/PP/EP/CP/DP group (as megatron-core builds them) and the per-GPU memory "

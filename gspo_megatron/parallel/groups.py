@@ -82,8 +82,26 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None,
     backend = backend or default_backend()
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group(backend=backend, timeout=None if timeout_s is None else timedelta(seconds=timeout_s))
+    timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
+    dist.init_process_group(backend=backend, timeout=timeout, **_attempt_store(timeout))
     control.init(control_timeout_s)
+
+
+def _attempt_store(timeout: timedelta | None) -> dict:
+    """In a worker torchrun restarted, the store arguments of ``init_process_group``: the agent's store under a prefix
+    of this attempt; else none (``env://``, as torch does it).
+
+    torchrun's workers share its rendezvous store (TORCHELASTIC_USE_AGENT_STORE=True), one for every attempt, and
+    torch's ``env://`` rendezvous adds no prefix per attempt: a restarted worker finds the failed attempt's keys
+    (gloo's addresses of the dead ranks) and waits, connecting to them, until the timeout.
+    """
+    env = os.environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != str(True) or int(env.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
+        return {}
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["WORLD_SIZE"]), is_master=False,
+                          timeout=timeout or timedelta(minutes=30))
+    return {"store": dist.PrefixStore(f"gspo_attempt_{env['TORCHELASTIC_RESTART_COUNT']}", store),
+            "rank": int(env["RANK"]), "world_size": int(env["WORLD_SIZE"])}
 
 
 def init_model_parallel(layout: Layout, seed: int = 1234, timeout_s: float | None = None) -> None:

@@ -233,11 +233,13 @@ def generate_trajectories(engine, prompts: Sequence, n: int, sampling: SamplingP
 
 
 def turn_metrics(samples: Sequence[Sample]) -> dict[str, float]:
-    """turns_mean / turns_max per trajectory, observation tokens per trajectory, the fraction the env finished."""
+    """turns_mean / turns_max per trajectory, observation tokens per trajectory, the fraction of trajectories with
+    an observation (with a tool environment: that called the tool), the fraction the env finished."""
     turns = [len(s.turns or []) for s in samples]
     observed = [int((~s.mask_tensor()).sum()) for s in samples]
     return {"turns_mean": sum(turns) / len(turns), "turns_max": float(max(turns)),
             "observation_tokens_mean": sum(observed) / len(observed),
+            "observed_frac": sum(n > 0 for n in observed) / len(observed),
             "env_done_frac": sum(s.finish_reason == "stop" for s in samples) / len(samples)}
 
 
@@ -288,6 +290,16 @@ def format_number(x: int | float) -> str:
     return str(x) if isinstance(x, int) else f"{x:.10g}"
 
 
+def calculator_call(expression: str) -> str:
+    """A turn that calls ``CalculatorEnv``."""
+    return f"<calc>{expression}</calc>"
+
+
+def calculator_observation(result: str) -> str:
+    """``CalculatorEnv``'s answer to a call."""
+    return f"<result>{result}</result>"
+
+
 class CalculatorEnv:
     """A calculator tool. A turn holding ``<calc>2+3*4</calc>`` is a call: the observation is
     ``<result>14</result>`` (the last call's value; ``<result>error: ...</result>`` when it is not arithmetic),
@@ -304,7 +316,7 @@ class CalculatorEnv:
                 result = format_number(safe_eval(calls[-1]))
             except (ValueError, ZeroDivisionError, OverflowError) as e:
                 result = f"error: {e}"
-            return Step(observation=f"<result>{result}</result>")
+            return Step(observation=calculator_observation(result))
         return answer_step(text, self.label)
 
 

@@ -4,6 +4,10 @@ Each server runs ``python -m sglang.launch_server`` in its own session (so a Ctr
 does not reach it half-way; the trainer shuts it down in order instead), with the kernel told to SIGTERM it if
 the trainer dies (PR_SET_PDEATHSIG), and an ``atexit`` hook that stops every server still running. On CPU the
 stand-ins of ``patches.sglang_cpu`` lead its PYTHONPATH.
+
+A *kept* server (``keep=True``: torchrun restarts the trainer's workers, ``train.elastic``) has neither: it outlives
+the process that started it, whose successor ``adopt``s it from its ``record``; ``server_watchdog`` stops it when
+the torchrun agent is gone.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from pathlib import Path
 
 from gspo_megatron.parallel.launch import free_port
 
+from . import server_watchdog
 from .client import HttpClient, RetryPolicy
 from .config import SGLangConfig
 from .errors import RolloutError, ServerStartError
@@ -87,17 +92,43 @@ def server_env(config: SGLangConfig, gpus: list[int]) -> dict[str, str]:
 
 
 class ServerProcess:
-    """One launched server: its URL, process, log file; ``wait_ready``, ``alive``, ``shutdown``."""
+    """One launched server: its URL, process, log file; ``wait_ready``, ``alive``, ``shutdown``.
 
-    def __init__(self, cmd: list[str], env: dict[str, str], url: str, log_path: Path, name: str):
-        self.url, self.log_path, self.name = url, log_path, name
+    ``keep``: the server outlives this process (no PR_SET_PDEATHSIG, no ``atexit`` stop), for ``adopt``."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str], url: str, log_path: Path, name: str, keep: bool = False):
+        self.url, self.log_path, self.name, self.keep = url, log_path, name, keep
         self._log_file = open(log_path, "ab")
         self.process = subprocess.Popen(cmd, env=env, stdout=self._log_file, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, start_new_session=True,
-                                        preexec_fn=_die_with_parent)
-        with _LIVE_LOCK:
-            _LIVE.add(self)
+                                        preexec_fn=None if keep else _die_with_parent)
+        if not keep:
+            with _LIVE_LOCK:
+                _LIVE.add(self)
         log.info("%s: started pid %d at %s, log %s", name, self.process.pid, url, log_path)
+
+    def record(self) -> dict:
+        """What ``adopt`` needs, JSON-serialisable (the start time tells this process from a later one that got
+        its pid)."""
+        return {"name": self.name, "url": self.url, "pid": self.process.pid, "log": str(self.log_path),
+                "started": server_watchdog.start_time(self.process.pid)}
+
+    @classmethod
+    def adopt(cls, record: dict) -> "ServerProcess | None":
+        """The kept server of ``record`` (started by another process), or None if it is no longer running."""
+        process = _Adopted(record["pid"], record["started"])
+        if process.poll() is not None:
+            return None
+        server = cls.__new__(cls)
+        server.url, server.log_path, server.name, server.keep = record["url"], Path(record["log"]), record["name"], True
+        server._log_file, server.process = None, process
+        log.info("%s: adopted pid %d at %s", server.name, process.pid, server.url)
+        return server
+
+    def detach(self) -> None:
+        """Leave a kept server running for a successor to adopt (``shutdown`` stops it)."""
+        if self._log_file is not None:
+            self._log_file.close()
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -112,6 +143,8 @@ class ServerProcess:
     def describe_exit(self) -> str:
         code = self.process.poll()
         how = f"killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+        if isinstance(self.process, _Adopted):
+            how = "is gone (adopted from an earlier process: exit status unknown)"
         return f"{self.name} (pid {self.process.pid}, {self.url}) {how}; last lines of {self.log_path}:\n{self.log_tail()}"
 
     def wait_ready(self, timeout: float) -> None:
@@ -150,7 +183,8 @@ class ServerProcess:
                     pass
             self.process.wait(timeout=grace_s)
             log.info("%s: shut down", self.name)
-        self._log_file.close()
+        if self._log_file is not None:
+            self._log_file.close()
 
 
 def _signal_group(pgid: int, sig: int) -> None:
@@ -169,10 +203,30 @@ def _descendants(pid: int) -> list:
         return []
 
 
-def start_servers(config: SGLangConfig) -> list[ServerProcess]:
+class _Adopted:
+    """``poll`` and ``wait`` of a ``Popen`` for a process this one did not start (its parent is gone, so init
+    reaps it): alive while its pid runs with the recorded start time. No exit code: ``poll`` says -1 once gone."""
+
+    def __init__(self, pid: int, started: float | None):
+        self.pid, self.started = pid, started
+
+    def poll(self) -> int | None:
+        return None if server_watchdog.running(self.pid, self.started) else -1
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout)
+            time.sleep(0.1)
+        return -1
+
+
+def start_servers(config: SGLangConfig, keep: bool = False) -> list[ServerProcess]:
     """Start every server of ``config`` without waiting for them (``ServerProcess.wait_ready`` does).
 
     Call from the thread that will outlive the servers: PR_SET_PDEATHSIG fires when the *starting thread* exits.
+    ``keep``: servers that outlive this process (``ServerProcess``).
     """
     log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix="gspo_sglang_"))
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -182,7 +236,7 @@ def start_servers(config: SGLangConfig) -> list[ServerProcess]:
             port = free_port()
             url = f"http://{config.host}:{port}"
             servers.append(ServerProcess(launch_command(config, port, gpus), server_env(config, gpus), url,
-                                         log_dir / f"sglang_server_{i}.log", name=f"sglang server {i}"))
+                                         log_dir / f"sglang_server_{i}.log", name=f"sglang server {i}", keep=keep))
     except BaseException:
         for server in servers:
             server.shutdown()

@@ -111,6 +111,14 @@ class SGLangEngine:
             process.shutdown()
         self._router, self._servers = None, []
 
+    def leave_kept_servers(self) -> None:
+        """Let go of the kept servers (``ServerProcess(keep=True)``) without stopping them, for the next process to
+        adopt (a trainer rank failing with torchrun restarts left); ``close`` then stops only the rest."""
+        for process in self._servers:
+            if process.keep:
+                process.detach()
+        self._servers = [p for p in self._servers if not p.keep]
+
     @property
     def servers(self) -> list[ServerProcess]:
         """The launched server processes (empty when attached)."""
@@ -193,6 +201,19 @@ class SGLangEngine:
             body["return_routed_experts"] = True
         answer = self._clients[url].post("/generate", body, cancelled=cancelled)
         return parse_generate(answer, prompts, n, start, url, self._routed_shape)
+
+    def pause_generation(self) -> None:
+        """Hold every request in flight on every worker (SGLang's ``/pause_generation``, retract mode: running
+        requests go back to the waiting queue and their KV cache is rebuilt on continue). A weight update of
+        paused servers runs at once instead of waiting for the requests to finish, and none is lost: the tokens
+        they sampled so far keep their old-weight log-probs, the rest come from the new weights."""
+        for url in self.worker_urls:
+            self._clients[url].post("/pause_generation", {"mode": "retract"}, timeout=self.config.health_timeout_s * 4)
+
+    def continue_generation(self) -> None:
+        """Resume the requests ``pause_generation`` held."""
+        for url in self.worker_urls:
+            self._clients[url].post("/continue_generation", {}, timeout=self.config.health_timeout_s * 4)
 
     # ---- weights --------------------------------------------------------------------------------------------
 

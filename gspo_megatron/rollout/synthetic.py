@@ -6,6 +6,10 @@ partial credit per character in its place, so a tiny random policy gets a learni
 
     reverse    "rev abc="  -> "cba"        copy   "copy abc=" -> "abc"
     add        "12+7="     -> "19"         count  "count aab=" -> "2a1b" ... (see TASKS)
+    mul        "347*86="   -> "29842"      (with ``rollout.env: calculator``: too hard to compute, easy to look up)
+
+A problem may carry a ``demonstration``: the warm start's transcript of a multi-turn solution (``mul``: call the
+calculator, read its result, copy it), with deliberate mistakes in some, so RL has something to improve.
 """
 
 from __future__ import annotations
@@ -73,6 +77,14 @@ def save_tiny_model(path: str | Path, seed: int = 0, **sizes) -> Path:
 class Problem:
     prompt: str
     answer: str
+    demonstration: tuple[tuple[str, bool], ...] = ()
+    """What the warm start trains on after the prompt, as (text, trained) segments: the model's turns (trained) and
+    the environment's observations (not). Empty: the answer and EOS."""
+
+
+def demonstration(problem: Problem) -> list[tuple[str, bool]]:
+    """The warm start's transcript of ``problem``: [(prompt, False), (text, trained), ...]; EOS ends each turn."""
+    return [(problem.prompt, False)] + list(problem.demonstration or [(problem.answer + EOS, True)])
 
 
 def _word(rng: random.Random, lo: int = 2, hi: int = 5) -> str:
@@ -90,11 +102,37 @@ def _count(word: str) -> str:
     return "".join(out)
 
 
+# The mul task's demonstrations: a share answers at once with a guess (the tool skipped), and a share of those that
+# call the tool copy one digit of its result wrong; the rest are right. RL learns to call it and to copy exactly.
+MUL_SKIP_TOOL = 0.4
+MUL_MISCOPY = 0.3
+
+
+def _miscopy(number: str, rng: random.Random) -> str:
+    i = rng.randrange(len(number))
+    return number[:i] + rng.choice([d for d in "0123456789" if d != number[i]]) + number[i + 1:]
+
+
+def _mul(rng: random.Random) -> Problem:
+    """A 3-digit by 2-digit product: a tiny model cannot compute it, but can copy it from the calculator."""
+    from gspo_megatron.rollout.multiturn import calculator_call, calculator_observation
+
+    a, b = rng.randint(100, 999), rng.randint(10, 99)
+    answer = str(a * b)
+    if rng.random() < MUL_SKIP_TOOL:
+        guess = str(rng.randint(1000, 99999))
+        return Problem(f"{a}*{b}=", answer, ((guess + EOS, True),))
+    copied = _miscopy(answer, rng) if rng.random() < MUL_MISCOPY else answer
+    return Problem(f"{a}*{b}=", answer, ((calculator_call(f"{a}*{b}") + EOS, True),
+                                          (calculator_observation(answer), False), (copied + EOS, True)))
+
+
 TASKS: dict[str, Callable[[random.Random], Problem]] = {
     "reverse": lambda rng: (lambda w: Problem(f"rev {w}=", w[::-1]))(_word(rng)),
     "copy": lambda rng: (lambda w: Problem(f"copy {w}=", w))(_word(rng)),
     "add": lambda rng: (lambda a, b: Problem(f"{a}+{b}=", str(a + b)))(rng.randint(0, 49), rng.randint(0, 49)),
     "count": lambda rng: (lambda w: Problem(f"count {w}=", _count(w)))(_word(rng)),
+    "mul": _mul,
 }
 
 

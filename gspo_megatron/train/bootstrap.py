@@ -89,7 +89,7 @@ def build_tiny_model(cfg: Config, hf_dir: Path) -> None:
 
 
 def warm_start(hf_dir: Path, cfg: Config) -> None:
-    """Supervised steps on (prompt, answer<eos>) examples of the task, with transformers, in place."""
+    """Supervised steps on the task's demonstrations, 32 per step, with transformers, in place."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from gspo_megatron.rollout.synthetic import make_problems
@@ -99,24 +99,45 @@ def warm_start(hf_dir: Path, cfg: Config) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.model.warm_start_lr)
     # Examples disjoint from the RL prompts' seed, so the warm start does not see the training prompts.
     problems = make_problems(cfg.data.task, 32 * cfg.model.warm_start_steps, seed=cfg.data.seed + 10_007)
-    model.train()
-    for step in range(cfg.model.warm_start_steps):
-        chunk = problems[step * 32:(step + 1) * 32]
-        rows = [tokenizer(p.prompt + p.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-                for p in chunk]
-        prompt_lengths = [len(tokenizer(p.prompt, add_special_tokens=False)["input_ids"]) for p in chunk]
-        width = max(map(len, rows))
-        ids = torch.full((len(rows), width), tokenizer.eos_token_id)
-        labels = torch.full((len(rows), width), -100)
-        for i, (row, plen) in enumerate(zip(rows, prompt_lengths)):
-            ids[i, :len(row)] = torch.tensor(row)
-            labels[i, plen:len(row)] = torch.tensor(row[plen:])  # learn the answer, not the prompt
-        loss = model(input_ids=ids, labels=labels).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    # One thread: a tiny model's ops are too small to share, and a second thread waiting for a busy core slows every
+    # op (20 steps of the tool-use example: 1.6 s on one thread, 15.7 s on two, 2 cores with one kept busy).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model.train()
+        for step in range(cfg.model.warm_start_steps):
+            ids, labels = demonstration_batch(problems[step * 32:(step + 1) * 32], tokenizer)
+            loss = model(input_ids=ids, labels=labels).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    finally:
+        torch.set_num_threads(threads)
     model.eval()
     model.save_pretrained(str(hf_dir))
+
+
+def demonstration_batch(problems, tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
+    """The problems' demonstrations (``synthetic.demonstration``: the prompt, then the answer and EOS, or a
+    multi-turn transcript) as input ids [B, S] (padded with EOS) and labels [B, S]: the model's turns' tokens, -100
+    on the prompt, the observations and the padding (learn what the model says, not what it is told)."""
+    from gspo_megatron.rollout.synthetic import demonstration
+
+    rows = []
+    for problem in problems:
+        ids, labels = [], []
+        for text, trained in demonstration(problem):
+            segment = tokenizer(text, add_special_tokens=False)["input_ids"]
+            ids += segment
+            labels += segment if trained else [-100] * len(segment)
+        rows.append((ids, labels))
+    width = max(len(ids) for ids, _ in rows)
+    ids = torch.full((len(rows), width), tokenizer.eos_token_id)
+    labels = torch.full((len(rows), width), -100)
+    for i, (row, row_labels) in enumerate(rows):
+        ids[i, :len(row)] = torch.tensor(row)
+        labels[i, :len(row)] = torch.tensor(row_labels)
+    return ids, labels
 
 
 def load_prompts(cfg: Config, hf_dir: Path):

@@ -111,7 +111,9 @@ def save(directory: str | Path, step: int, model, optimizer, scheduler, trainer_
     from megatron.core import dist_checkpointing
 
     from gspo_megatron.train.performance import params_current
+    from patches import megatron_checkpoint_writer
 
+    megatron_checkpoint_writer.apply()  # the writer's helper process dies with this rank, even SIGKILLed
     finalize_saves(blocking=True)
     params_current(model)  # the optimizer's latest weights, also under overlap_param_gather
     root = Path(directory)

@@ -29,8 +29,9 @@ class ModelConfig:
     tiny: dict = field(default_factory=dict)
     """If set and ``hf_dir`` does not exist yet: build a random model there from these HF config fields."""
     warm_start_steps: int = 0
-    """With ``tiny`` and ``data.task``: this many supervised steps on task examples before RL (the CPU
-    example's brief warm start, so the random model has seen the answer format)."""
+    """With ``tiny`` and ``data.task``: this many supervised steps of 32 task demonstrations before RL (the CPU
+    example's brief warm start, so the random model has seen the answer format; the tool-use example's, so it has
+    seen calculator calls)."""
     warm_start_lr: float = 3e-3
     megatron_checkpoint: str = ""
     """Start from this Megatron dist checkpoint (tools/convert_hf_to_megatron.py) instead of hf_dir's weights."""
@@ -150,6 +151,14 @@ class RolloutConfig:
     """With filter_zero_variance_groups: generation rounds per step at most (the first included)."""
     reuse_rollout_logprobs: bool = False
     """Use SGLang's log-probs as pi_old instead of recomputing them in the trainer (the GSPO paper allows it)."""
+    mode: str = "sync"
+    """sync (sample each batch when its step starts), one_step_off (sample batch k+1 while the trainer updates on
+    batch k; the weight sync waits for it: every sample one version old) or async (up to max_staleness batches
+    sampled ahead; weight syncs pause the servers' requests in flight and continue them on the new weights).
+    Samples from older weights than the trainer's take the engine's log-probs as pi_old."""
+    max_staleness: int = 1
+    """With mode=async: batches sampled ahead, so a sample is at most this many weight versions older than the
+    weights it is trained on (one_step_off is 1 without pausing)."""
     weight_sync: str = "distributed"
     """distributed (broadcast to the servers) or disk (save HF safetensors, server reloads)."""
     weight_sync_address: str | None = None
@@ -248,7 +257,8 @@ class DataConfig:
     prompts: str = ""
     """JSONL of {"prompt": str, "answer": ...} or {"messages": [...], "answer": ...}."""
     task: str = ""
-    """A synthetic task shipped in the repo instead of a file (see gspo_megatron.rollout.tasks)."""
+    """A synthetic task shipped in the repo instead of a file (gspo_megatron.rollout.synthetic: reverse, copy, add,
+    count, mul)."""
     eval_prompts: str = ""
     skip_malformed: bool = False
     """Skip (and count) malformed JSONL lines instead of stopping at the first with its line number."""

@@ -3,8 +3,12 @@
     rollout (G responses per prompt) -> rewards -> old-policy log-probs (or the rollout's) -> [reference
     log-probs] -> group advantages -> minibatch updates -> weight sync -> [eval] -> [checkpoint] -> metrics
 
+The rollouts come from a ``RolloutSource``: sampled when asked (``rollout.mode=sync``) or ahead, while the trainer
+updates (one_step_off, async); the same loop runs all three.
+
 A non-finite loss or gradient skips its update on every rank (``faults``); a SIGTERM/SIGUSR1 on any rank stops every
-rank after the same step, saved (``preemption``).
+rank after the same step, saved (``preemption``); under ``torchrun --max-restarts`` a failed rank's restarted workers
+resume on their own, rank 0's servers kept (``elastic``).
 
 Every rank runs this; global rank 0 also owns the rollout engine (``rollout_phase``); the trainer's passes and
 updates, and their metrics over all ranks, are ``update_phase``.
@@ -19,7 +23,8 @@ import torch.distributed as dist
 
 from gspo_megatron.parallel import groups
 from gspo_megatron.parallel.context import sequence_multiple
-from gspo_megatron.train import checkpoint, preemption, rollout_phase, update_phase
+from gspo_megatron.train import checkpoint, elastic, preemption, rollout_phase, update_phase
+from gspo_megatron.train.rollout_source import RolloutSource
 from gspo_megatron.train.advantages import advantages
 from gspo_megatron.train.config import Config
 from gspo_megatron.train.faults import NonFiniteGuard
@@ -44,13 +49,17 @@ def train(cfg: Config, resume: bool = False) -> dict:
 
     logger = MetricsLogger(cfg.logging.dir, cfg.logging.tensorboard, cfg.logging.wandb_project, enabled=rank0)
     step, version = 0, 0
-    if resume and checkpoint.latest(cfg.checkpoint.dir):
-        state = checkpoint.load(checkpoint.latest(cfg.checkpoint.dir), policy.model, policy.optimizer, policy.scheduler)
+    resume_from = elastic.checkpoint_to_resume(cfg, resume)  # --resume, or a torchrun restart: this run's latest
+    if resume_from:
+        state = checkpoint.load(resume_from, policy.model, policy.optimizer, policy.scheduler)
         step, version = state["step"], state["weight_version"]
         prompts.load_state_dict(state["data_position"])
-        rollout_phase.sync_weights(policy, engine, f"{version}-resumed")
+    if resume_from or elastic.restarted():  # servers kept through a restart serve the failed attempt's weights
+        rollout_phase.sync_weights(policy, engine, elastic.resumed_version(version))
     progress = Progress(cfg.train.steps, start=step, enabled=rank0)
     seq_multiple = sequence_multiple(cfg.parallel.tensor, cfg.parallel.context, cfg.parallel.sequence_parallel)
+    # rollout.mode: sync (sampled when asked), one_step_off / async (sampled ahead while the trainer updates)
+    source = RolloutSource(engine, prompts, cfg, tokenizer, reward_fn, seq_multiple, version)
     metrics: dict = {}
     nonfinite = NonFiniteGuard(cfg.train.max_consecutive_nonfinite, cfg.logging.dir, rank0)
     try:
@@ -58,16 +67,16 @@ def train(cfg: Config, resume: bool = False) -> dict:
             step += 1
             start = time.perf_counter()
             # (with rollout.filter_zero_variance_groups: groups without reward variance dropped, more prompts drawn)
-            rollout = rollout_phase.collect(engine, prompts.next(cfg.rollout.prompts_per_step), cfg, step, tokenizer,
-                                            reward_fn, pad_multiple=seq_multiple, more_prompts=prompts.next)
+            rollout = source.next(step, version)  # staleness: version minus each sample's weight version
             metrics = dict(rollout.metrics)
             batch = rollout.batch
+            batch["stale"] = rollout.versions != version  # sampled by older weights: pi_old is the engine's
             batch["advantages"] = advantages(rollout, cfg)  # a masked reward leaves its group's statistics
             batch["loss_mask"] &= rollout.reward_valid.unsqueeze(1)  # and the loss
 
             rows = update_phase.row_plan(batch["input_ids"].shape[0], cfg)
             # pi_old: recomputed (recording routing for Routing Replay / expert volatility, replaying the engine's
-            # experts under rollout routing replay), or the rollout's
+            # experts under rollout routing replay), or the rollout's (and always the rollout's for stale samples)
             routing = update_phase.old_logprobs(policy, batch, rows, cfg, algo, metrics)
             if reference is not None:
                 update_phase.reference_logprobs(reference, batch, rows, cfg, algo, metrics)
@@ -78,15 +87,15 @@ def train(cfg: Config, resume: bool = False) -> dict:
             nonfinite.check(step, batch, metrics)  # saves a skipped step's batch; N in a row stop the run
 
             version += 1
-            metrics.update(rollout_phase.sync_weights(policy, engine, version))
+            metrics.update(source.sync_weights(policy, version))  # generation ahead: finished first, or paused
             if cfg.train.eval_every and step % cfg.train.eval_every == 0 and eval_prompts:
-                metrics.update(rollout_phase.evaluate(engine, eval_prompts, cfg, step, tokenizer, reward_fn))
+                metrics.update(source.evaluate(eval_prompts, step))
             stop = preemption.stop_agreed()  # SIGTERM/SIGUSR1 on any rank: every rank saves this step and stops
             if cfg.checkpoint.dir and (stop or step == cfg.train.steps
                                        or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0)):
                 t = time.perf_counter()
                 checkpoint.save(cfg.checkpoint.dir, step, policy.model, policy.optimizer, policy.scheduler,
-                                {"weight_version": version, "data_position": prompts.state_dict()},
+                                {"weight_version": version, "data_position": source.position()},
                                 keep=cfg.checkpoint.keep, model_info=policy.write_model_info,
                                 async_save=cfg.checkpoint.async_save)
                 metrics["time/checkpoint"] = time.perf_counter() - t
@@ -106,7 +115,11 @@ def train(cfg: Config, resume: bool = False) -> dict:
             if stop:
                 metrics["preempted_at_step"] = step
                 break
+    except BaseException:
+        elastic.leave_servers(engine)  # torchrun restarts left: the next attempt adopts rank 0's servers
+        raise
     finally:
+        source.close()
         progress.close()
         logger.close()
         if engine is not None:

@@ -1,6 +1,7 @@
 """PNG plots of a run's metrics (and several runs side by side, for tools/compare_runs.py).
 
-Panels: reward (mean, and eval when present), clip fraction (of response tokens and of sequences, log axis: GSPO
+Panels: reward (mean, and eval when present; with rollout.env the fraction of trajectories that got an
+observation, i.e. called a tool), clip fraction (of response tokens and of sequences, log axis: GSPO
 and GRPO differ by orders of magnitude), sequence-ratio range (min/mean/max), KL (old vs new policy per update, and
 policy vs reference when algo.kl_coef > 0), expert volatility (MoE routing decisions one step changed), the
 policy's entropy, and the rollout-vs-trainer log-prob difference.
@@ -14,7 +15,8 @@ from gspo_megatron.train.metrics_log import read_metrics
 
 # (title, [(metric, label)], y scale)
 PANELS = [
-    ("reward", [("reward_mean", "train"), ("eval_reward_mean", "eval")], "linear"),
+    ("reward", [("reward_mean", "train"), ("eval_reward_mean", "eval"),
+                ("observed_frac", "with an observation (tool called)")], "linear"),
     ("clip fraction", [("clip_frac_tokens", "tokens"), ("clip_frac_seqs", "sequences")], "log"),
     ("sequence ratio", [("seq_ratio_min", "min"), ("seq_ratio_mean", "mean"), ("seq_ratio_max", "max")], "linear"),
     ("KL", [("approx_kl", "old || new (per update)"), ("kl_ref", "policy || reference")], "linear"),

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from gspo_megatron.parallel import control
+from gspo_megatron.train import elastic
 from gspo_megatron.train.config import Config, ConfigError
 from gspo_megatron.train.data import Prompt
 
@@ -55,7 +56,9 @@ def _engine(cfg: Config, hf_dir: str | Path, tokenizer):
         **server_args,
     )
     refuse_colocation(config, trainer_gpus=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    return SGLangEngine(config)
+    # under torchrun --max-restarts: servers kept through a restart of the workers (adopted), or launched to be kept
+    servers = None if config.urls else elastic.servers(cfg, config)
+    return SGLangEngine(config, servers=servers)
 
 
 def refuse_colocation(config, trainer_gpus: int) -> None:
@@ -83,6 +86,9 @@ class Rollout:
     batch: dict  # samples_to_batch(...): input_ids, labels, loss_mask, rollout_logprobs [N, S]
     metrics: dict
     segments: list | None = None  # per sample [(end, reward), ...] with algo.token_advantages=segments
+    # [N] int64: the trainer's weight version the engine served when the sample's generation started (its first
+    # tokens'; under rollout.mode=async a sample in flight across a sync has later tokens from newer versions).
+    versions: torch.Tensor | None = None
 
 
 def _sampling(cfg: Config, step: int, eos_ids, sampling_round: int = 0):
@@ -236,56 +242,71 @@ def _rounds(engine, prompts: list[Prompt], cfg: Config, step: int, tokenizer, re
 
 
 def collect(engine, prompts: list[Prompt], cfg: Config, step: int, tokenizer, reward_fn, pad_multiple: int,
-            more_prompts=None) -> Rollout:
+            more_prompts=None, version: int = 0) -> Rollout:
     """Rank 0 generates and scores, everyone receives: a collective (the others wait in the control group).
 
     ``more_prompts(count)``: further prompts for rollout.filter_zero_variance_groups (the prompt stream's
     ``next``); every rank calls it for as many prompts as rank 0 drew, so data positions stay equal."""
-    from gspo_megatron.rollout import samples_to_batch
-
     payload = None
     if dist.get_rank() == 0:
-        picked, rounds, sampling_metrics, extra = _rounds(engine, prompts, cfg, step, tokenizer, reward_fn,
-                                                         more_prompts)
-        # Reward statistics over everything sampled (the policy's, not the filtered batch's).
-        values = torch.cat([d["values"] for d in rounds])
-        valid = torch.cat([d["reward_valid"] for d in rounds])  # truncated responses masked from the loss count here
-        lengths = [len(s.response_ids) for d in rounds for s in d["samples"]]
-        counts = {k: float(sum(d["response_metrics"][k] for d in rounds)) for k in rounds[0]["response_metrics"]}
-        metrics = {
-            "reward_mean": float(values[valid].mean()) if valid.any() else float("nan"),
-            "reward_masked": float((~picked["valid"]).sum()),
-            "reward_timeouts": float(sum(d["reward_timeouts"] for d in rounds)),
-            "reward_crashes": float(sum(d["reward_crashes"] for d in rounds)),
-            **counts,
-            "response_length_mean": sum(lengths) / len(lengths),
-            "truncated_frac": counts["responses_truncated"] / len(lengths),
-            # Groups whose responses all score the same have zero advantage: no learning signal from them.
-            "groups_zero_advantage": float((values.view(-1, cfg.rollout.group_size).std(dim=1) == 0)
-                                           .float().mean()),
-            "time/rollout": sum(d["seconds"] for d in rounds),
-            "example": f"{picked['prompts'][0].text!r} -> {picked['responses'][0]!r}",
-            **sampling_metrics,
-        }
-        if cfg.rollout.env:
-            from gspo_megatron.rollout.multiturn import turn_metrics
+        payload = produce(engine, prompts, cfg, step, tokenizer, reward_fn, more_prompts, version)
+    return deliver(payload, pad_multiple, more_prompts)
 
-            metrics.update(turn_metrics([s for d in rounds for s in d["samples"]]))
-        payload = (picked["samples"], picked["values"], picked["valid"], metrics, picked["segments"], extra)
-    samples, values, valid, metrics, segments, extra = control.broadcast_from_rank0(payload)
+
+def produce(engine, prompts: list[Prompt], cfg: Config, step: int, tokenizer, reward_fn, more_prompts=None,
+            version: int = 0) -> tuple:
+    """Rank 0's side of ``collect``: generate, score, and the payload every rank receives; ``version``: the weights
+    the engine serves as generation starts. No collective: the rollout source (``train/rollout_source.py``) runs it
+    on a background thread, which talks only to the servers (HTTP) and the reward workers."""
+    picked, rounds, sampling_metrics, extra = _rounds(engine, prompts, cfg, step, tokenizer, reward_fn, more_prompts)
+    # Reward statistics over everything sampled (the policy's, not the filtered batch's).
+    values = torch.cat([d["values"] for d in rounds])
+    valid = torch.cat([d["reward_valid"] for d in rounds])  # truncated responses masked from the loss count here
+    lengths = [len(s.response_ids) for d in rounds for s in d["samples"]]
+    counts = {k: float(sum(d["response_metrics"][k] for d in rounds)) for k in rounds[0]["response_metrics"]}
+    metrics = {
+        "reward_mean": float(values[valid].mean()) if valid.any() else float("nan"),
+        "reward_masked": float((~picked["valid"]).sum()),
+        "reward_timeouts": float(sum(d["reward_timeouts"] for d in rounds)),
+        "reward_crashes": float(sum(d["reward_crashes"] for d in rounds)),
+        **counts,
+        "response_length_mean": sum(lengths) / len(lengths),
+        "truncated_frac": counts["responses_truncated"] / len(lengths),
+        # Groups whose responses all score the same have zero advantage: no learning signal from them.
+        "groups_zero_advantage": float((values.view(-1, cfg.rollout.group_size).std(dim=1) == 0)
+                                       .float().mean()),
+        "time/rollout": sum(d["seconds"] for d in rounds),
+        "example": f"{picked['prompts'][0].text!r} -> {picked['responses'][0]!r}",
+        **sampling_metrics,
+    }
+    if cfg.rollout.env:
+        from gspo_megatron.rollout.multiturn import turn_metrics
+
+        metrics.update(turn_metrics([s for d in rounds for s in d["samples"]]))
+    return picked["samples"], picked["values"], picked["valid"], metrics, picked["segments"], extra, version
+
+
+def deliver(payload: tuple | None, pad_multiple: int, more_prompts=None) -> Rollout:
+    """Rank 0's ``produce`` payload to every rank (collective, in the control group), as the step's Rollout."""
+    from gspo_megatron.rollout import samples_to_batch
+
+    samples, values, valid, metrics, segments, extra, version = control.broadcast_from_rank0(payload)
     if dist.get_rank() != 0 and extra:
         more_prompts(extra)  # rank 0 drew these: keep every rank's data position the same
     batch = samples_to_batch(samples, pad_id=0, pad_to_multiple=pad_multiple)
-    return Rollout(samples, values, valid, batch, metrics, segments)
+    return Rollout(samples, values, valid, batch, metrics, segments, torch.full((len(samples),), version))
 
 
 def evaluate(engine, prompts: list[Prompt], cfg: Config, step: int, tokenizer, reward_fn) -> dict:
     """Mean reward of one response per held-out prompt (rank 0; others get the numbers by broadcast)."""
-    payload = None
-    if dist.get_rank() == 0:
-        _, rewards, seconds, _ = _generate_and_score(engine, prompts, cfg, -step, tokenizer, reward_fn, 1)
-        payload = {"eval_reward_mean": float(rewards.values[rewards.valid].mean()), "time/eval": seconds}
+    payload = eval_metrics(engine, prompts, cfg, step, tokenizer, reward_fn) if dist.get_rank() == 0 else None
     return control.broadcast_from_rank0(payload)
+
+
+def eval_metrics(engine, prompts: list[Prompt], cfg: Config, step: int, tokenizer, reward_fn) -> dict:
+    """Rank 0's side of ``evaluate`` (no collective)."""
+    _, rewards, seconds, _ = _generate_and_score(engine, prompts, cfg, -step, tokenizer, reward_fn, 1)
+    return {"eval_reward_mean": float(rewards.values[rewards.valid].mean()), "time/eval": seconds}
 
 
 def pipeline_gathered(bridge, model):

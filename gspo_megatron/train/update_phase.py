@@ -135,7 +135,8 @@ def old_logprobs(policy, batch: dict, rows: list[torch.Tensor], cfg: Config, alg
     """pi_old into ``batch["old_logprobs"]``: the trainer's pass over this rank's rows, or the engine's log-probs
     with rollout.reuse_rollout_logprobs (no pass). The pass also gives the policy's entropy and the
     rollout-vs-trainer mismatch over the whole batch (under rollout routing replay, with the engine's experts
-    replayed). Returns this rank's recorded routing when Routing Replay (all its rows, in the order of ``rows``) or
+    replayed). Rows of ``batch["stale"]`` (sampled by older weights than the policy's, ``rollout.mode`` one_step_off
+    or async) always take the engine's log-probs: their behaviour policy is not these weights. Returns this rank's recorded routing when Routing Replay (all its rows, in the order of ``rows``) or
     expert volatility (the second minibatch's rows) needs it, else None."""
     if not runs_old_pass(cfg):
         batch["old_logprobs"] = batch["rollout_logprobs"]  # the mismatch is measured by the first update instead
@@ -152,6 +153,9 @@ def old_logprobs(policy, batch: dict, rows: list[torch.Tensor], cfg: Config, alg
     metrics["entropy"] = float(all_rows(trainer["entropy"], total, cfg)[mask].mean()) if mask.any() else 0.0
     metrics.update(algo.mismatch_metrics(algo.sequence_stats(trainer_logprobs, batch["rollout_logprobs"], mask)))
     batch["old_logprobs"] = batch["rollout_logprobs"] if cfg.rollout.reuse_rollout_logprobs else trainer_logprobs
+    stale = batch.get("stale")
+    if stale is not None and stale.any():
+        batch["old_logprobs"] = torch.where(stale.unsqueeze(1), batch["rollout_logprobs"], batch["old_logprobs"])
     if record and not cfg.algo.replays_old_routing:  # volatility compares the second minibatch's rows only
         first = rows[0].numel()
         return trainer["routing"][first:first + rows[1].numel()].clone()

@@ -146,6 +146,34 @@ def validate_env(cfg: Config) -> None:
         _positive(getattr(r, name), f"rollout.{name}")
 
 
+def validate_rollout_mode(cfg: Config) -> None:
+    """Rollouts overlapped with training (``train/rollout_source.py``)."""
+    from gspo_megatron.train.rollout_source import MODES
+
+    r = cfg.rollout
+    _one_of(r.mode, MODES, "rollout.mode")
+    if r.mode == "sync":
+        return
+    if r.mode == "async":
+        if r.max_staleness < 1:
+            raise ConfigError(f"rollout.max_staleness={r.max_staleness} must be >= 1 with rollout.mode=async "
+                              "(0 is rollout.mode=sync)")
+        if r.engine != "sglang":
+            raise ConfigError(f"rollout.mode=async needs rollout.engine=sglang (its weight syncs pause the servers' "
+                              f"requests in flight); rollout.engine={r.engine!r} cannot pause: use "
+                              "rollout.mode=one_step_off")
+    if cfg.algo.replays_old_routing:
+        raise ConfigError(f"algo.routing_replay=true with rollout.mode={r.mode}: GRPO + Routing Replay replays the "
+                          "experts of a recomputed old-policy pass, but a sample from older weights has no such "
+                          "pass (the trainer holds newer weights and the engine's log-probs come without the old "
+                          "policy's experts); set algo.routing_replay=rollout (the engine's experts) or "
+                          "rollout.mode=sync")
+    if r.filter_zero_variance_groups:
+        raise ConfigError(f"rollout.filter_zero_variance_groups=true with rollout.mode={r.mode}: the extra prompts "
+                          "of dynamic sampling are drawn mid-rollout, which a batch sampled ahead cannot do yet; "
+                          "set rollout.mode=sync or rollout.filter_zero_variance_groups=false")
+
+
 def validate(cfg: Config, world_size: int, hf: dict | None = None) -> None:
     a, r, o = cfg.algo, cfg.rollout, cfg.optimizer
     _one_of(a.name, ALGORITHMS, "algo.name")
@@ -170,6 +198,7 @@ def validate(cfg: Config, world_size: int, hf: dict | None = None) -> None:
             raise ConfigError("algo.token_advantages='segments' needs data.segment_reward (synthetic, or "
                               "module:function returning [(end, reward), ...] per response)")
     validate_env(cfg)
+    validate_rollout_mode(cfg)
     if a.routing_replay not in (False, True, "rollout"):
         raise ConfigError(f"algo.routing_replay={a.routing_replay!r} is not one of false, true (or old: replay the "
                           "old policy's experts), rollout (replay the experts the rollout engine routed to)")

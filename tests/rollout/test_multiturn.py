@@ -89,7 +89,7 @@ def check_token_exact(engine, model, tokenizer, tolerance: float, concurrency: i
           f"{metrics['mismatch/token_max_abs']:.2e}")
     assert turn_metrics(samples) == {"turns_mean": 3.0, "turns_max": 3.0,
                                      "observation_tokens_mean": float(len(samples[0].response_ids) - 12),
-                                     "env_done_frac": 1.0}
+                                     "observed_frac": 1.0, "env_done_frac": 1.0}
     return samples
 
 
@@ -173,3 +173,28 @@ def test_calculator():
     final = env.step("the answer is 14", [])
     assert final.done and final.reward == 1.0
     assert env.step("the answer is 15", []).reward == 0.0
+
+
+
+def test_mul_demonstrations_are_calculator_transcripts():
+    """The mul task's warm-start demonstrations replayed against CalculatorEnv: turns trained, observations not,
+    each observation what the calculator answers to the turn before it, the last turn done. The deliberate mistakes
+    (tool skipped, one digit of the result miscopied) come at the rates synthetic names, within 0.04 of 2000."""
+    skipped = miscopied = 0
+    for p in synthetic.make_problems("mul", 2000, seed=3):
+        a, b = map(int, p.prompt.removesuffix("=").split("*"))
+        assert p.answer == str(a * b) and 100 <= a <= 999 and 10 <= b <= 99
+        transcript = synthetic.demonstration(p)
+        assert transcript[0] == (p.prompt, False)
+        turns, observations = transcript[1::2], transcript[2::2]
+        assert all(trained and text.endswith(synthetic.EOS) for text, trained in turns)
+        assert not any(trained for _, trained in observations) and len(turns) in (1, 2)
+        env = CalculatorEnv()
+        env.reset(Record([1], label=p.answer))
+        steps = [env.step(text.removesuffix(synthetic.EOS), []) for text, _ in turns]
+        assert [s.observation for s in steps[:-1]] == [text for text, _ in observations]
+        assert [s.done for s in steps] == [False] * len(observations) + [True]
+        skipped += len(turns) == 1
+        miscopied += len(turns) == 2 and steps[-1].reward == 0.0
+    assert abs(skipped / 2000 - synthetic.MUL_SKIP_TOOL) < 0.04
+    assert abs(miscopied / (2000 - skipped) - synthetic.MUL_MISCOPY) < 0.04

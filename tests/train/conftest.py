@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 import torch
 
@@ -19,3 +21,17 @@ def moe_then_dense_dir(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("moe_then_dense")
     Qwen3MoeForCausalLM(config).to(torch.float32).save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def uninterrupted_two_ranks(tmp_path_factory):
+    """(run, model): ``torchrun_runs.two_ranks`` with the local engine and a checkpoint every 2 steps, run once
+    without interruption: the reference of the tests that stop, restart and resume it."""
+    from tests.train.torchrun_runs import ROOT, env, two_ranks
+
+    root = tmp_path_factory.mktemp("uninterrupted_two_ranks")
+    run, model = root / "run", root / "model"
+    out = subprocess.run(two_ranks(run, model, "rollout.engine=local", "checkpoint.every=2"), cwd=ROOT, env=env(),
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return run, model

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -114,3 +115,34 @@ def test_gspo_token_with_segment_rewards_on_the_rollout_logprobs_and_grpo_with_r
     for r in _records(replay):
         assert r["time/old_logprobs"] > 0 and "expert_volatility" not in r, sorted(r)  # replay pins the routing
         assert r["clip_frac"] == r["clip_frac_tokens"] and r["logprob_diff_max"] < 1e-4
+
+
+def test_one_step_off_through_the_loop(tmp_path):
+    """rollout.mode=one_step_off in the real loop (local engine): step 1 trains on version 0's samples, every later
+    step on samples one version old, sampled while the previous step updated; eval, checkpoints and resume work."""
+    run = tmp_path / "run"
+    _train(run, 3, "rollout.mode=one_step_off", "checkpoint.every=0")
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert [(r["staleness_mean"], r["staleness_max"]) for r in records] == [(0, 0), (1, 1), (1, 1)], records
+    assert [(r["weight_version_min"], r["weight_version_max"]) for r in records] == [(0, 0), (0, 0), (1, 1)]
+    # Step 1's samples are the trainer's weights' (recomputed pi_old agrees with the engine to rounding).
+    assert records[0]["logprob_diff_max"] < 1e-4
+    assert "eval_reward_mean" in records[1] and all(r["time/rollout_wait"] >= 0 for r in records)
+    assert (run / "ck" / "latest").read_text() == "step_000003"
+    # Resumed, the batch sampled ahead is gone: step 4 samples afresh under the resumed weights (version 3).
+    _train(run, 4, "rollout.mode=one_step_off", "checkpoint.every=0", "--resume")
+    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["step"] == 4 and last["staleness_max"] == 0 and last["weight_version_min"] == 3, last
+
+    # The same on two data-parallel ranks (torchrun): rank 0's background thread talks to the engine only, the
+    # batch's broadcast and the weight sync stay in order on both ranks; same versions, same first rollout.
+    two = tmp_path / "two"
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"
+    command = _command(two, 3, "rollout.mode=one_step_off", "checkpoint.every=0")
+    out = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", *command[1:]], capture_output=True,
+                         text=True, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    pair = [json.loads(line) for line in (two / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["staleness_max"], r["weight_version_min"]) for r in pair] == [(0, 0), (1, 0), (1, 1)], pair
+    assert pair[0]["reward_mean"] == records[0]["reward_mean"]  # version 0's samples: the same engine, weights, seed

@@ -73,3 +73,25 @@ def test_loop_runs_multiturn_rollouts(tmp_path):
         assert r["turns_mean"] == 2.0 and r["turns_max"] == 2.0 and r["env_done_frac"] == 1.0
         assert r["observation_tokens_mean"] > 0 and r["reward_mean"] == 1.5  # 0.5 + 1.0
         assert r["logprob_diff_max"] < 1e-4  # the trainer's log-probs of the model's tokens equal the engine's
+
+
+def test_warm_start_trains_the_model_turns_only():
+    """demonstration_batch: labels are the ids on the model's turns (EOS included) and -100 on the prompt, the
+    calculator's observations and the padding; a single-turn task's rows are prompt + answer + EOS as before."""
+    from gspo_megatron.rollout.synthetic import EOS, Problem, char_tokenizer, make_problems
+    from gspo_megatron.train.bootstrap import demonstration_batch
+
+    tokenizer = char_tokenizer(128)
+    call = Problem("12*34=", "408", (("<calc>12*34</calc>" + EOS, True), ("<result>408</result>", False),
+                                     ("408" + EOS, True)))
+    ids, labels = demonstration_batch([call, Problem("rev ab=", "ba")], tokenizer)
+    text = "12*34=<calc>12*34</calc><|endoftext|><result>408</result>408<|endoftext|>"
+    assert tokenizer.decode(ids[0]) == text and ids.shape == (2, len("12*34=<calc>12*34</calc>") + 1 + 20 + 4)
+    trained = [t for t, label in zip(ids[0].tolist(), labels[0].tolist()) if label != -100]
+    assert tokenizer.decode(trained) == "<calc>12*34</calc><|endoftext|>408<|endoftext|>"
+    assert (labels[0] == -100).sum() == len("12*34=") + len("<result>408</result>")
+    assert tokenizer.decode(ids[1][:len("rev ab=ba") + 1]) == "rev ab=ba<|endoftext|>"
+    assert labels[1].tolist() == [-100] * 7 + [ids[1][7].item(), ids[1][8].item(), 0] + [-100] * (ids.shape[1] - 10)
+    problems = make_problems("mul", 64, seed=0)
+    ids, labels = demonstration_batch(problems, tokenizer)
+    assert ids.shape[0] == 64 and ((labels == -100) | (labels == ids)).all()

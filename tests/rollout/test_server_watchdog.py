@@ -1,0 +1,83 @@
+"""Kept servers (``ServerProcess(keep=True)``) and their watchdog, with stand-in processes instead of SGLang: a kept
+process outlives its launcher and is adopted by a later one by pid and start time; the watchdog stops the
+recorded servers (their whole process group) once the agent is gone, and leaves on its own when they are gone.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+from gspo_megatron.rollout import server_watchdog
+from gspo_megatron.rollout.server import ServerProcess
+
+SLEEPER = [sys.executable, "-c", "import subprocess, sys, time; "
+           "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); time.sleep(600)"]
+
+
+def _wait(condition, seconds: float = 30.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.1)
+    return condition()
+
+
+def _kept(tmp_path: Path, i: int) -> ServerProcess:
+    return ServerProcess(SLEEPER, {}, f"http://127.0.0.1:{9000 + i}", tmp_path / f"s{i}.log", f"stand-in {i}",
+                         keep=True)
+
+
+def test_the_watchdog_stops_kept_servers_when_the_agent_is_gone(tmp_path):
+    agent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    servers = [_kept(tmp_path, i) for i in range(2)]
+    record = tmp_path / "run.json"
+    record.write_text(json.dumps({"servers": [s.record() for s in servers]}))
+    assert _wait(lambda: all(psutil.Process(s.process.pid).children() for s in servers))
+    groups = [[s.process.pid] + [c.pid for c in psutil.Process(s.process.pid).children()] for s in servers]
+    watchdog = server_watchdog.start(agent.pid, record, tmp_path / "watchdog.log")
+    try:
+        # Another process adopts them from the record: the same pids, alive; a reused pid would not match.
+        adopted = [ServerProcess.adopt(r) for r in json.loads(record.read_text())["servers"]]
+        assert [a.process.pid for a in adopted] == [s.process.pid for s in servers] and all(a.alive() for a in adopted)
+        assert ServerProcess.adopt(dict(servers[0].record(), started=1.0)) is None
+        time.sleep(1.5)
+        assert watchdog.poll() is None and all(s.alive() for s in servers)  # the agent runs: nothing stopped
+
+        agent.kill()
+        agent.wait()
+        assert watchdog.wait(timeout=30) == 0
+        assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+                       for group in groups for pid in group), "a server or its child survived"
+        assert "agent" in (tmp_path / "watchdog.log").read_text()
+    finally:
+        for s in servers:
+            s.shutdown(grace_s=1)
+        if watchdog.poll() is None:
+            watchdog.kill()
+        agent.kill()
+
+
+def test_the_watchdog_leaves_when_its_servers_are_gone(tmp_path):
+    agent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    server = _kept(tmp_path, 0)
+    record = tmp_path / "run.json"
+    record.write_text(json.dumps({"servers": [server.record()]}))
+    watchdog = server_watchdog.start(agent.pid, record, tmp_path / "watchdog.log")
+    try:
+        time.sleep(1.5)
+        ServerProcess.adopt(server.record()).shutdown(grace_s=5)  # stopped by a process that did not start it
+        assert not server.alive()
+        assert watchdog.wait(timeout=30) == 0
+        assert agent.poll() is None  # the agent is untouched
+    finally:
+        server.shutdown(grace_s=1)
+        if watchdog.poll() is None:
+            watchdog.kill()
+        agent.kill()
