@@ -124,6 +124,9 @@ def save_weights(model, directory: str | Path) -> None:
     """torch_dist save of this rank's shards (collective: every rank of the model calls it)."""
     from megatron.core import dist_checkpointing
 
+    from patches import megatron_checkpoint_writer
+
+    megatron_checkpoint_writer.apply()  # the writer's helper process dies with this rank, even SIGKILLed
     dist_checkpointing.save(tensors_state_dict(model), str(directory))
 
 

@@ -23,7 +23,7 @@ miss on CPU).
 from .batch import samples_to_batch
 from .config import SGLangConfig, WeightSyncConfig
 from .errors import (BadResponse, RequestFailed, RewardError, RolloutError, ServerDied, ServerStartError,
-                     ServerUnresponsive, WeightSyncError)
+                     ServerUnresponsive, StaleWeights, TooManyRestarts, WeightSyncError)
 from .local_engine import LocalEngine
 from .mismatch import logprob_mismatch
 from .rewards import Rewards, load_reward_fn, score
@@ -33,6 +33,6 @@ from .types import Group, RolloutEngine, Sample, SamplingParams, SyncStats, flat
 __all__ = [
     "BadResponse", "Group", "LocalEngine", "RequestFailed", "RewardError", "Rewards", "RolloutEngine",
     "RolloutError", "SGLangConfig", "SGLangEngine", "Sample", "SamplingParams", "ServerDied", "ServerStartError",
-    "ServerUnresponsive", "SyncStats", "WeightSyncConfig", "WeightSyncError", "flatten", "load_reward_fn",
-    "logprob_mismatch", "samples_to_batch", "score",
+    "ServerUnresponsive", "StaleWeights", "SyncStats", "TooManyRestarts", "WeightSyncConfig", "WeightSyncError",
+    "flatten", "load_reward_fn", "logprob_mismatch", "samples_to_batch", "score",
 ]

@@ -88,8 +88,8 @@ class HttpClient:
                 last = e.__cause__ or e
         if last is not None and _is_refused(last):
             raise ServerDied(f"{where}: the server refuses connections ({last}) after {retry.max_retries} retries: "
-                             "is it running?") from last
-        raise RequestFailed(f"{where} failed after {retry.max_retries} retries: {last}") from last
+                             "is it running?", url=self.url) from last
+        raise RequestFailed(f"{where} failed after {retry.max_retries} retries: {last}", url=self.url) from last
 
     def _once(self, method: str, path: str, body: dict | None, timeout: float) -> Any:
         data = None if body is None else json.dumps(body).encode()
@@ -106,7 +106,8 @@ class HttpClient:
             raise RequestFailed(f"{where}: HTTP {e.code}: {detail}") from None
         except (urllib.error.URLError, OSError) as e:
             if _is_timeout(e):
-                raise ServerUnresponsive(f"{where}: no answer within {timeout:.0f} s (server hung or overloaded)") from e
+                raise ServerUnresponsive(f"{where}: no answer within {timeout:.0f} s (server hung or overloaded)",
+                                         url=self.url) from e
             if _is_refused(e) or isinstance(e, (urllib.error.URLError, ConnectionError)):
                 raise Transient() from e
             raise

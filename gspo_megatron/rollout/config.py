@@ -95,6 +95,14 @@ class SGLangConfig:
     health_interval_s: float = 10.0  # liveness probe (GET /health) of each server during a rollout
     health_timeout_s: float = 10.0  # generous: a CPU server sharing cores with the trainer answers late
     health_failures: int = 3  # consecutive failed probes that make a server "unresponsive"
+    # Fault tolerance. A launched server that dies or stops answering (generation, weight sync, eval) is
+    # restarted with the same arguments on the same port, brought to the current weights, and the requests that
+    # were in flight are sent again; more than max_server_restarts restarts of one server within restart_window_s
+    # fail with TooManyRestarts (0: no restart, the failure is raised as it is). An attached server (urls) that
+    # refuses connections or stops answering is waited for, with backoff, up to attached_wait_s.
+    max_server_restarts: int = 3
+    restart_window_s: float = 3600.0
+    attached_wait_s: float = 120.0
     concurrency: int = 8  # generate requests in flight (over all servers)
     prompts_per_request: int = 8
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
@@ -122,10 +130,14 @@ class SGLangConfig:
             raise ValueError(f"sglang.cpu_threads={self.cpu_threads} must be >= 1 (or None)")
         if self.first_gpu < 0:
             raise ValueError(f"sglang.first_gpu={self.first_gpu} must be >= 0")
+        if self.max_server_restarts < 0:
+            raise ValueError(f"sglang.max_server_restarts={self.max_server_restarts} must be >= 0")
+        if self.attached_wait_s < 0:
+            raise ValueError(f"sglang.attached_wait_s={self.attached_wait_s} must be >= 0")
         if self.max_retries < 0:
             raise ValueError(f"sglang.max_retries={self.max_retries} must be >= 0")
         for name in ("startup_timeout_s", "request_timeout_s", "rollout_timeout_s", "health_interval_s",
-                     "health_timeout_s", "backoff_s", "backoff_max_s"):
+                     "health_timeout_s", "backoff_s", "backoff_max_s", "restart_window_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"sglang.{name}={getattr(self, name)} must be > 0")
         if self.host not in ("127.0.0.1", "localhost", "::1") and not self.urls:

@@ -3,7 +3,12 @@ request or sample concerned; none of these is ever turned into a partial batch."
 
 
 class RolloutError(RuntimeError):
-    """A rollout could not be completed."""
+    """A rollout could not be completed. ``url``: the server concerned, where one is (the engine restarts or
+    waits for that one)."""
+
+    def __init__(self, message: str = "", url: str | None = None):
+        super().__init__(message)
+        self.url = url
 
 
 class ServerStartError(RolloutError):
@@ -12,6 +17,11 @@ class ServerStartError(RolloutError):
 
 class ServerDied(RolloutError):
     """An SGLang server process exited, or stopped accepting connections, while it was needed."""
+
+
+class TooManyRestarts(ServerDied):
+    """A launched server failed again after ``max_server_restarts`` restarts within ``restart_window_s``, or an
+    attached server did not come back within ``attached_wait_s``."""
 
 
 class ServerUnresponsive(RolloutError):
@@ -28,6 +38,11 @@ class BadResponse(RolloutError):
 
 class WeightSyncError(RolloutError):
     """A weight update failed or the server does not report the new weight version afterwards."""
+
+
+class StaleWeights(WeightSyncError):
+    """A restarted server serves its launch weights, and the current ones came by distributed sync: only the
+    trainer can send them again (``train/rollout_phase.collect`` does, then generates again)."""
 
 
 class RewardError(RuntimeError):

@@ -98,6 +98,7 @@ class ServerProcess:
 
     def __init__(self, cmd: list[str], env: dict[str, str], url: str, log_path: Path, name: str, keep: bool = False):
         self.url, self.log_path, self.name, self.keep = url, log_path, name, keep
+        self.cmd, self.env = list(cmd), dict(env)
         self._log_file = open(log_path, "ab")
         self.process = subprocess.Popen(cmd, env=env, stdout=self._log_file, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, start_new_session=True,
@@ -111,7 +112,7 @@ class ServerProcess:
         """What ``adopt`` needs, JSON-serialisable (the start time tells this process from a later one that got
         its pid)."""
         return {"name": self.name, "url": self.url, "pid": self.process.pid, "log": str(self.log_path),
-                "started": server_watchdog.start_time(self.process.pid)}
+                "started": server_watchdog.start_time(self.process.pid), "cmd": self.cmd, "env": self.env}
 
     @classmethod
     def adopt(cls, record: dict) -> "ServerProcess | None":
@@ -121,6 +122,7 @@ class ServerProcess:
             return None
         server = cls.__new__(cls)
         server.url, server.log_path, server.name, server.keep = record["url"], Path(record["log"]), record["name"], True
+        server.cmd, server.env = list(record["cmd"]), dict(record["env"])  # to relaunch it if it dies
         server._log_file, server.process = None, process
         log.info("%s: adopted pid %d at %s", server.name, process.pid, server.url)
         return server
@@ -129,6 +131,13 @@ class ServerProcess:
         """Leave a kept server running for a successor to adopt (``shutdown`` stops it)."""
         if self._log_file is not None:
             self._log_file.close()
+
+    def relaunch(self) -> "ServerProcess":
+        """Stop this process (if it still runs) and start the same command again: same port, same log (appended),
+        kept as this one was. Call from the thread that owns the servers (PR_SET_PDEATHSIG); wait with
+        ``wait_ready``."""
+        self.shutdown(grace_s=5.0)
+        return ServerProcess(self.cmd, self.env, self.url, self.log_path, self.name, keep=self.keep)
 
     def alive(self) -> bool:
         return self.process.poll() is None

@@ -11,6 +11,15 @@ engine watches its own server processes (a dead one fails the rollout at once, w
 every server's /health (a hung one fails it after ``health_failures`` missed probes); a request that takes longer
 than ``request_timeout_s`` or a rollout longer than ``rollout_timeout_s`` fails too. A failure aborts the other
 requests on the servers still alive and raises: there is never a partial batch.
+
+Fault tolerance: a launched server found dead (before a call or during one) or hung (missed probes, a request past
+its timeout) is restarted with the same command on the same port and brought back to the current weights: the
+launch weights, or the last disk sync's snapshot (still on disk); after a distributed sync only the trainer can
+send them again, so the restarted server is marked stale and ``generate`` refuses until the next sync. The requests
+without an answer yet are then sent again (same prompts, same sampling parameters). At most
+``max_server_restarts`` restarts of one server per ``restart_window_s``, then ``TooManyRestarts``. An attached
+server is waited for up to ``attached_wait_s`` and must come back at the current weight version.
+``fault_metrics()`` counts restarts and the seconds lost to them.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ import logging
 import tempfile
 import threading
 import time
+from collections import deque
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Sequence
@@ -30,7 +40,7 @@ from . import weight_sync
 from .client import HttpClient, RetryPolicy
 from .config import SGLangConfig
 from .errors import (BadResponse, RequestFailed, RolloutError, ServerDied, ServerStartError, ServerUnresponsive,
-                     WeightSyncError)
+                     StaleWeights, TooManyRestarts, WeightSyncError)
 from .server import ServerProcess, launch_router, launch_servers, wait_all_ready
 from .types import Group, NamedTensors, Sample, SamplingParams, SyncStats, check_prompts
 
@@ -78,6 +88,11 @@ class SGLangEngine:
             raise
         self.model_path = config.model_path or info[0]["model_path"]
         self._version = self._agreed_version(info)
+        self._restore: tuple[str, str] | None = None  # (method, version) of the last sync; None: launch weights
+        self._stale: set[str] = set()  # restarted workers without the current weights (after a distributed sync)
+        self._restarts: dict[str, deque] = {}  # server name -> times of its restarts within restart_window_s
+        self._epoch = 0  # restarts so far: a weight-sync group formed before one has lost a member
+        self.restarts_total, self.seconds_lost = 0, 0.0
         self._routed_shape = routed_experts_shape(self.model_path) if config.return_routed_experts else None
 
     def _wait_healthy(self, url: str) -> None:
@@ -127,31 +142,42 @@ class SGLangEngine:
     # ---- generation -----------------------------------------------------------------------------------------
 
     def generate(self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingParams) -> list[Group]:
-        """n samples for every prompt: one Group per prompt, in order, each with its n Samples (prompt-major)."""
+        """n samples for every prompt: one Group per prompt, in order, each with its n Samples (prompt-major).
+        A server that fails meanwhile is restarted (or, attached, waited for) and the unanswered requests resent."""
         prompts = check_prompts(prompts, n)
+        self.ensure_servers()
         k = self.config.prompts_per_request
         chunks = [(start, prompts[start:start + k]) for start in range(0, len(prompts), k)]
         results: dict[int, list[Sample]] = {}
+        deadline = time.monotonic() + self.config.rollout_timeout_s
+        while len(results) < len(chunks):
+            self._check_current()
+            attempt = time.monotonic()
+            try:
+                self._generate_chunks([c for c in chunks if c[0] not in results], n, sampling, results, deadline)
+            except RolloutError as e:
+                self._recover(e, attempt)  # re-raises what no restart or wait can mend
+        samples = [s for start in sorted(results) for s in results[start]]
+        return [Group(i, p, samples[i * n:(i + 1) * n]) for i, p in enumerate(prompts)]
+
+    def _generate_chunks(self, chunks: list, n: int, sampling: SamplingParams, results: dict, deadline: float):
         pool = ThreadPoolExecutor(max_workers=min(self.config.concurrency, len(chunks)), thread_name_prefix="rollout")
         cancelled = threading.Event()  # set on failure: requests still in flight stop retrying
         try:
             futures = {pool.submit(self._generate_chunk, self.generate_urls[i % len(self.generate_urls)], start,
                                    chunk, n, sampling, cancelled): start
                        for i, (start, chunk) in enumerate(chunks)}
-            self._watch(futures, results)
+            self._watch(futures, results, deadline)
         except BaseException:
             cancelled.set()
             self._abort_all()
             raise
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
-        samples = [s for start in sorted(results) for s in results[start]]
-        return [Group(i, p, samples[i * n:(i + 1) * n]) for i, p in enumerate(prompts)]
 
-    def _watch(self, futures: dict, results: dict) -> None:
+    def _watch(self, futures: dict, results: dict, deadline: float) -> None:
         """Wait for every request while checking the servers; raise on the first failure of any kind."""
         cfg = self.config
-        deadline = time.monotonic() + cfg.rollout_timeout_s
         next_probe = time.monotonic() + cfg.health_interval_s
         missed = {u: 0 for u in self.generate_urls + self.worker_urls}
         pending = set(futures)
@@ -171,7 +197,7 @@ class SGLangEngine:
     def _check_alive(self) -> None:
         for server in self._servers + ([self._router] if self._router else []):
             if not server.alive():
-                raise ServerDied(f"rollout failed: {server.describe_exit()}")
+                raise ServerDied(f"rollout failed: {server.describe_exit()}", url=server.url)
 
     def _probe(self, missed: dict[str, int]) -> None:
         for url in missed:
@@ -184,7 +210,7 @@ class SGLangEngine:
                 if missed[url] >= self.config.health_failures:
                     raise ServerUnresponsive(
                         f"{url} missed {missed[url]} health probes in a row ({self.config.health_timeout_s:.0f} s "
-                        f"each) during a rollout: hung or overloaded. Last error: {e}") from e
+                        f"each) during a rollout: hung or overloaded. Last error: {e}", url=url) from e
 
     def _abort_all(self) -> None:
         """Best effort: stop what the servers still generate for requests nobody will read."""
@@ -215,6 +241,133 @@ class SGLangEngine:
         for url in self.worker_urls:
             self._clients[url].post("/continue_generation", {}, timeout=self.config.health_timeout_s * 4)
 
+    # ---- fault tolerance ------------------------------------------------------------------------------------
+
+    def fault_metrics(self) -> dict[str, float]:
+        """Since this engine started: server restarts, and seconds lost to failures (the failed attempt's work,
+        the restart, bringing the weights back, waiting for an attached server)."""
+        return {"rollout/server_restarts": float(self.restarts_total), "rollout/seconds_lost": self.seconds_lost}
+
+    def restarts_in_window(self, name: str) -> int:
+        """Restarts of the server called ``name`` within the last ``restart_window_s``."""
+        times = self._restarts.get(name, deque())
+        while times and time.monotonic() - times[0] > self.config.restart_window_s:
+            times.popleft()
+        return len(times)
+
+    def ensure_servers(self) -> None:
+        """Restart every launched server that exited since the last call (counted against the bound)."""
+        start = time.monotonic()
+        dead = [p for p in self._processes() if not p.alive()]
+        for process in dead:
+            self._restart(process, ServerDied(f"found dead: {process.describe_exit()}", url=process.url))
+        if dead:
+            self.seconds_lost += time.monotonic() - start
+
+    def _processes(self) -> list[ServerProcess]:
+        return self._servers + ([self._router] if self._router else [])
+
+    def _recover(self, error: RolloutError, since: float) -> None:
+        """After ``error`` in an attempt begun at ``since``: restart the launched servers that died or hung, or
+        wait for the attached one; re-raise ``error`` when neither applies."""
+        if self.config.urls:
+            self._wait_attached(error)
+        else:
+            processes = self._processes()
+            failed = [p for p in processes if not p.alive()]
+            if not failed and isinstance(error, ServerUnresponsive) and error.url:
+                failed = [p for p in processes if p.url == error.url]  # alive but hung: restarted too
+            if not failed:
+                raise error
+            for process in failed:
+                self._restart(process, error)
+        self.seconds_lost += time.monotonic() - since
+
+    def _restart(self, process: ServerProcess, error: RolloutError) -> None:
+        cfg = self.config
+        if cfg.max_server_restarts == 0:
+            raise error
+        done = self.restarts_in_window(process.name)
+        if done >= cfg.max_server_restarts:
+            raise TooManyRestarts(
+                f"{process.name} at {process.url} failed again after {done} restarts within {cfg.restart_window_s:.0f} "
+                f"s (max_server_restarts={cfg.max_server_restarts}, rollout.max_server_restarts in a training config)"
+                f": {error}", url=process.url) from error
+        self._restarts.setdefault(process.name, deque()).append(time.monotonic())
+        log.warning("%s: restarting it (restart %d of at most %d per %.0f s) after: %s", process.name, done + 1,
+                    cfg.max_server_restarts, cfg.restart_window_s, error)
+        new = process.relaunch()
+        if process is self._router:
+            self._router = new
+        else:
+            self._servers[self._servers.index(process)] = new
+        new.wait_ready(cfg.startup_timeout_s)  # ServerStartError (with its log tail) if it does not come back
+        self.restarts_total += 1
+        self._epoch += 1  # weight-sync groups formed with the old process are gone
+        self._target = None
+        if self._sender is not None:
+            try:
+                self._sender.close()
+            except Exception as e:  # a group with a dead member: drop it
+                log.warning("closing the weight-sync group after a restart: %s", e)
+            self._sender = None
+        if process is not self._router:
+            self._restore_weights(new.url)
+
+    def _restore_weights(self, url: str) -> None:
+        """Bring a restarted worker (serving the launch weights) to the current version where this engine can."""
+        if self._restore is None:
+            return
+        method, version = self._restore
+        if method == "disk":  # the last sync's snapshot stays on disk until the next sync has loaded
+            self._load_from_disk([url], version)
+        else:  # distributed: the tensors were the trainer's; the next sync sends them all again
+            self._stale.add(url)
+            log.warning("%s restarted serving its launch weights, not version %s: generation waits for the next "
+                        "weight sync", url, version)
+
+    def _load_from_disk(self, urls: list[str], version: str) -> None:
+        path = self._disk_directory() / f"weights_{version}"
+        for url in urls:
+            client = HttpClient(url, RetryPolicy(0), self.config.weight_sync.timeout_s)
+            weight_sync._post(client, "/update_weights_from_disk", {"model_path": str(path), "weight_version": version,
+                                                                     "flush_cache": True, "abort_all_requests": False},
+                              self.config.weight_sync.timeout_s, f"update_weights_from_disk({path})")
+
+    def _check_current(self) -> None:
+        if self._stale:
+            raise StaleWeights(
+                f"{sorted(self._stale)} restarted and serve their launch weights, not version {self._version!r}, which "
+                "came by distributed sync (only the trainer can send it again): sync the weights before generating",
+                url=sorted(self._stale)[0])
+
+    def _wait_attached(self, error: RolloutError) -> None:
+        """An attached server refused connections or stopped answering: probe it with backoff up to
+        ``attached_wait_s``; it must come back serving the current weight version."""
+        cfg, url = self.config, error.url
+        waitable = isinstance(error, (ServerDied, ServerUnresponsive)) and url in self._clients
+        if not waitable or not cfg.attached_wait_s:
+            raise error
+        deadline, delay = time.monotonic() + cfg.attached_wait_s, cfg.backoff_s
+        log.warning("attached server %s failed (%s): waiting up to %.0f s for it", url, error, cfg.attached_wait_s)
+        while True:
+            try:
+                self._clients[url].get("/health_generate", timeout=cfg.health_timeout_s, retry=RetryPolicy(0))
+                break
+            except RolloutError as e:
+                if time.monotonic() + delay > deadline:
+                    raise TooManyRestarts(f"attached server {url} did not answer again within attached_wait_s="
+                                          f"{cfg.attached_wait_s:.0f} s (last: {e}); it failed with: {error}",
+                                          url=url) from error
+                time.sleep(delay)
+                delay = min(2 * delay, cfg.backoff_max_s)
+        if url in self.worker_urls:
+            info = self._clients[url].get("/model_info", timeout=cfg.health_timeout_s * 4)
+            if info.get("weight_version") != self._version:
+                served = info.get("weight_version")
+                raise WeightSyncError(f"attached server {url} came back serving weight version {served!r}, not "
+                                      f"{self._version!r} (restarted by its owner?)", url=url) from error
+
     # ---- weights --------------------------------------------------------------------------------------------
 
     def weight_version(self) -> str:
@@ -234,6 +387,7 @@ class SGLangEngine:
         distributed broadcast (default) or from disk, then check each worker reports ``version``."""
         method = method or self.config.weight_sync.method
         version = self._check_new_version(version)
+        self.ensure_servers()
         if method == "distributed":
             start = time.perf_counter()
             self.begin_distributed_update(version)
@@ -246,8 +400,14 @@ class SGLangEngine:
                               stats.num_buckets, phases)
         elif method == "disk":
             sync_clients = [HttpClient(u, RetryPolicy(0), self.config.weight_sync.timeout_s) for u in self.worker_urls]
-            stats = weight_sync.disk_update(sync_clients, named_tensors, version, self.model_path,
-                                            self._disk_directory(), self.config.weight_sync)
+            attempt = time.monotonic()
+            try:
+                stats = weight_sync.disk_update(sync_clients, named_tensors, version, self.model_path,
+                                                self._disk_directory(), self.config.weight_sync)
+            except RolloutError as e:  # a server died loading: restart it, then every worker loads the snapshot
+                self._recover(e, attempt)
+                self._load_from_disk(self.worker_urls, version)
+                stats = SyncStats("disk", version, time.monotonic() - attempt, 0, 0, 0, {})
         else:
             raise ValueError(f"weight sync method={method!r} is not 'distributed' or 'disk'")
         self._check_served(version, method, stats)
@@ -263,13 +423,14 @@ class SGLangEngine:
 
             self._target = weight_sync.SyncTarget(tuple(self.worker_urls), tuple(self._server_ranks()),
                                                   self.config.weight_sync, self.config.sync_backend,
-                                                  host=socket.gethostname())
+                                                  host=socket.gethostname(), epoch=self._epoch)
         return self._target
 
     def begin_distributed_update(self, version: str) -> weight_sync.DistributedSender:
         """Open a distributed update to ``version`` on every worker; returns this process's sender (its group with
         the servers formed on first use, and again after a failed update left it unusable)."""
         self._check_new_version(version)
+        self.ensure_servers()
         if self._sender is not None and self._sender.broken:
             self._sender.close()
             self._sender = None
@@ -293,6 +454,8 @@ class SGLangEngine:
         served = self.weight_version()
         if served != version:
             raise WeightSyncError(f"after a {method} weight update to {version!r} the servers report {served!r}")
+        self._restore = (method, version)  # what a restarted server is brought back to
+        self._stale.clear()  # either method brings every worker (restarted ones too) to ``version``
         log.info("weight sync (%s) to version %s: %.2f s, %.3f GB in %d tensors / %d buckets (%.2f GB/s)",
                  method, version, stats.seconds, stats.num_bytes / 1e9, stats.num_tensors, stats.num_buckets,
                  stats.gb_per_s)

@@ -108,6 +108,7 @@ class SyncTarget:
     config: WeightSyncConfig
     backend: str
     host: str = ""  # the host whose address ``config.master_address`` is (the engine's)
+    epoch: int = 0  # server restarts so far: a sender's group with an earlier epoch's servers is gone
 
     def address(self) -> str:
         """Where the servers reach a sender in this process: ``config.master_address`` on the engine's host (it

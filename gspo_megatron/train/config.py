@@ -168,7 +168,14 @@ class RolloutConfig:
     server_args: dict = field(default_factory=dict)
     """Extra sglang.launch_server arguments for servers we launch."""
     timeout_s: float = 300.0
-    """A rollout request that takes longer fails the step with an error naming the server."""
+    """A rollout request that takes longer counts as a hung server (restarted if launched, waited for if attached)."""
+    max_server_restarts: int = 3
+    """A launched server that dies or hangs is restarted at the current weights and its requests resent, at most this
+    many times per restart_window_s (then TooManyRestarts naming it); 0: the failure stops the run."""
+    restart_window_s: float = 3600.0
+    """The window max_server_restarts counts restarts of one server in (seconds)."""
+    attached_wait_s: float = 120.0
+    """An attached server (urls) that refuses connections or hangs is waited for this long, then named in an error."""
     on_truncated: str = "keep"
     """A response cut at max_new_tokens (finish_reason length; counted as ``responses_truncated``): keep (trained
     with its reward) or mask (out of the loss and of its group's mean and std, like a failed reward: DAPO's

@@ -58,8 +58,9 @@ def train(cfg: Config, resume: bool = False) -> dict:
         rollout_phase.sync_weights(policy, engine, elastic.resumed_version(version))
     progress = Progress(cfg.train.steps, start=step, enabled=rank0)
     seq_multiple = sequence_multiple(cfg.parallel.tensor, cfg.parallel.context, cfg.parallel.sequence_parallel)
-    # rollout.mode: sync (sampled when asked), one_step_off / async (sampled ahead while the trainer updates)
-    source = RolloutSource(engine, prompts, cfg, tokenizer, reward_fn, seq_multiple, version)
+    # rollout.mode: sync (sampled when asked), one_step_off / async (sampled ahead while the trainer updates); a
+    # rollout server restarted after a distributed sync lacks the weights: the source syncs them again (resync)
+    source = RolloutSource(engine, prompts, cfg, tokenizer, reward_fn, seq_multiple, version, policy)
     metrics: dict = {}
     nonfinite = NonFiniteGuard(cfg.train.max_consecutive_nonfinite, cfg.logging.dir, rank0)
     try:

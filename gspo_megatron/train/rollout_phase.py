@@ -46,6 +46,8 @@ def _engine(cfg: Config, hf_dir: str | Path, tokenizer):
                            return_routed_experts=cfg.algo.replays_rollout_routing)
     server_args = dict(cfg.rollout.server_args)
     server_args.setdefault("seed", cfg.train.seed)
+    for name in ("max_server_restarts", "restart_window_s", "attached_wait_s"):  # fault tolerance
+        server_args.setdefault(name, getattr(cfg.rollout, name))
     if cfg.algo.replays_rollout_routing:  # the servers return the experts they routed every token to
         server_args["return_routed_experts"] = True
     config = SGLangConfig(
@@ -242,15 +244,17 @@ def _rounds(engine, prompts: list[Prompt], cfg: Config, step: int, tokenizer, re
 
 
 def collect(engine, prompts: list[Prompt], cfg: Config, step: int, tokenizer, reward_fn, pad_multiple: int,
-            more_prompts=None, version: int = 0) -> Rollout:
+            more_prompts=None, version: int = 0, resync=None) -> Rollout:
     """Rank 0 generates and scores, everyone receives: a collective (the others wait in the control group).
 
     ``more_prompts(count)``: further prompts for rollout.filter_zero_variance_groups (the prompt stream's
-    ``next``); every rank calls it for as many prompts as rank 0 drew, so data positions stay equal."""
-    payload = None
-    if dist.get_rank() == 0:
-        payload = produce(engine, prompts, cfg, step, tokenizer, reward_fn, more_prompts, version)
-    return deliver(payload, pad_multiple, more_prompts)
+    ``next``); every rank calls it for as many prompts as rank 0 drew, so data positions stay equal.
+    ``resync()``: the weight sync (collective), for a rollout server restarted without the current weights (they
+    came by distributed sync): every rank syncs and rank 0 generates the step again (``on_rank0``)."""
+    more = _Redraw(more_prompts) if more_prompts is not None else None
+    payload = on_rank0(lambda: produce(engine, prompts, cfg, step, tokenizer, reward_fn, more, version), resync,
+                       retry=more.rewind if more is not None else None)
+    return as_rollout(payload, pad_multiple, more_prompts)
 
 
 def produce(engine, prompts: list[Prompt], cfg: Config, step: int, tokenizer, reward_fn, more_prompts=None,
@@ -259,6 +263,8 @@ def produce(engine, prompts: list[Prompt], cfg: Config, step: int, tokenizer, re
     the engine serves as generation starts. No collective: the rollout source (``train/rollout_source.py``) runs it
     on a background thread, which talks only to the servers (HTTP) and the reward workers."""
     picked, rounds, sampling_metrics, extra = _rounds(engine, prompts, cfg, step, tokenizer, reward_fn, more_prompts)
+    if isinstance(more_prompts, _Redraw):  # every prompt rank 0 drew, over all attempts at the step
+        extra = len(more_prompts.prompts)
     # Reward statistics over everything sampled (the policy's, not the filtered batch's).
     values = torch.cat([d["values"] for d in rounds])
     valid = torch.cat([d["reward_valid"] for d in rounds])  # truncated responses masked from the loss count here
@@ -283,24 +289,71 @@ def produce(engine, prompts: list[Prompt], cfg: Config, step: int, tokenizer, re
         from gspo_megatron.rollout.multiturn import turn_metrics
 
         metrics.update(turn_metrics([s for d in rounds for s in d["samples"]]))
+    metrics.update(engine.fault_metrics() if hasattr(engine, "fault_metrics") else {})
     return picked["samples"], picked["values"], picked["valid"], metrics, picked["segments"], extra, version
 
 
 def deliver(payload: tuple | None, pad_multiple: int, more_prompts=None) -> Rollout:
     """Rank 0's ``produce`` payload to every rank (collective, in the control group), as the step's Rollout."""
+    return as_rollout(control.broadcast_from_rank0(payload), pad_multiple, more_prompts)
+
+
+def as_rollout(payload: tuple, pad_multiple: int, more_prompts=None) -> Rollout:
+    """Every rank's Rollout of rank 0's ``produce`` payload (received)."""
     from gspo_megatron.rollout import samples_to_batch
 
-    samples, values, valid, metrics, segments, extra, version = control.broadcast_from_rank0(payload)
+    samples, values, valid, metrics, segments, extra, version = payload
     if dist.get_rank() != 0 and extra:
         more_prompts(extra)  # rank 0 drew these: keep every rank's data position the same
     batch = samples_to_batch(samples, pad_id=0, pad_to_multiple=pad_multiple)
     return Rollout(samples, values, valid, batch, metrics, segments, torch.full((len(samples),), version))
 
 
-def evaluate(engine, prompts: list[Prompt], cfg: Config, step: int, tokenizer, reward_fn) -> dict:
-    """Mean reward of one response per held-out prompt (rank 0; others get the numbers by broadcast)."""
-    payload = eval_metrics(engine, prompts, cfg, step, tokenizer, reward_fn) if dist.get_rank() == 0 else None
-    return control.broadcast_from_rank0(payload)
+class _Redraw:
+    """Rank 0's ``more_prompts`` across attempts at a step: an attempt after a resync gets the prompts the earlier
+    one drew (in order) before new ones; ``prompts`` holds everything the stream gave."""
+
+    def __init__(self, more_prompts):
+        self.more_prompts, self.prompts, self.used = more_prompts, [], 0
+
+    def __call__(self, count: int) -> list:
+        if self.used + count > len(self.prompts):
+            self.prompts += self.more_prompts(self.used + count - len(self.prompts))
+        self.used += count
+        return self.prompts[self.used - count:self.used]
+
+    def rewind(self) -> None:
+        self.used = 0
+
+
+def on_rank0(work, resync=None, retry=None):
+    """``work()`` on rank 0, its result on every rank (collective). If a rollout server was restarted without the
+    current weights (``StaleWeights``: they came by distributed sync), every rank calls ``resync()`` and rank 0
+    works again (after ``retry()``); without ``resync`` the error is raised."""
+    from gspo_megatron.rollout import StaleWeights
+
+    while True:
+        payload = None
+        if dist.get_rank() == 0:
+            try:
+                payload = ("done", work())
+            except StaleWeights as e:
+                if resync is None:
+                    raise
+                print(f"{e}: syncing the weights again, then generating again", flush=True)
+                payload = ("resync", None)
+        kind, result = control.broadcast_from_rank0(payload)
+        if kind == "done":
+            return result
+        resync()
+        if retry is not None:
+            retry()
+
+
+def evaluate(engine, prompts: list[Prompt], cfg: Config, step: int, tokenizer, reward_fn, resync=None) -> dict:
+    """Mean reward of one response per held-out prompt (rank 0; others get the numbers by broadcast).
+    ``resync``: as ``collect``'s."""
+    return on_rank0(lambda: eval_metrics(engine, prompts, cfg, step, tokenizer, reward_fn), resync)
 
 
 def eval_metrics(engine, prompts: list[Prompt], cfg: Config, step: int, tokenizer, reward_fn) -> dict:
@@ -382,12 +435,14 @@ _stage_senders: dict = {}  # this process's sender (its group with the servers),
 def _stage_sender(target):
     from gspo_megatron import environment
 
-    key = (target.urls, target.backend)
+    key = (target.urls, target.backend, target.epoch)
     sender = _stage_senders.get(key)
     if sender is not None and sender.broken:
         sender.close()
         sender = None
     if sender is None:
+        for stale in [k for k in _stage_senders if k[:2] == key[:2] and k != key]:  # servers restarted since
+            _stage_senders.pop(stale).close()
         sender = _stage_senders[key] = target.connect(environment.device(), tag=f"_r{dist.get_rank()}")
     return sender
 

@@ -21,11 +21,10 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 import torch.distributed as dist
 
-from gspo_megatron.parallel import control
 from gspo_megatron.train import rollout_phase
 from gspo_megatron.train.config import Config
 from gspo_megatron.train.data import PromptStream
@@ -43,8 +42,9 @@ class RolloutSource:
     and eval that must not race the generation running ahead."""
 
     def __init__(self, engine, prompts: PromptStream, cfg: Config, tokenizer, reward_fn, pad_multiple: int,
-                 version: int = 0):
-        self.engine, self.prompts, self.cfg = engine, prompts, cfg
+                 version: int = 0, policy=None):
+        self.engine, self.prompts, self.cfg, self.policy = engine, prompts, cfg, policy
+        self._resyncs = 0
         self.tokenizer, self.reward_fn, self.pad_multiple = tokenizer, reward_fn, pad_multiple
         self.ahead = batches_ahead(cfg)
         self.served = version  # the weights the engine serves (read by the background thread as a batch starts)
@@ -62,21 +62,25 @@ class RolloutSource:
         if not self.ahead:  # sync: sampled now (with dynamic sampling: more prompts drawn as rank 0 needs them)
             rollout = rollout_phase.collect(self.engine, self.prompts.next(cfg.rollout.prompts_per_step), cfg, step,
                                             self.tokenizer, self.reward_fn, self.pad_multiple,
-                                            more_prompts=self.prompts.next, version=version)
+                                            more_prompts=self.prompts.next, version=version, resync=self._resync())
         else:
             while not self._queue or self._queue[-1][0] < step + self.ahead:
                 self._enqueue(self._queue[-1][0] + 1 if self._queue else step)
-            queued, _, future = self._queue.popleft()
+            queued, _, future, prompts = self._queue.popleft()
             assert queued == step, f"the rollout source holds step {queued}'s batch, the loop asks for step {step}"
-            payload = None
-            if self.rank0:
+            # rank 0: the background rollout (re-raising its error); after a resync, this batch sampled now
+            attempts = [future.result] if self.rank0 else []
+
+            def work():
                 t = time.perf_counter()
-                payload = future.result()  # re-raises the background rollout's error
+                payload = (attempts.pop() if attempts else lambda: self._produce(prompts, step))()
                 payload[3]["time/rollout_wait"] = time.perf_counter() - t  # the trainer idle, waiting for it
                 # Samples in flight across a weight sync (async) finished under a newer version than they started.
                 started = self._names[payload[-1]]
                 payload[3]["samples_across_syncs"] = float(sum(x.weight_version != started for x in payload[0]))
-            rollout = rollout_phase.deliver(payload, self.pad_multiple)
+                return payload
+
+            rollout = rollout_phase.as_rollout(rollout_phase.on_rank0(work, self._resync()), self.pad_multiple)
         staleness = (version - rollout.versions).float()
         rollout.metrics.update(staleness_mean=float(staleness.mean()), staleness_max=float(staleness.max()),
                                weight_version_min=float(rollout.versions.min()),
@@ -88,44 +92,56 @@ class RolloutSource:
         position = self.prompts.state_dict()
         prompts = self.prompts.next(self.cfg.rollout.prompts_per_step)
         future = self._pool.submit(self._produce, prompts, step) if self.rank0 else None
-        self._queue.append((step, position, future))
+        self._queue.append((step, position, future, prompts))
 
     def _produce(self, prompts, step: int) -> tuple:
         """Rank 0's background thread: one batch, under the weights served as it starts (no collective here)."""
         return rollout_phase.produce(self.engine, prompts, self.cfg, step, self.tokenizer, self.reward_fn,
                                      version=self.served)
 
-    def sync_weights(self, policy, version: int) -> dict:
+    def sync_weights(self, policy, version: int | str) -> dict:
         """``rollout_phase.sync_weights`` (collective) without racing the generation ahead: one_step_off lets it
         finish first (it is all the old version's), async pauses the servers around the update."""
         paused = False
         if self.rank0 and self.ahead:
             if self.cfg.rollout.mode == "one_step_off":
-                for _, _, future in self._queue:
+                for _, _, future, _ in self._queue:
                     future.exception()  # wait; an error surfaces when the loop asks for that batch
             else:
                 self.engine.pause_generation()
                 paused = True
         try:
             metrics = rollout_phase.sync_weights(policy, self.engine, version)
+            served = version if isinstance(version, int) else self.served  # a resync sends the same weights again
             if self.rank0 and self.ahead:
-                self._names[version] = str(version)
-            self.served = version
+                self._names[served] = str(version)
+            self.served = served
         finally:
             if paused:
                 self.engine.continue_generation()
         return metrics
 
+    def _resync(self):
+        """The weight sync again, under a new name (collective: ``on_rank0`` calls it on every rank), for a rollout
+        server restarted serving its launch weights after a distributed sync; None without a policy to send."""
+        if self.policy is None:
+            return None
+
+        def resync():
+            self._resyncs += 1
+            self.sync_weights(self.policy, f"{self.served}-resync{self._resyncs}")
+
+        return resync
+
     def evaluate(self, prompts, step: int) -> dict:
         """``rollout_phase.evaluate`` (collective); with batches sampled ahead, rank 0 runs it on their thread,
         after them (the reward workers serve one thread at a time)."""
         if not self.ahead:
-            return rollout_phase.evaluate(self.engine, prompts, self.cfg, step, self.tokenizer, self.reward_fn)
-        payload = None
-        if self.rank0:
-            payload = self._pool.submit(rollout_phase.eval_metrics, self.engine, prompts, self.cfg, step,
-                                        self.tokenizer, self.reward_fn).result()
-        return control.broadcast_from_rank0(payload)
+            return rollout_phase.evaluate(self.engine, prompts, self.cfg, step, self.tokenizer, self.reward_fn,
+                                          self._resync())
+        return rollout_phase.on_rank0(lambda: self._pool.submit(rollout_phase.eval_metrics, self.engine, prompts,
+                                                                self.cfg, step, self.tokenizer, self.reward_fn).result(),
+                                      self._resync())
 
     def position(self) -> dict:
         """The data position to checkpoint: before the prompts of the batches not trained on yet."""

@@ -3,8 +3,11 @@ last test).
 
 Two servers of the tiny random Qwen3-MoE model (fp32, so train/inference log-probs agree to ~1e-6) are started
 together on first use, so their start-ups (~40 CPU-seconds each) overlap: ``main`` serves the generation,
-weight-sync and routing-replay tests (it is started with --enable-return-routed-experts), and is then hung (SIGSTOP) and killed by the failure tests, which are marked
-``destroys_server`` and so run at the end of the session; ``interrupt`` is shut down by the Ctrl-C test.
+weight-sync and routing-replay tests (it is started with --enable-return-routed-experts), and is then hung
+(SIGSTOP) and killed by the failure tests, then restarted and killed by the restart tests (``test_restart.py``),
+which are marked ``destroys_server`` and so run at the end of the session; ``interrupt`` is shut down by the
+Ctrl-C test. The restart tests therefore start from a killed server whose last sync may have been distributed
+(``test_weight_sync.py``): the first one syncs before it generates, which restarts it at its weights.
 
 If sglang is not installed the server tests skip, except under CI=true, where they fail: CI must run them.
 """

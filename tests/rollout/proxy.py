@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 class FailingProxy:
     def __init__(self, upstream: str, fail_paths: tuple[str, ...] = ("/generate",), failures: int = 2,
-                 status: int = 503):
+                 status: int = 503, port: int = 0):
         self.upstream = upstream.rstrip("/")
         self.fail_paths, self.failures, self.status = fail_paths, failures, status
         self.failed = 0  # requests answered with ``status``
@@ -56,7 +56,7 @@ class FailingProxy:
             def do_POST(self):
                 self._handle("POST")
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 

@@ -67,7 +67,7 @@ def test_hung_server_is_reported_within_bounded_time(engine, monkeypatch):
     """SIGSTOP the whole server mid-rollout: health probes time out, the rollout fails (not hangs) in about
     health_failures x (health_interval + health_timeout) seconds, and the server recovers after SIGCONT."""
     monkeypatch.setattr(engine, "config", replace(engine.config, health_interval_s=1.0, health_timeout_s=2.0,
-                                                  health_failures=2))
+                                                  health_failures=2, max_server_restarts=0))  # (test_restart.py)
     server = engine.servers[0]
     try:
         timer = _after(1.0, lambda: os.killpg(server.process.pid, signal.SIGSTOP))
@@ -85,7 +85,8 @@ def test_hung_server_is_reported_within_bounded_time(engine, monkeypatch):
 
 
 @pytest.mark.destroys_server
-def test_killed_server_is_reported_with_its_log(engine):
+def test_killed_server_is_reported_with_its_log(engine, monkeypatch):
+    monkeypatch.setattr(engine, "config", replace(engine.config, max_server_restarts=0))  # (test_restart.py)
     server = engine.servers[0]
     timer = _after(1.0, lambda: os.killpg(server.process.pid, signal.SIGKILL))
     start = time.monotonic()
