@@ -264,6 +264,24 @@ class SGLangEngine:
         if dead:
             self.seconds_lost += time.monotonic() - start
 
+    def recover_failed_update(self, problem: str) -> None:
+        """After a distributed weight update failed (``problem``: what a sender saw): if a launched server died,
+        restart it and every other launched server (those alive are inside the broken update's group, waiting on
+        a broadcast that will not come), so the update can be sent again from the start; anything else (no server
+        died, servers given by URL, too many restarts) raises ``WeightSyncError`` / ``TooManyRestarts``."""
+        error = WeightSyncError(f"a distributed weight update failed: {problem}")
+        start = time.monotonic()
+        # A server killed mid-update resets its connections a moment before its process is gone.
+        while not self.config.urls and all(p.alive() for p in self._servers):
+            if time.monotonic() - start > self.config.health_timeout_s:
+                raise error
+            time.sleep(0.1)
+        if self.config.urls:
+            raise error
+        for process in [p for p in self._servers if not p.alive()] + [p for p in self._servers if p.alive()]:
+            self._restart(process, error)
+        self.seconds_lost += time.monotonic() - start
+
     def _processes(self) -> list[ServerProcess]:
         return self._servers + ([self._router] if self._router else [])
 

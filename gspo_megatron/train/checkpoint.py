@@ -32,6 +32,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from gspo_megatron.train import fault_injection
+
 LATEST = "latest"
 # The distributed optimizer's state as one ShardedTensor per contiguous buffer: fully parallel save and load
 # with no gather (Megatron-LM's default). It can be resumed under another data-parallel size, not another
@@ -134,6 +136,7 @@ def save(directory: str | Path, step: int, model, optimizer, scheduler, trainer_
     publish = partial(_publish, root, tmp, final, keep, model_info)
     if not async_save:
         dist_checkpointing.save(state, str(tmp))
+        fault_injection.at("checkpoint_written", step)  # the soak run's schedule (GSPO_FAULTS)
         publish()
         return final
     request = dist_checkpointing.save(state, str(tmp), async_sharded_save=True, **_async_strategy())

@@ -24,6 +24,8 @@ import torch.distributed as dist
 
 from gspo_megatron.parallel import control
 from gspo_megatron.train import elastic
+from gspo_megatron.rollout.errors import RolloutError
+from gspo_megatron.train import fault_injection
 from gspo_megatron.train.config import Config, ConfigError
 from gspo_megatron.train.data import Prompt
 
@@ -284,6 +286,7 @@ def produce(engine, prompts: list[Prompt], cfg: Config, step: int, tokenizer, re
     the engine serves as generation starts. No collective: the rollout source (``train/rollout_source.py``) runs it
     on a background thread, which talks only to the servers (HTTP) and the reward workers. ``partial``: rank 0's
     ``PartialRollouts`` (``rollout.partial_chunk_tokens``), which draws every prompt through ``more_prompts``."""
+    fault_injection.at("rollout", step, engine)  # the soak run's schedule (GSPO_FAULTS); nothing otherwise
     if partial is not None:  # the groups completed this step, some begun in earlier steps under older weights
         sampling = _sampling(cfg, step, [tokenizer.eos_token_id])
         samples, chosen, seconds, extra, sampling_metrics = partial.step(engine, more_prompts, sampling, version)
@@ -443,11 +446,15 @@ def sync_weights(policy, engine, version: int) -> dict:
 
     start = time.perf_counter()
     params_current(policy.model)  # under overlap_param_gather the last step's all-gather is still to come
-    target = control.broadcast_from_rank0(_stage_sync_target(engine) if dist.get_rank() == 0 else None)
-    if target is None:
-        metrics = _sync_through_rank0(policy, engine, version)
-    else:
-        metrics = _sync_from_stage_senders(policy, engine, version, target)
+    while True:
+        target = control.broadcast_from_rank0(_stage_sync_target(engine) if dist.get_rank() == 0 else None)
+        if target is None:
+            metrics = _sync_through_rank0(policy, engine, version)
+        else:
+            metrics = _sync_from_stage_senders(policy, engine, version, target)
+        if metrics is not None:
+            break
+        # A server died inside the update: restarted (rank 0), every rank sends the whole update again.
     metrics["time/weight_sync"] = time.perf_counter() - start
     return metrics
 
@@ -479,43 +486,71 @@ def _stage_sender(target):
     return sender
 
 
-def _sync_from_stage_senders(policy, engine, version, target) -> dict:
+def _sync_from_stage_senders(policy, engine, version, target) -> dict | None:
+    """The distributed update from every stage's sender; None when a server died inside it and rank 0 restarted
+    the servers (then every rank sends it again). A sender that fails goes on walking the export (its gathers run
+    in step on every rank of its replica) and reports the failure to every rank."""
     from gspo_megatron.model.bridge import is_stage_sender
     from gspo_megatron.rollout import SyncStats
     from gspo_megatron.rollout.weight_sync import consume
 
     rank0 = dist.get_rank() == 0
     start = time.perf_counter()
-    sender = None
-    if rank0:
-        assert is_stage_sender(), "global rank 0 must be the first pipeline stage's sender"
-        sender = engine.begin_distributed_update(str(version))
-    elif is_stage_sender():
-        sender = _stage_sender(target)  # formed with the servers on first use (rank 0 opens the update meanwhile)
+    sender, problem = None, None
+    try:
+        if rank0:
+            assert is_stage_sender(), "global rank 0 must be the first pipeline stage's sender"
+            sender = engine.begin_distributed_update(str(version))
+            if isinstance(version, int):
+                fault_injection.at("weight_sync", version, engine)  # the soak run's schedule (GSPO_FAULTS)
+        elif is_stage_sender():
+            sender = _stage_sender(target)  # formed with the servers on first use (rank 0 opens the update meanwhile)
+    except (RolloutError, RuntimeError, OSError) as e:  # a server gone: its group or its update cannot start
+        problem = f"rank {dist.get_rank()}: {type(e).__name__}: {e}"
     control.barrier()  # the update is open on every server before any sender sends
     begun = time.perf_counter()
     exported = policy.bridge.export_to_sender(policy.model)
-    if sender is not None:
-        stats = sender.send_buckets(exported, target.config)
-        sent = (stats.seconds, stats.num_tensors, stats.num_bytes, stats.num_buckets, stats.phases)
-    else:
-        consume(exported)  # this rank's shards go to its sender (or, in another replica, nothing to do)
-        sent = None
-    parts = [p for p in control.all_gather(sent) if p is not None]
+    sent = None
+    if sender is not None and problem is None:
+        try:
+            stats = sender.send_buckets(exported, target.config)
+            sent = (stats.seconds, stats.num_tensors, stats.num_bytes, stats.num_buckets, stats.phases)
+        except (RolloutError, RuntimeError, OSError) as e:
+            problem = f"rank {dist.get_rank()}: {type(e).__name__}: {e}"
+    consume(exported)  # this rank's shards go to its sender (or, in another replica, nothing to do); after a
+    # failed send, the rest of the export, in step with the replica's other ranks
+    reports = control.all_gather((sent, problem))
+    parts = [p for p, _ in reports if p is not None]
+    problems = [q for _, q in reports if q is not None]
     metrics = {}
-    if rank0:
+    if rank0 and not problems:
         # Phases of the slowest sender (the one the update waited for), and the whole update's bytes and time.
         slowest = max(parts, key=lambda p: p[0])
         phases = {"begin": begun - start, "send": time.perf_counter() - begun, **slowest[4]}
         t = time.perf_counter()
         totals = (sum(p[1] for p in parts), sum(p[2] for p in parts), sum(p[3] for p in parts))
-        engine.end_distributed_update(str(version), SyncStats("distributed", str(version), t - start, *totals, phases))
+        try:
+            engine.end_distributed_update(str(version), SyncStats("distributed", str(version), t - start, *totals,
+                                                                  phases))
+        except (RolloutError, RuntimeError, OSError) as e:
+            problems.append(f"rank 0 ending the update: {type(e).__name__}: {e}")
         phases["end"] = time.perf_counter() - t
         stats = SyncStats("distributed", str(version), time.perf_counter() - start, *totals, phases)
         metrics = {f"weight_sync/{k.split('/')[-1]}": v for k, v in stats.metrics().items()}
         metrics["weight_sync/senders"] = float(len(parts))
-    control.barrier()
-    return metrics
+    outcome = None
+    if rank0:
+        outcome = "ok"
+        if problems:
+            try:
+                engine.recover_failed_update("; ".join(problems))
+                outcome = "again"
+            except RolloutError as e:
+                outcome = e
+    outcome = control.broadcast_from_rank0(outcome)
+    if isinstance(outcome, Exception):
+        raise outcome
+    return metrics if outcome == "ok" else None
 
 
 def _sync_through_rank0(policy, engine, version) -> dict:
