@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -139,7 +140,8 @@ def report(out: Path, steps: int, plan: dict, statuses: list[int], seconds: floa
         "server killed mid-generation / inside a weight update (restarts)": log.count("restarting it (restart"),
         "rewards that hung (timed out, masked)": sum(r.get("reward_timeouts", 0) for r in by_step.values()),
         "rewards masked (raised or timed out)": sum(r.get("reward_masked", 0) for r in by_step.values()),
-        "trainer rank SIGKILLed during a checkpoint write (workers restarted)": log.count("torchrun restart"),
+        "trainer rank SIGKILLed during a checkpoint write (workers restarted)":
+            len(re.findall(r"torchrun restart \d+ of \d+: resuming", log)),
         "SIGTERM (stopped with a checkpoint, resumed)": log.count("stopped by a signal after step"),
         "faults fired of the schedule": len(fired),
     }

@@ -93,6 +93,7 @@ class SGLangEngine:
         self._restarts: dict[str, deque] = {}  # server name -> times of its restarts within restart_window_s
         self._epoch = 0  # restarts so far: a weight-sync group formed before one has lost a member
         self.restarts_total, self.seconds_lost = 0, 0.0
+        self.on_relaunch = None  # called after a server was relaunched (a new process): e.g. to record it
         self._routed_shape = routed_experts_shape(self.model_path) if config.return_routed_experts else None
 
     def _wait_healthy(self, url: str) -> None:
@@ -319,6 +320,8 @@ class SGLangEngine:
             self._router = new
         else:
             self._servers[self._servers.index(process)] = new
+        if self.on_relaunch is not None:
+            self.on_relaunch()
         new.wait_ready(cfg.startup_timeout_s)  # ServerStartError (with its log tail) if it does not come back
         self.restarts_total += 1
         self._epoch += 1  # weight-sync groups formed with the old process are gone

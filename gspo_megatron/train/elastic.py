@@ -154,6 +154,14 @@ def servers(cfg: Config, config) -> list | None:
     return launched
 
 
+def record_servers(cfg: Config, servers: list) -> None:
+    """Record rank 0's kept servers again after one was relaunched (a new pid): the next attempt adopts these and the
+    watchdog stops these, not the dead process."""
+    now = attempt()
+    if now is not None:
+        _update(cfg, now, servers=[s.record() for s in servers])
+
+
 def leave_servers(engine) -> None:
     """After a failure with torchrun restarts left: rank 0's kept servers stay up for the next attempt to adopt."""
     now = attempt()

@@ -62,7 +62,10 @@ def _engine(cfg: Config, hf_dir: str | Path, tokenizer):
     refuse_colocation(config, trainer_gpus=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     # under torchrun --max-restarts: servers kept through a restart of the workers (adopted), or launched to be kept
     servers = None if config.urls else elastic.servers(cfg, config)
-    return SGLangEngine(config, servers=servers)
+    engine = SGLangEngine(config, servers=servers)
+    if servers is not None:  # kept servers (torchrun restarts): one relaunched after a failure is recorded anew
+        engine.on_relaunch = lambda: elastic.record_servers(cfg, engine.servers)
+    return engine
 
 
 def refuse_colocation(config, trainer_gpus: int) -> None:
