@@ -10,7 +10,15 @@ generates with the training model itself). Start-up and the first (warm-up) step
     .venv/bin/pip install trl==1.16.0          # bench-only dependency
     .venv/bin/python bench/rl_step.py --size tiny
     .venv/bin/python bench/rl_step.py --size 100m
-    .venv/bin/python bench/rl_step.py --size tiny --modes sync,one_step_off --no-trl   # rollout.mode only
+    .venv/bin/python bench/rl_step.py --size tiny --runs sync,one_step_off --no-trl   # rollout.mode only
+    .venv/bin/python bench/rl_step.py --size 100m --lengths long_tail --runs padded,packed,packed+one_step_off,packed+async
+
+Runs: ``padded`` / ``packed`` (``parallel.pack_sequences``), optionally ``+<rollout.mode>`` (default sync); a bare
+mode is padded. ``--lengths long_tail`` gives both sides the same stop tokens (the top vocab * 4 / new_tokens ids
+of the vocabulary, which a near-uniform random policy samples with probability ~4 / new_tokens a step): response
+lengths are then ~geometric with mean ~new_tokens / 4, capped at new_tokens, as RL's long-tailed lengths.
+Printed per run: the step, its phases, the padding share of the update's token positions (``padding_frac``), and
+idle shares: of the trainer (waiting for its batch) and of the rollout server (not generating), per step.
 
 Sizes: ``tiny`` is the CPU example's model (2 layers, hidden 128, 4 experts) at 32 samples x 16 tokens;
 ``100m`` is a ~115M-parameter Qwen3-MoE (8 layers, hidden 512, 16 experts top-2, vocab 8192) at
@@ -54,9 +62,29 @@ def build_model(size: str, directory: Path) -> Path:
     return path
 
 
-def run_ours(size: str, model_dir: Path, out: Path, mode: str = "sync") -> dict:
+def stop_tokens(size: str, lengths: str) -> list[int]:
+    """The stop token ids of ``--lengths``: none (fixed lengths: every response runs to new_tokens) or the top
+    ``vocab * 4 / new_tokens`` ids (long_tail)."""
+    if lengths == "fixed":
+        return []
     s = SIZES[size]
-    run = out / f"ours-{mode}"
+    vocab = s["model"]["vocab_size"]
+    return list(range(vocab - vocab * 4 // s["new_tokens"], vocab))
+
+
+def parse_run(name: str) -> tuple[bool, str]:
+    """``padded`` | ``packed`` [+ mode], or a bare mode (padded): (pack_sequences, rollout.mode)."""
+    parts = name.split("+")
+    pack = parts[0] == "packed"
+    if parts[0] in ("padded", "packed"):
+        parts = parts[1:]
+    return pack, parts[0] if parts else "sync"
+
+
+def run_ours(size: str, model_dir: Path, out: Path, name: str = "sync", stops: list[int] = ()) -> dict:
+    s = SIZES[size]
+    pack, mode = parse_run(name)
+    run = out / f"ours-{name}"
     shutil.rmtree(run, ignore_errors=True)  # metrics.jsonl appends: a rerun in the same work dir starts clean
     cmd = [sys.executable, "-m", "gspo_megatron.cli", "train", str(ROOT / "examples/tiny_moe_cpu.yaml"),
            f"model.hf_dir={model_dir}", "model.warm_start_steps=0", f"train.steps={STEPS}", "train.eval_every=0",
@@ -66,18 +94,23 @@ def run_ours(size: str, model_dir: Path, out: Path, mode: str = "sync") -> dict:
            f"parallel.micro_batch_size={s['prompts'] * s['group'] // s['minibatches']}",
            "rollout.max_prompt_tokens=32", f"rollout.server_args={{dtype: float32, max_total_tokens: {16384 * 4}}}",
            f"logging.dir={run}", "checkpoint.dir=", "logging.plot_every=0", "logging.tensorboard=false",
-           f"rollout.mode={mode}"]
+           f"rollout.mode={mode}", f"parallel.pack_sequences={str(pack).lower()}",
+           f"rollout.stop_token_ids={list(stops)}"]
     subprocess.run(cmd, check=True, cwd=ROOT, env=dict(os.environ, WORLD_SIZE="1"))
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][1:]
     phases = ["time/rollout", "time/old_logprobs", "time/update", "time/weight_sync"]
     mean = lambda key: sum(r.get(key, 0.0) for r in records) / len(records)  # noqa: E731
     # rollout_wait: how long the trainer waited for its batch (one_step_off: only what the update did not hide)
     wait = mean("time/rollout") if mode == "sync" else mean("time/rollout_wait")
-    return {"step": mean("time/step"), "rollout_wait": wait,
-            "staleness": mean("staleness_mean"), **{p.split("/")[1]: mean(p) for p in phases}}
+    step = mean("time/step")
+    return {"step": step, "rollout_wait": wait, "staleness": mean("staleness_mean"),
+            "padding": mean("padding_frac"), "length": mean("response_length_mean"),
+            "truncated": mean("truncated_frac"), "trainer_idle": wait / step,
+            "server_idle": max(0.0, 1.0 - mean("time/rollout") / step),
+            **{p.split("/")[1]: mean(p) for p in phases}}
 
 
-def run_trl(size: str, model_dir: Path, out: Path) -> dict:
+def run_trl(size: str, model_dir: Path, out: Path, stops: list[int] = ()) -> dict:
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -110,6 +143,9 @@ def run_trl(size: str, model_dir: Path, out: Path) -> dict:
             marks.append(time.perf_counter())
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    if stops:  # TRL stops at (and masks after) every id of the generation config's eos_token_id
+        model.generation_config.eos_token_id = [tokenizer.eos_token_id, *stops]
+    lengths, padded = [], []
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=dataset,
                           processing_class=tokenizer, callbacks=[Clock()])
     # TRL's rollout phase: generation, rewards and the old-policy log-probs, all in this one method.
@@ -120,6 +156,10 @@ def run_trl(size: str, model_dir: Path, out: Path) -> dict:
         start = time.perf_counter()
         out = generate_and_score(*a, **k)
         rollout_times.append(time.perf_counter() - start)
+        mask = out["completion_mask"]  # TRL trains on [B, prompt + longest completion]: the rest is padding
+        lengths.append(float(mask.sum(1).float().mean()))
+        real = out["prompt_mask"].sum() + mask.sum()
+        padded.append(1.0 - float(real) / (mask.shape[0] * (mask.shape[1] + out["prompt_mask"].shape[1])))
         return out
 
     trainer._generate_and_score_completions = timed
@@ -129,34 +169,46 @@ def run_trl(size: str, model_dir: Path, out: Path) -> dict:
     per_step = [b - a for a, b in zip(ends, ends[1:])]
     step = sum(per_step) / len(per_step)
     rollout = sum(rollout_times[1:]) / len(rollout_times[1:])
-    return {"step": step, "rollout_and_old_logprobs": rollout, "update": step - rollout}
+    return {"step": step, "rollout_and_old_logprobs": rollout, "update": step - rollout,
+            "length": sum(lengths[1:]) / len(lengths[1:]), "padding": sum(padded[1:]) / len(padded[1:])}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
     parser.add_argument("--work-dir", default=None)
-    parser.add_argument("--modes", default="sync", help="rollout.mode values to run ours with, comma-separated")
+    parser.add_argument("--runs", "--modes", default="sync",
+                        help="ours: padded|packed[+sync|one_step_off|async] or a bare mode, comma-separated")
+    parser.add_argument("--lengths", choices=("fixed", "long_tail"), default="fixed")
     parser.add_argument("--no-trl", action="store_true", help="skip TRL (compare rollout modes only)")
     args = parser.parse_args()
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench_rl_step_"))
     model_dir = build_model(args.size, work)
-    modes = args.modes.split(",")
-    runs = {mode: run_ours(args.size, model_dir, work, mode) for mode in modes}
+    names = args.runs.split(",")
+    stops = stop_tokens(args.size, args.lengths)
+    runs = {}
+    for name in names:
+        runs[name] = run_ours(args.size, model_dir, work, name, stops)
+        print(f"[bench] {name}: {runs[name]}", flush=True)
     s = SIZES[args.size]
-    print(f"\nRL step, {args.size}: {s['prompts']} prompts x {s['group']} samples x {s['new_tokens']} new tokens, "
-          f"{s['minibatches']} minibatches (mean of {STEPS - 1} steps after a warm-up)")
-    for mode, ours in runs.items():
-        print(f"  gspo-megatron, rollout.mode={mode}: {ours['step']:.2f} s  (rollout {ours['rollout']:.2f}, waited "
-              f"for {ours['rollout_wait']:.2f}, old log-probs {ours['old_logprobs']:.2f}, update {ours['update']:.2f}, "
-              f"weight sync {ours['weight_sync']:.2f}; staleness {ours['staleness']:.2f})")
+    print(f"\nRL step, {args.size}: {s['prompts']} prompts x {s['group']} samples x {s['new_tokens']} new tokens "
+          f"({args.lengths} lengths, {len(stops)} stop tokens), {s['minibatches']} minibatches "
+          f"(mean of {STEPS - 1} steps after a warm-up)")
+    base = runs[names[0]]["step"]
+    for name, ours in runs.items():
+        print(f"  gspo-megatron {name}: {ours['step']:.2f} s = {base / ours['step']:.2f}x {names[0]}  (rollout "
+              f"{ours['rollout']:.2f}, waited for {ours['rollout_wait']:.2f}, old log-probs {ours['old_logprobs']:.2f}, "
+              f"update {ours['update']:.2f}, weight sync {ours['weight_sync']:.2f}; staleness {ours['staleness']:.2f}; "
+              f"response length {ours['length']:.1f}, truncated {ours['truncated']:.1%}; padding {ours['padding']:.1%}, "
+              f"trainer idle {ours['trainer_idle']:.0%}, server idle {ours['server_idle']:.0%})")
     if args.no_trl:
         return 0
-    ours = runs[modes[0]]
-    trl = run_trl(args.size, model_dir, work)
+    trl = run_trl(args.size, model_dir, work, stops)
     print(f"  TRL GRPOTrainer (sequence-level IS): {trl['step']:.2f} s  (generation + rewards + old log-probs "
-          f"{trl['rollout_and_old_logprobs']:.2f}, update {trl['update']:.2f})")
-    print(f"  ratio TRL / gspo-megatron: {trl['step'] / ours['step']:.2f}x")
+          f"{trl['rollout_and_old_logprobs']:.2f}, update {trl['update']:.2f}; response length {trl['length']:.1f}, "
+          f"padding {trl['padding']:.1%})")
+    for name, ours in runs.items():
+        print(f"  ratio TRL / gspo-megatron {name}: {trl['step'] / ours['step']:.2f}x")
     return 0
 
 

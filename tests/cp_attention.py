@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from megatron.core import parallel_state as ps
 from megatron.core.transformer.module import MegatronModule
 
-from gspo_megatron.parallel.context import token_index
+from gspo_megatron.parallel.context import packed_token_index, token_index
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -57,18 +57,29 @@ class AllGatherCPAttention(MegatronModule):
                 packed_seq_params=None):
         group = ps.get_context_parallel_group()
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
+        thd = packed_seq_params is not None
+        if thd:  # packed rows (megatron squeezed the batch dim: [t, heads, dim]): each segment attends to itself
+            query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+            offsets = packed_seq_params.cu_seqlens_q_padded.to(torch.int64).cpu()
+            seq_len = int(offsets[-1])
+            shares = [packed_token_index(offsets, cp, r) for r in range(cp)]
+            segment = torch.repeat_interleave(torch.arange(offsets.numel() - 1), offsets.diff())  # [S]
+        else:
+            seq_len = query.shape[0] * cp
+            shares = [token_index(seq_len, cp, r) for r in range(cp)]
         sq = query.shape[0]
-        seq_len = sq * cp
-        positions = torch.cat([token_index(seq_len, cp, r) for r in range(cp)])  # of the gathered rows
-        order = torch.argsort(positions)
-        key = _GatherSequence.apply(key, group)[order]  # [S, b, ng, hn] in sequence order
+        order = torch.argsort(torch.cat(shares))  # the gathered rows back in sequence order
+        key = _GatherSequence.apply(key, group)[order]  # [S, b, ng, hn]
         value = _GatherSequence.apply(value, group)[order]
         if self.heads > self.groups:
             key = key.repeat_interleave(self.heads // self.groups, dim=2)
             value = value.repeat_interleave(self.heads // self.groups, dim=2)
-        q_pos = token_index(seq_len, cp, rank)
+        q_pos = shares[rank]
         allowed = torch.arange(seq_len).unsqueeze(0) <= q_pos.unsqueeze(1)  # [sq, S]: causal by global position
+        if thd:
+            allowed &= segment.unsqueeze(0) == segment[q_pos].unsqueeze(1)
         # [b, np, s, hn]
         out = F.scaled_dot_product_attention(query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3),
                                              value.permute(1, 2, 0, 3), attn_mask=allowed, scale=self.scale)
-        return out.permute(2, 0, 1, 3).reshape(sq, query.shape[1], -1)
+        out = out.permute(2, 0, 1, 3).reshape(sq, query.shape[1], -1)
+        return out[:, 0] if thd else out

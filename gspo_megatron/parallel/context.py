@@ -39,6 +39,39 @@ def _size_and_rank(group) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
+def row_index(segments: torch.Tensor, width: int, cp: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where CP rank ``rank``'s share of each row lies, row i cut into 2 * cp chunks of its first ``segments[i]``
+    positions (packed rows: each sequence's own segment; padded rows: the whole width): ([b, width / cp] positions
+    in the row, [b, width / cp] bool: held, else a filler column past the row's share)."""
+    segments = segments.to(torch.int64)
+    if (segments % (2 * cp)).any():
+        raise ValueError(f"segments {segments.tolist()} cannot each be split into 2 * context_parallel_size = "
+                         f"{2 * cp} equal chunks")
+    chunk = (segments // (2 * cp)).unsqueeze(1)  # [b, 1]
+    j = torch.arange(width // cp, device=segments.device).unsqueeze(0)
+    first = j < chunk
+    index = torch.where(first, rank * chunk + j, (2 * cp - 1 - rank) * chunk + j - chunk)
+    held = j < 2 * chunk
+    return torch.where(held, index, torch.zeros_like(index)), held
+
+
+def packed_token_index(offsets: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
+    """The positions [N / cp] of a packed row of segments ``offsets`` (``cu_seqlens``, padded) that CP rank
+    ``rank`` holds: chunks r and 2*cp-1-r of every segment, segment by segment (TransformerEngine's
+    ``thd_get_partitioned_indices``, the layout its THD attention and megatron's THD RoPE expect)."""
+    offsets = offsets.to(torch.int64)
+    segments = offsets.diff()
+    if (segments % (2 * cp)).any():
+        raise ValueError(f"packed segments {segments.tolist()} cannot each be split into 2 * context_parallel_size "
+                         f"= {2 * cp} equal chunks (pad each to a multiple: parallel.packing.padded_lengths)")
+    chunk = segments // (2 * cp)
+    segment = torch.repeat_interleave(torch.arange(segments.numel(), device=offsets.device), 2 * chunk)
+    local_starts = torch.cumsum(2 * chunk, 0) - 2 * chunk
+    j = torch.arange(segment.numel(), device=offsets.device) - local_starts[segment]
+    c = chunk[segment]
+    return offsets[segment] + torch.where(j < c, rank * c + j, (2 * cp - 1 - rank) * c + j - c)
+
+
 def split_batch(batch: dict, group) -> dict:
     """This CP rank's tokens of every per-token tensor of a micro batch (those shaped [b, S, ...] like
     ``input_ids``); per-sequence values ([b]) as they are. A group of one returns ``batch`` itself."""
@@ -56,16 +89,55 @@ def split_batch(batch: dict, group) -> dict:
     return {key: split(key, value) for key, value in batch.items()}
 
 
-def gather_sequence(local: torch.Tensor, group) -> torch.Tensor:
-    """The inverse of ``split_batch`` for one tensor: [b, S / cp, ...] on each CP rank -> [b, S, ...] on all.
-    No autograd (the trainer gathers results, never gradients)."""
+# The packed row's per-token tensors ([1, N, ...]); every other [b, S, ...] tensor is per sequence.
+_ROW_KEYS = ("input_ids", "labels", "position_ids", "rollout_routing")
+
+
+def split_packed(batch: dict, group) -> dict:
+    """This CP rank's share of a packed micro batch (``parallel.packing.pack`` with segments of 2 * cp chunks):
+    the row's tokens (``packed_token_index``), and of every per-sequence [b, S, ...] tensor the same tokens in
+    each row's own split (``row_index``, width S / cp, ``loss_mask`` off past a row's share), with the
+    ``unpack_index`` from one to the other and ``cp_segments`` [b] for ``gather_sequence``."""
+    cp, rank = _size_and_rank(group)
+    if cp == 1:
+        return batch
+    offsets = batch["cu_seqlens"].to(torch.int64)
+    b, width = batch["unpack_index"].shape
+    segments = offsets.diff()[:b]
+    row = packed_token_index(offsets, cp, rank).to(batch["input_ids"].device)
+    index, held = row_index(segments, width, cp, rank)
+    rows = torch.arange(b, device=index.device).unsqueeze(1)
+    out = dict(batch)
+    for key, value in batch.items():
+        if key in _ROW_KEYS and torch.is_tensor(value):
+            out[key] = value.index_select(1, row.to(value.device))
+        elif (key not in _LOCAL_KEYS and key != "unpack_index" and torch.is_tensor(value) and value.dim() >= 2
+              and tuple(value.shape[:2]) == (b, width)):
+            out[key] = value[rows.to(value.device), index.to(value.device)]
+    if "loss_mask" in out:
+        out["loss_mask"] = out["loss_mask"] & held.to(out["loss_mask"].device)
+    starts = (offsets[:b] // cp).unsqueeze(1)
+    local = torch.arange(width // cp, device=starts.device).unsqueeze(0)
+    out["unpack_index"] = starts + torch.minimum(local, (segments // cp - 1).unsqueeze(1))
+    out["cp_segments"] = segments
+    return out
+
+
+def gather_sequence(local: torch.Tensor, group, segments: torch.Tensor | None = None) -> torch.Tensor:
+    """The inverse of ``split_batch`` (or, with each row's ``segments``, of ``split_packed``) for one tensor:
+    [b, S / cp, ...] on each CP rank -> [b, S, ...] on all (positions no rank holds: zero). No autograd (the
+    trainer gathers results, never gradients)."""
     cp, _ = _size_and_rank(group)
     if cp == 1:
         return local
     parts = [torch.empty_like(local) for _ in range(cp)]
     dist.all_gather(parts, local.contiguous(), group=group)
-    seq_len = local.shape[1] * cp
-    full = local.new_empty((local.shape[0], seq_len) + tuple(local.shape[2:]))
+    b, seq_len = local.shape[0], local.shape[1] * cp
+    if segments is None:
+        segments = torch.full((b,), seq_len, dtype=torch.int64)
+    full = local.new_zeros((b, seq_len) + tuple(local.shape[2:]))
+    rows = torch.arange(b, device=local.device).unsqueeze(1)
     for rank, part in enumerate(parts):
-        full[:, token_index(seq_len, cp, rank, device=local.device)] = part
+        index, held = row_index(segments.to(local.device), seq_len, cp, rank)
+        full[rows.expand_as(index)[held], index[held]] = part[held]
     return full

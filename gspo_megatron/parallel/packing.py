@@ -22,13 +22,21 @@ import torch
 # Per-token tensors that become the packed row (the model's inputs and the loss op's targets).
 PACKED_KEYS = ("input_ids", "labels")
 # What a packed micro batch holds for the model only (the loss reads the padded per-sequence tensors).
-MODEL_KEYS = PACKED_KEYS + ("position_ids", "cu_seqlens", "max_seqlen", "unpack_index", "attention_mask",
-                            "packed_seq_params", "sequence_parallel", "rollout_routing")
+MODEL_KEYS = PACKED_KEYS + ("position_ids", "cu_seqlens", "cu_seqlens_unpadded", "max_seqlen", "unpack_index",
+                            "attention_mask", "packed_seq_params", "sequence_parallel", "rollout_routing",
+                            "cp_segments")
 
 
-def packed_length(seq_lengths: torch.Tensor, multiple: int = 1) -> int:
-    """Tokens of a packed row holding sequences of ``seq_lengths`` [b]: their sum rounded up to ``multiple``."""
-    total = int(seq_lengths.sum())
+def padded_lengths(seq_lengths: torch.Tensor, segment_multiple: int = 1) -> torch.Tensor:
+    """Each sequence's segment in a packed row: its tokens rounded up to ``segment_multiple`` (2 * cp under
+    context parallelism, where every segment is cut into 2 * cp equal chunks; else 1: no padding)."""
+    return -(-seq_lengths.to(torch.int64) // segment_multiple) * segment_multiple
+
+
+def packed_length(seq_lengths: torch.Tensor, multiple: int = 1, segment_multiple: int = 1) -> int:
+    """Tokens of a packed row holding sequences of ``seq_lengths`` [b]: their segments (``padded_lengths``) summed
+    and rounded up to ``multiple`` (a multiple of ``segment_multiple``)."""
+    total = int(padded_lengths(seq_lengths, segment_multiple).sum())
     return -(-total // multiple) * multiple
 
 
@@ -44,42 +52,56 @@ def cu_seqlens(seq_lengths: torch.Tensor, length: int) -> torch.Tensor:
     return offsets.to(torch.int32)
 
 
-def unpack_index(seq_lengths: torch.Tensor, width: int) -> torch.Tensor:
-    """[b, width] long: the packed position of each padded position (b, t); padding maps to the sequence's last
-    token (any real position would do: padded positions are never in a loss mask)."""
-    starts = torch.cumsum(seq_lengths, 0) - seq_lengths
+def unpack_index(seq_lengths: torch.Tensor, width: int, starts: torch.Tensor | None = None) -> torch.Tensor:
+    """[b, width] long: the packed position of each padded position (b, t), sequence i starting at ``starts[i]``
+    (default: right after the previous one); padding maps to the sequence's last token (any real position would
+    do: padded positions are never in a loss mask)."""
+    if starts is None:
+        starts = torch.cumsum(seq_lengths, 0) - seq_lengths
     t = torch.arange(width, device=seq_lengths.device).unsqueeze(0)
     return starts.unsqueeze(1) + torch.minimum(t, (seq_lengths - 1).clamp_min(0).unsqueeze(1))
 
 
-def pack(batch: dict, length: int) -> dict:
+def pack(batch: dict, length: int, segment_multiple: int = 1) -> dict:
     """The packed model inputs of a padded micro batch with ``seq_lengths`` [b]: ``input_ids`` / ``labels`` /
-    ``position_ids`` [1, length] (and the engine's ``rollout_routing`` [1, length, L, k]), ``cu_seqlens`` (int32),
-    ``max_seqlen`` and ``unpack_index`` [b, S]. The per-sequence and other per-token tensors stay as they are
-    (padded [b, S]). Pure, device-agnostic."""
+    ``position_ids`` [1, length] (and the engine's ``rollout_routing`` [1, length, L, k]), ``cu_seqlens``
+    (int32 segment offsets), ``max_seqlen`` and ``unpack_index`` [b, S]. The per-sequence and other per-token
+    tensors stay as they are (padded [b, S]). With ``segment_multiple`` > 1 each sequence's segment is padded to a
+    multiple of it (``padded_lengths``; context parallelism) and ``cu_seqlens_unpadded`` holds the offsets of
+    the sequences' own tokens (TransformerEngine's ``cu_seqlens_q``; ``cu_seqlens`` is its ``*_padded``).
+    Pure, device-agnostic."""
     lengths = batch["seq_lengths"].to(batch["input_ids"].device)
     b, width = batch["input_ids"].shape[:2]
     if (lengths < 1).any() or (lengths > width).any():
         raise ValueError(f"seq_lengths {lengths.tolist()} must lie in [1, {width}]")
     keep = torch.arange(width, device=lengths.device).unsqueeze(0) < lengths.unsqueeze(1)  # [b, S]
+    segments = padded_lengths(lengths, segment_multiple)
+    offsets = cu_seqlens(segments, length)
+    starts = offsets[:b].to(torch.int64)
+    # Where each real token goes in the row: its sequence's segment start + its position.
+    destination = (starts.unsqueeze(1) + torch.arange(width, device=lengths.device).unsqueeze(0))[keep]
     out = dict(batch)
-    offsets = cu_seqlens(lengths, length)
-    pad = length - int(lengths.sum())
     for key in PACKED_KEYS:
         if key in batch:
-            row = batch[key][keep]
-            out[key] = torch.cat([row, row.new_zeros(pad)]).unsqueeze(0)
+            row = batch[key].new_zeros(length)
+            row[destination] = batch[key][keep]
+            out[key] = row.unsqueeze(0)
     if "rollout_routing" in batch:  # the engine's experts [b, S, L, k] -> [1, length, L, k]
-        routes = batch["rollout_routing"][keep]
-        # The padding tail has no route: any k distinct experts (a repeated expert would miscount the dispatch).
-        tail = torch.arange(routes.shape[-1], dtype=routes.dtype, device=routes.device)
-        out["rollout_routing"] = torch.cat([routes, tail.expand((pad,) + tuple(routes.shape[1:]))]).unsqueeze(0)
+        routes = batch["rollout_routing"]
+        # Padding has no route: any k distinct experts (a repeated expert would miscount the dispatch).
+        row = torch.arange(routes.shape[-1], dtype=routes.dtype, device=routes.device).expand(
+            (length,) + tuple(routes.shape[2:])).clone()
+        row[destination] = routes[keep]
+        out["rollout_routing"] = row.unsqueeze(0)
     segment_lengths = offsets.diff().to(torch.int64)
-    starts = torch.repeat_interleave(offsets[:-1].to(torch.int64), segment_lengths)
-    out["position_ids"] = (torch.arange(length, device=lengths.device) - starts).unsqueeze(0)
+    segment_starts = torch.repeat_interleave(offsets[:-1].to(torch.int64), segment_lengths)
+    out["position_ids"] = (torch.arange(length, device=lengths.device) - segment_starts).unsqueeze(0)
     out["cu_seqlens"] = offsets
     out["max_seqlen"] = int(segment_lengths.max())
-    out["unpack_index"] = unpack_index(lengths, width)
+    out["unpack_index"] = unpack_index(lengths, width, starts)
+    if segment_multiple > 1:  # each segment's own tokens (the trailing padding segment counts as its own)
+        real = torch.cat([lengths.to(torch.int64), segment_lengths[b:]])
+        out["cu_seqlens_unpadded"] = torch.cat([real.new_zeros(1), torch.cumsum(real, 0)]).to(torch.int32)
     return out
 
 
@@ -92,12 +114,15 @@ def block_causal_mask(offsets: torch.Tensor, length: int) -> torch.Tensor:
     return (~visible).view(1, 1, length, length)
 
 
-def packed_seq_params(offsets: torch.Tensor, max_seqlen: int):
-    """megatron's ``PackedSeqParams`` for TransformerEngine's THD attention over the segments ``offsets``."""
+def packed_seq_params(offsets: torch.Tensor, max_seqlen: int, unpadded: torch.Tensor | None = None):
+    """megatron's ``PackedSeqParams`` for TransformerEngine's THD attention over the segments ``offsets``
+    (``cu_seqlens_*_padded``: where each segment starts, what RoPE and the CP split follow), of which the
+    sequences' own tokens end at ``unpadded`` (``cu_seqlens_q/kv``; None: the segments are unpadded)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     offsets = offsets.to(torch.int32)
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=offsets, cu_seqlens_kv=offsets,
+    real = offsets if unpadded is None else unpadded.to(torch.int32)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=real, cu_seqlens_kv=real,
                            cu_seqlens_q_padded=offsets, cu_seqlens_kv_padded=offsets,
                            max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen)
 
@@ -109,11 +134,15 @@ def unpack(packed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return row[index.reshape(-1)].reshape(tuple(index.shape) + tuple(row.shape[1:]))
 
 
-def pack_rows(per_sequence: torch.Tensor, index: torch.Tensor, length: int) -> torch.Tensor:
+def pack_rows(per_sequence: torch.Tensor, index: torch.Tensor, length: int,
+              fill: torch.Tensor | None = None) -> torch.Tensor:
     """The inverse of ``unpack`` for a padded [b, S, ...] tensor whose real positions are those of ``index``:
-    -> [1, length, ...] (each packed position from its sequence; the padding tail zero). No autograd."""
+    -> [1, length, ...] (each packed position from its sequence; positions no sequence maps to: ``fill``,
+    broadcast, or zero). No autograd."""
     b, width = index.shape
     out = per_sequence.new_zeros((length,) + tuple(per_sequence.shape[2:]))
+    if fill is not None:
+        out[:] = fill
     real = index.diff(dim=1, prepend=index[:, :1] - 1) != 0  # the first visit of each packed position
     out[index[real]] = per_sequence[real]
     return out.unsqueeze(0)

@@ -143,6 +143,9 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Token ids that end a response besides the tokenizer's end token (SGLang's ``stop_token_ids``): the response
+    keeps the stop token and is not truncated."""
     filter_zero_variance_groups: bool = False
     """DAPO's dynamic sampling: drop groups whose rewards are all equal (zero advantage: no GSPO signal) and sample
     more prompts until prompts_per_step groups remain, for at most max_sampling_rounds rounds; a batch still short
@@ -424,7 +427,8 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
             value = [v for v in value.split(",") if v]
         if not isinstance(value, list):
             raise ConfigError(f"{where}: expected a list, got {value!r}")
-        return value
+        item = typing.get_args(annotation)
+        return [_coerce(v, item[0], f"{where}[{i}]") for i, v in enumerate(value)] if item else value
     return value
 
 

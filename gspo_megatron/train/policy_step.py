@@ -279,9 +279,9 @@ def _packed_routing(batch: dict, routing: torch.Tensor) -> torch.Tensor:
     if "unpack_index" not in batch or routing.shape[1] == 0:
         return routing
     length = batch["input_ids"].shape[1]
-    row = packing.pack_rows(routing.transpose(1, 2), batch["unpack_index"], length).transpose(1, 2)
-    # The padding tail has no record: any k distinct experts (a repeated expert would miscount the dispatch).
-    row[:, :, int(batch["seq_lengths"].sum()):] = torch.arange(routing.shape[-1], dtype=row.dtype, device=row.device)
+    # Padding has no record: any k distinct experts (a repeated expert would miscount the dispatch).
+    distinct = torch.arange(routing.shape[-1], dtype=routing.dtype, device=routing.device)
+    row = packing.pack_rows(routing.transpose(1, 2), batch["unpack_index"], length, fill=distinct).transpose(1, 2)
     if batch["sequence_parallel"]:
         _, _, ps = _groups()
         s_local = length // ps.get_tensor_model_parallel_world_size()
@@ -368,15 +368,17 @@ def routing_changes(old: torch.Tensor, new: torch.Tensor, token_mask: torch.Tens
 class Packing:
     """How one schedule's micro batches are packed (``parallel.packing``): through TransformerEngine's THD
     attention (``thd``) or a block-diagonal mask, each row ``length`` tokens (pipeline parallelism needs one
-    shape for every micro batch) or, with None, its own sequences' tokens rounded up to ``multiple``."""
+    shape for every micro batch) or, with None, its own sequences' tokens rounded up to ``multiple``. Under
+    context parallelism each sequence's segment is padded to ``segment_multiple`` = 2 * cp (its 2 * cp chunks)."""
 
     thd: bool
     multiple: int
     sequence_parallel: bool
     length: int | None = None
+    segment_multiple: int = 1
 
     def row_length(self, seq_lengths: torch.Tensor) -> int:
-        return self.length or packing.packed_length(seq_lengths, self.multiple)
+        return self.length or packing.packed_length(seq_lengths, self.multiple, self.segment_multiple)
 
 
 def _unwrapped(model):
@@ -392,19 +394,24 @@ def schedule_packing(model, micro_batches: list[dict], pack: bool) -> Packing | 
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     _, _, ps = _groups()
-    if ps.get_context_parallel_world_size() > 1:
-        raise NotImplementedError("parallel.pack_sequences with parallel.context > 1 is not supported yet")
     if any("seq_lengths" not in mb for mb in micro_batches):
         raise ValueError("packed micro batches need seq_lengths [b] (prompt + response tokens of each row)")
-    tp = ps.get_tensor_model_parallel_world_size()
+    tp, cp = ps.get_tensor_model_parallel_world_size(), ps.get_context_parallel_world_size()
     sp = bool(_unwrapped(model).config.sequence_parallel) and tp > 1
-    multiple = tp if sp else 1
-    length = None
-    if ps.get_pipeline_model_parallel_world_size() > 1:  # stages exchange [length / tp, 1, H] tensors
-        length = max(packing.packed_length(mb["seq_lengths"], multiple) for mb in micro_batches)
     layers = list(_unwrapped(model).decoder.layers)
     local = not layers or isinstance(layers[0].self_attention.core_attention, DotProductAttention)
-    return Packing(thd=not local, multiple=multiple, sequence_parallel=sp, length=length)
+    if local and cp > 1:
+        raise NotImplementedError("packed rows under context parallelism need THD attention (TransformerEngine's): "
+                                  "megatron's local attention has neither")
+    # A row splits into cp shares of whole chunks of every segment (the trailing padding one too), each share
+    # into tp under sequence parallelism.
+    segment_multiple = 2 * cp if cp > 1 else 1
+    multiple = context.sequence_multiple(tp, cp, sp)
+    length = None
+    if ps.get_pipeline_model_parallel_world_size() > 1:  # stages exchange [length / (cp * tp), 1, H] tensors
+        length = max(packing.packed_length(mb["seq_lengths"], multiple, segment_multiple) for mb in micro_batches)
+    return Packing(thd=not local, multiple=multiple, sequence_parallel=sp, length=length,
+                   segment_multiple=segment_multiple)
 
 
 def batch_for_model(batch: dict, packed: Packing | None = None) -> dict:
@@ -415,13 +422,14 @@ def batch_for_model(batch: dict, packed: Packing | None = None) -> dict:
     _, cp_group, _ = _groups()
     batch = environment.to_device(batch, environment.device())
     if packed is not None:
-        batch = packing.pack(batch, packed.row_length(batch["seq_lengths"]))
+        batch = packing.pack(batch, packed.row_length(batch["seq_lengths"]), packed.segment_multiple)
         if packed.thd:
-            batch["packed_seq_params"] = packing.packed_seq_params(batch["cu_seqlens"], batch["max_seqlen"])
+            batch["packed_seq_params"] = packing.packed_seq_params(batch["cu_seqlens"], batch["max_seqlen"],
+                                                                   batch.get("cu_seqlens_unpadded"))
         else:
             batch["attention_mask"] = packing.block_causal_mask(batch["cu_seqlens"], batch["input_ids"].shape[1])
         batch["sequence_parallel"] = packed.sequence_parallel
-        return batch
+        return context.split_packed(batch, cp_group)  # under CP: every segment's chunks r and 2*cp-1-r
     ids = batch["input_ids"]
     batch["position_ids"] = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
     return context.split_batch(batch, cp_group)
@@ -476,6 +484,18 @@ def _run_schedule(model, forward_step, micro_batches: list[dict], forward_only: 
     )
 
 
+def computed_positions(micro_batches: list[dict], packed: Packing | None) -> tuple[int, int]:
+    """(tokens of the micro batches' sequences, token positions the model computes for them): padded rows cost
+    their width each, packed rows their length. Without ``seq_lengths`` a padded row counts as all real."""
+    real = computed = 0
+    for mb in micro_batches:
+        b, width = mb["input_ids"].shape[:2]
+        lengths = mb.get("seq_lengths")
+        real += int(lengths.sum()) if lengths is not None else b * width
+        computed += packed.row_length(lengths) if packed is not None else b * width
+    return real, computed
+
+
 def update_step(model, optimizer, micro_batches: list[dict], algo_config: AlgoConfig, pack: bool = False) -> dict:
     """One optimizer step on one minibatch (its share on this data-parallel rank, as micro batches); with
     ``pack``, each micro batch runs as one packed row (micro batches carry ``seq_lengths``).
@@ -487,7 +507,7 @@ def update_step(model, optimizer, micro_batches: list[dict], algo_config: AlgoCo
     Returns, on every rank (CPU tensors): ``loss`` (the minibatch's mean loss per unit, over all DP ranks),
     ``stats`` [N, len(algo.SEQUENCE_STATS)] for every sequence of the minibatch (gathered over DP ranks in
     rank order: ``algo.update_metrics`` turns them into the logged metrics), ``seq_log_ratio`` and ``valid`` [N]
-    from them, ``grad_norm``, ``update_successful``, and with ``old_routing`` ``routing_changes``
+    from them, ``grad_norm``, ``update_successful``, ``token_positions`` (this rank's ``computed_positions``), and with ``old_routing`` ``routing_changes``
     [changed, decisions] summed over all ranks. If any rank's loss or gradient is non-finite the step is skipped on
     every rank (``train.faults.guarded_step``): weights and optimizer state are left as they were.
     """
@@ -526,6 +546,7 @@ def update_step(model, optimizer, micro_batches: list[dict], algo_config: AlgoCo
         torch.distributed.all_reduce(counts)
         out["routing_changes"] = counts.cpu()
     out["grad_norm"] = grad_norm
+    out["token_positions"] = computed_positions(micro_batches, packed)
     out["update_successful"] = update_successful
     return out
 
@@ -540,10 +561,11 @@ def _logprob_loss_func(batch: dict, captured, temperature: float, with_entropy: 
     sums, counts = all_reduce_sequence_sums(*algo.masked_log_ratio_sums(logprobs, torch.zeros_like(logprobs), mask),
                                             cp_group)
     # Whole sequences again (every CP rank): the trainer keeps per-token log-probs as pi_old.
-    results = {"logprobs": context.gather_sequence(logprobs.detach(), cp_group), "seq_logprob": sums.detach(),
-               "num_tokens": counts.detach()}
+    segments = batch.get("cp_segments")  # packed under CP: each row split by its own segment
+    results = {"logprobs": context.gather_sequence(logprobs.detach(), cp_group, segments),
+               "seq_logprob": sums.detach(), "num_tokens": counts.detach()}
     if with_entropy:
-        results["entropy"] = context.gather_sequence(entropy.detach(), cp_group)
+        results["entropy"] = context.gather_sequence(entropy.detach(), cp_group, segments)
     return zero, torch.zeros((), dtype=torch.int, device=logprobs.device), results
 
 

@@ -103,8 +103,9 @@ def _sampling(cfg: Config, step: int, eos_ids, sampling_round: int = 0):
 
     r = cfg.rollout
     seed = cfg.train.seed * 100_003 + step + 1_000_003 * sampling_round
+    stops = tuple(dict.fromkeys(list(eos_ids) + list(r.stop_token_ids)))
     return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                          stop_token_ids=tuple(eos_ids), seed=seed)
+                          stop_token_ids=stops, seed=seed)
 
 
 def _generate_and_score(engine, prompts: list[Prompt], cfg: Config, step: int, tokenizer, reward_fn, n: int,

@@ -64,7 +64,7 @@ def micro_batches(batch: dict, rows: torch.Tensor, cfg: Config, routing: torch.T
                   rollout_routing: bool = True) -> list[dict]:
     """``rows`` of the batch as micro batches (``micro_batch_rows``, or ``parts`` already planned); ``routing``
     (this rank's record for exactly these rows, in their order) goes in as ``routing_key``: "routing" (replayed)
-    or "old_routing" (compared). With ``parallel.pack_sequences`` each carries ``seq_lengths``. With rollout
+    or "old_routing" (compared). Each carries ``seq_lengths`` (packed rows hold those tokens). With rollout
     routing replay (and ``rollout_routing``) the batch's ``rollout_routing`` goes in too: the engine's experts."""
     keys = [k for k in ("input_ids", "labels", "loss_mask", "old_logprobs", "ref_logprobs", "advantages")
             if k in batch]
@@ -76,8 +76,7 @@ def micro_batches(batch: dict, rows: torch.Tensor, cfg: Config, routing: torch.T
     out = []
     for part in micro_batch_rows(batch, rows, cfg) if parts is None else parts:
         micro = {k: batch[k][rows[part]] for k in keys}
-        if cfg.parallel.pack_sequences:  # each row's tokens: what a packed row holds of it
-            micro["seq_lengths"] = sequence_lengths(batch)[rows[part]]
+        micro["seq_lengths"] = sequence_lengths(batch)[rows[part]]  # what a packed row holds of each row
         if routing is not None:
             micro[routing_key] = routing[part.to(routing.device)]
         out.append(micro)
@@ -175,6 +174,20 @@ def reference_logprobs(reference, batch: dict, rows: list[torch.Tensor], cfg: Co
                                          algo_config.kl_estimator, max_log_ratio=algo_config.max_log_ratio))
 
 
+def _padding_fraction(positions: torch.Tensor) -> float:
+    """The share of the update's computed token positions, over every data-parallel rank, that are padding
+    (padded rows: all but each sequence's tokens; packed rows: the row's rounding, and each sequence's rounding to
+    2 * cp chunks under context parallelism)."""
+    from megatron.core import parallel_state as ps
+
+    from gspo_megatron import environment
+
+    totals = positions.to(environment.device())
+    dist.all_reduce(totals, group=ps.get_data_parallel_group())
+    real, computed = totals.tolist()
+    return 1.0 - real / computed if computed else 0.0
+
+
 def update(policy, batch: dict, rows: list[torch.Tensor], routing, cfg: Config, algo_config: AlgoConfig) -> dict:
     """``algo.minibatches`` optimizer steps over the rollout batch, and their metrics over every sequence of every
     rank (``algo.update_metrics``). ``routing``: this rank's old-policy record (``old_logprobs``), replayed with
@@ -182,6 +195,7 @@ def update(policy, batch: dict, rows: list[torch.Tensor], routing, cfg: Config, 
     Under rollout routing replay every micro batch carries the engine's experts instead (``micro_batches``)."""
     losses, norms, stats = [], [], []
     skipped, offset, metrics = 0, 0, {}
+    positions = torch.zeros(2, dtype=torch.float64)  # (sequence tokens, computed positions) of this rank's rows
     for m, minibatch_rows in enumerate(rows):
         if cfg.algo.replays_old_routing:
             record = routing[offset:offset + minibatch_rows.numel()]
@@ -192,6 +206,7 @@ def update(policy, batch: dict, rows: list[torch.Tensor], routing, cfg: Config, 
         out = update_step(policy.model, policy.optimizer, micro, algo_config, pack=cfg.parallel.pack_sequences)
         if out["update_successful"]:  # a skipped (non-finite) update leaves the LR schedule too, as megatron does
             policy.scheduler.step(increment=1)
+        positions += torch.tensor(out["token_positions"], dtype=torch.float64)
         losses.append(float(out["loss"]))
         if out["update_successful"]:  # a skipped update's norm is NaN/inf: the metric averages the applied ones
             norms.append(out["grad_norm"])
@@ -206,5 +221,5 @@ def update(policy, batch: dict, rows: list[torch.Tensor], routing, cfg: Config, 
             metrics.update(algo.mismatch_metrics(out["stats"]))
     metrics.update(algo.update_metrics(torch.cat(stats), algo_config.unit, algo_config.max_log_ratio))
     metrics.update(loss=sum(losses) / len(losses), grad_norm=sum(norms) / len(norms) if norms else float("nan"),
-                   skipped_updates=float(skipped))
+                   skipped_updates=float(skipped), padding_frac=_padding_fraction(positions))
     return metrics

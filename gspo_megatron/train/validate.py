@@ -48,9 +48,6 @@ def validate_layout(cfg: Config, world_size: int) -> int:
             raise ConfigError("parallel.max_tokens_per_micro_batch needs parallel.pack_sequences=true (the budget "
                               "counts the tokens of a packed row; padded rows would cost their padding too)")
     if p.context > 1:
-        if p.pack_sequences:
-            raise ConfigError(f"parallel.pack_sequences=true with parallel.context={p.context}: packed rows are not "
-                              "split over context-parallel ranks yet; set parallel.pack_sequences=false")
         if not transformer_engine_available():
             raise ConfigError(
                 f"parallel.context={p.context} needs TransformerEngine attention (megatron's local attention "
@@ -249,6 +246,11 @@ def validate(cfg: Config, world_size: int, hf: dict | None = None) -> None:
     for name in ("prompts_per_step", "max_new_tokens", "temperature", "max_sampling_rounds"):
         _positive(getattr(r, name), f"rollout.{name}")
     _positive(a.minibatches, "algo.minibatches")
+    vocab = hf.get("vocab_size") if hf else None
+    for i, token in enumerate(r.stop_token_ids):
+        if token < 0 or (vocab is not None and token >= vocab):
+            raise ConfigError(f"rollout.stop_token_ids[{i}]={token} is not a token id of the vocabulary "
+                              f"(0..{vocab - 1 if vocab else 'vocab_size - 1'})")
     if cfg.train.max_consecutive_nonfinite < 0:
         raise ConfigError(f"train.max_consecutive_nonfinite={cfg.train.max_consecutive_nonfinite} must be >= 0 "
                           "(0: never stop on non-finite steps)")

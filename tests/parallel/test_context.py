@@ -93,3 +93,54 @@ def test_batch_for_model_splits_over_cp_ranks_and_gathers_back():
         for key in ("input_ids", "loss_mask", "old_logprobs"):
             assert torch.equal(r["gathered"][key], batch[key]), key
         assert torch.equal(r["gathered"]["position_ids"], torch.arange(16).expand(3, 16))
+
+
+def thd_partitioned_indices(offsets: list[int], cp: int, rank: int) -> list[int]:
+    """TransformerEngine's ``thd_get_partitioned_indices``, written out: per segment, megatron's split of it."""
+    out = []
+    for start, end in zip(offsets, offsets[1:]):
+        segment = torch.arange(start, end).unsqueeze(0)
+        out += megatron_cp_slice(segment, cp, rank)[0].tolist()
+    return out
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_packed_rows_split_per_segment(cp, monkeypatch):
+    """A packed row under CP: each segment (sequence, padded to 2*cp chunks) split as a sequence of its own; the
+    per-sequence tensors take the same tokens, row by row; gathering the shares back restores every sequence."""
+    from gspo_megatron.parallel import packing
+    from gspo_megatron.parallel import context
+    from gspo_megatron.parallel.context import packed_token_index, row_index, split_packed
+
+    lengths = torch.tensor([5, 2 * cp, 1, 11])
+    width = 16
+    ids = torch.arange(1, 4 * width + 1).view(4, width)
+    loss_mask = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)
+    batch = {"input_ids": ids, "labels": ids + 100, "loss_mask": loss_mask, "seq_lengths": lengths,
+             "old_logprobs": ids.float(), "advantages": torch.tensor([1.0, 2.0, 3.0, 4.0])}
+    row_length = packing.packed_length(lengths, 2 * cp, 2 * cp)
+    packed = packing.pack(batch, row_length, segment_multiple=2 * cp)
+    segments = packing.padded_lengths(lengths, 2 * cp)
+    offsets = packed["cu_seqlens"].tolist()
+    assert offsets[:5] == [0, *torch.cumsum(segments, 0).tolist()] and offsets[-1] == row_length
+    assert packed["cu_seqlens_unpadded"].diff()[:4].tolist() == lengths.tolist()  # TE's cu_seqlens_q: own tokens
+    for rank in range(cp):
+        index = packed_token_index(packed["cu_seqlens"], cp, rank)
+        assert index.tolist() == thd_partitioned_indices(offsets, cp, rank)
+        monkeypatch.setattr(context, "_size_and_rank", lambda group: (cp, rank))  # no process group needed
+        local = split_packed(packed, None)
+        assert torch.equal(local["input_ids"], packed["input_ids"][:, index])
+        # Unpacking the local row gives each sequence's share, as the per-sequence tensors hold it.
+        unpacked = packing.unpack(local["input_ids"], local["unpack_index"])
+        held = local["loss_mask"]
+        assert torch.equal(unpacked[held], ids[torch.arange(4).unsqueeze(1).expand_as(held)[held],
+                                               row_index(segments, width, cp, rank)[0][held]])
+        assert torch.equal(local["old_logprobs"][held], unpacked[held].float())
+        assert torch.equal(local["advantages"], batch["advantages"])
+    # Every real token on exactly one rank.
+    counts = torch.zeros(4, width, dtype=torch.long)
+    for rank in range(cp):
+        index, held = row_index(segments, width, cp, rank)
+        rows = torch.arange(4).unsqueeze(1).expand_as(index)
+        counts[rows[held], index[held]] += 1
+    assert torch.equal(counts[loss_mask], torch.ones(int(loss_mask.sum()), dtype=torch.long))

@@ -38,6 +38,8 @@ LOGPROB_ATOL, RTOL, GRAD_RTOL = 2e-5, 1e-5, 1e-5
 LOSS_ATOL = 1e-6
 GSPO = AlgoConfig(eps_low=3e-4, eps_high=4e-4)
 GRPO = AlgoConfig(name="grpo", eps_low=1e-3, eps_high=1e-3)
+# Under context parallelism only GSPO's terms reduce over CP ranks: the replay cases run it, with GRPO's clipping.
+GSPO_REPLAY = AlgoConfig(eps_low=1e-3, eps_high=1e-3)
 
 
 def test_pack_and_unpack():
@@ -148,16 +150,17 @@ def compare(cases) -> dict:
 
         r["gspo"] = diff(step(GSPO, True), step(GSPO, False))
         drifted = {pack: _drifted_routing(ddp, batch, first, per_dp, pack) for pack in (False, True)}
-        free = step(GRPO, False)
-        replayed = {pack: step(GRPO, pack, drifted[pack]) for pack in (False, True)}
+        replay_algo = GRPO if layout.context == 1 else GSPO_REPLAY
+        free = step(replay_algo, False)
+        replayed = {pack: step(replay_algo, pack, drifted[pack]) for pack in (False, True)}
         r["replay"] = diff(replayed[True], replayed[False])
-        r["replay_changes_loss"] = diff(replayed[False], free)["loss"]
+        r["replay_changes"] = diff(replayed[False], free)["stats"]  # per-sequence log-ratio sums
         # Rollout routing replay: an engine's experts for every layer of the whole sequence [N, S, L, k], packed
         # with the tokens (each rank's routers then take their stage's layers and sequence-parallel share).
         routes = torch.rand(NUM_SEQUENCES, tiny.SEQ, 2, 4, generator=torch.Generator().manual_seed(4)).topk(2).indices
-        engine = {pack: step(GRPO, pack, routes[rows], "rollout_routing") for pack in (False, True)}
+        engine = {pack: step(replay_algo, pack, routes[rows], "rollout_routing") for pack in (False, True)}
         r["r3"] = diff(engine[True], engine[False])
-        r["r3_changes_loss"] = diff(engine[False], free)["loss"]
+        r["r3_changes"] = diff(engine[False], free)["stats"]
         volatility = {pack: step(GSPO, pack, drifted[pack], "old_routing")[0]["routing_changes"].tolist()
                       for pack in (False, True)}
         r["volatility"] = volatility
@@ -174,14 +177,16 @@ def _check(results, cases):
                 d = r[key]
                 assert d["loss"] <= LOSS_ATOL and d["grad_norm"] <= RTOL, (where, key, d)
                 assert d["stats"] <= LOGPROB_ATOL and d["grads"] <= GRAD_RTOL, (where, key, d)
-            assert r["replay_changes_loss"] > 1e-4, (where, r)  # the replayed experts are not the free ones
-            assert r["r3_changes_loss"] > 1e-4, (where, r)
+            assert r["replay_changes"] > 1e-3, (where, r)  # the replayed experts are not the free ones
+            assert r["r3_changes"] > 1e-3, (where, r)
             packed, padded = r["volatility"][True], r["volatility"][False]
             assert packed == padded and 0 < packed[0] < packed[1], (where, r["volatility"])
 
 
 WORLD1 = [("world1", Layout())]
-TWO = [("tp2_sp", Layout(tensor=2, sequence_parallel=True)), ("pp2", Layout(pipeline=2)), ("ep2", Layout(expert=2))]
+TWO = [("tp2_sp", Layout(tensor=2, sequence_parallel=True)), ("pp2", Layout(pipeline=2)), ("ep2", Layout(expert=2)),
+       ("cp2", Layout(context=2))]
+FOUR = [("tp2_sp_cp2", Layout(tensor=2, context=2, sequence_parallel=True)), ("cp2_pp2", Layout(context=2, pipeline=2))]
 
 
 def test_packed_equals_padded_world1():
@@ -190,6 +195,10 @@ def test_packed_equals_padded_world1():
 
 def test_packed_equals_padded_two_ranks():
     _check(run_on_ranks(compare, 2, None, TWO), TWO)
+
+
+def test_packed_equals_padded_context_parallel_four_ranks():
+    _check(run_on_ranks(compare, 4, None, FOUR), FOUR)
 
 
 # ---- token-budget micro batches, through the trainer ----
@@ -256,7 +265,8 @@ def run_phases(hf_dir: str) -> dict:
                 metrics.update(update_phase.update(policy, batch, rows, routing, cfg, algo_config(cfg)))
                 grads = torch.cat([p.main_grad.detach().flatten().clone() for p in policy.model.parameters()])
                 results[f"{layout_name}/{algo_name}/{name}"] = {
-                    "metrics": metrics, "grads": grads, "plan": plan, "old": batch["old_logprobs"][batch["loss_mask"]]}
+                    "metrics": metrics, "grads": grads, "plan": plan, "old": batch["old_logprobs"][batch["loss_mask"]],
+                    "tokens": int(update_phase.sequence_lengths(batch).sum()), "width": batch["input_ids"].shape[1]}
         if layout_name == "pp2":  # every stage's tensors reach rank 0 (the local engine's and disk sync's path)
             names = [n for n, _ in rollout_phase.pipeline_gathered(policy.bridge, policy.model)]
             results["pp2/gathered"] = (sorted(names), sorted(policy.bridge.hf_tensor_shapes()))
@@ -271,14 +281,20 @@ def test_token_budget_micro_batches_equal_padded(moe_then_dense_dir):
                 # 8 rows, 2 minibatches, micro batches of 2 rows: 2 DP ranks one each, PP2 (DP 1) two each
                 assert ref["plan"] == ([[2], [2]] if layout_name == "dp2" else [[2, 2], [2, 2]]), ref["plan"]
                 assert ref["metrics"]["grad_norm"] > 0
+                # padded rows compute their whole width: every row of the batch, over the DP ranks, once
+                assert abs(ref["metrics"]["padding_frac"] - (1 - ref["tokens"] / (8 * ref["width"]))) < 1e-12, ref
                 for name in PHASE_CASES:
                     key = f"{layout_name}/{algo_name}/{name}"
                     if name == "padded" or key not in results:
                         continue
                     got, where = results[key], f"rank {rank} {key}"
                     assert (got["old"] - ref["old"]).abs().max() <= LOGPROB_ATOL, where
+                    # packed rows: no padding (DP2: rows of their own tokens; PP2: one length for all, the longest)
+                    padding = got["metrics"]["padding_frac"]
+                    assert padding == 0.0 if layout_name == "dp2" else 0 < padding < ref["metrics"]["padding_frac"], (
+                        where, padding)
                     for metric, want in ref["metrics"].items():
-                        if metric.startswith("time/"):
+                        if metric.startswith("time/") or metric == "padding_frac":
                             continue
                         assert abs(got["metrics"][metric] - want) <= RTOL * max(abs(want), 1.0), (
                             where, metric, got["metrics"][metric], want)
