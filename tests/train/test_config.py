@@ -87,11 +87,37 @@ def test_bad_fields_are_named(overrides, message):
         (["algo.token_advantages=tokens"], 1, None, r"algo.token_advantages='tokens' is not one of"),
         (["algo.token_advantages=segments"], 1, None, r"algo.token_advantages='segments' needs a loss with per-token"),
         (["algo.name=gspo_token", "algo.token_advantages=segments"], 1, None, r"needs data.segment_reward"),
+        # rollout.mode (train/rollout_source.py)
+        (["rollout.mode=often"], 1, None, r"rollout.mode='often'"),
+        (["rollout.mode=async", "rollout.max_staleness=0"], 1, None, r"rollout.max_staleness=0"),
+        (["rollout.mode=async", "rollout.engine=local"], 1, None, r"rollout.engine='local'"),
+        (["rollout.mode=one_step_off", "algo.name=grpo", "algo.routing_replay=true"], 1, None, r"algo.routing_replay=true"),
+        (["rollout.mode=async", "rollout.filter_zero_variance_groups=true"], 1, None,
+         r"rollout.filter_zero_variance_groups"),
+        # partial rollouts (train/partial_rollouts.py)
+        (["rollout.partial_chunk_tokens=0"], 1, None, r"rollout.partial_chunk_tokens=0"),
+        (["rollout.partial_chunk_tokens=2", "rollout.partial_mask=old"], 1, None, r"rollout.partial_mask='old'"),
+        (["rollout.partial_mask=old_tokens"], 1, None, r"needs rollout.partial_chunk_tokens"),
+        (["rollout.partial_chunk_tokens=2", "rollout.mode=one_step_off"], 1, None, r"rollout.mode=one_step_off"),
+        (["rollout.partial_chunk_tokens=2", "rollout.filter_zero_variance_groups=true"], 1, None,
+         r"rollout.filter_zero_variance_groups"),
+        (["rollout.partial_chunk_tokens=2", "algo.routing_replay=rollout"], 1, None, r"algo.routing_replay=rollout"),
+        (["rollout.partial_chunk_tokens=2", "rollout.partial_groups_in_flight=1"], 1, None,
+         r"rollout.partial_groups_in_flight=1"),
     ],
 )
 def test_incompatibilities_name_the_field(overrides, world, hf, message):
     with pytest.raises(ConfigError, match=message):
         validate(cfg(*overrides), world, hf)
+
+
+@pytest.mark.parametrize("overrides", [
+    ["rollout.mode=one_step_off", "rollout.engine=local"],
+    ["rollout.mode=async", "rollout.max_staleness=3", "algo.routing_replay=rollout"],
+    ["rollout.partial_chunk_tokens=2", "rollout.partial_mask=old_tokens"],
+])
+def test_rollout_modes_that_combine(overrides):
+    validate(cfg(*overrides), 1)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is not None, reason="TransformerEngine is installed")

@@ -227,28 +227,6 @@ def test_chunks_of_max_new_tokens_are_sync_mode(two_ranks):
     assert [c[1:] for c in whole["calls"]] == [c[1:] for c in sync["calls"]]  # one call per step, n=G, whole
 
 
-def test_config_errors_name_the_field():
-    from gspo_megatron.train.config import ConfigError, load_config
-    from gspo_megatron.train.validate import validate
-
-    def error(*overrides):
-        with pytest.raises(ConfigError) as e:
-            validate(load_config(None, ["data.task=reverse", *overrides]), 1)
-        return str(e.value)
-
-    assert "rollout.partial_chunk_tokens=0" in error("rollout.partial_chunk_tokens=0")
-    assert "rollout.partial_mask='old'" in error("rollout.partial_chunk_tokens=2", "rollout.partial_mask=old")
-    assert "needs rollout.partial_chunk_tokens" in error("rollout.partial_mask=old_tokens")
-    assert "rollout.mode=one_step_off" in error("rollout.partial_chunk_tokens=2", "rollout.mode=one_step_off")
-    assert "rollout.filter_zero_variance_groups" in error("rollout.partial_chunk_tokens=2",
-                                                         "rollout.filter_zero_variance_groups=true")
-    assert "algo.routing_replay=rollout" in error("rollout.partial_chunk_tokens=2", "algo.routing_replay=rollout")
-    validate(load_config(None, ["data.task=reverse", "rollout.partial_chunk_tokens=2",
-                                "rollout.partial_mask=old_tokens"]), 1)
-    assert "rollout.partial_groups_in_flight=1" in error("rollout.partial_chunk_tokens=2",
-                                                        "rollout.partial_groups_in_flight=1")
-
-
 def test_a_step_generated_again_after_a_resync_starts_from_the_groups_in_flight(two_ranks):
     """A server restart mid-step (call 6: chunks of the step already appended): the step is generated again from the
     groups in flight as it began and the prompts rank 0 drew, so every batch and data position is the undisturbed
