@@ -81,7 +81,8 @@ def parse_run(name: str) -> tuple[bool, str]:
     return pack, parts[0] if parts else "sync"
 
 
-def run_ours(size: str, model_dir: Path, out: Path, name: str = "sync", stops: list[int] = ()) -> dict:
+def run_ours(size: str, model_dir: Path, out: Path, name: str = "sync", stops: list[int] = (),
+             threads: tuple[int | None, int | None] = (None, None)) -> dict:
     s = SIZES[size]
     pack, mode = parse_run(name)
     run = out / f"ours-{name}"
@@ -92,7 +93,9 @@ def run_ours(size: str, model_dir: Path, out: Path, name: str = "sync", stops: l
            f"rollout.prompts_per_step={s['prompts']}", f"rollout.group_size={s['group']}",
            f"rollout.max_new_tokens={s['new_tokens']}", f"algo.minibatches={s['minibatches']}",
            f"parallel.micro_batch_size={s['prompts'] * s['group'] // s['minibatches']}",
-           "rollout.max_prompt_tokens=32", f"rollout.server_args={{dtype: float32, max_total_tokens: {16384 * 4}}}",
+           "rollout.max_prompt_tokens=32",
+           f"rollout.server_args={{dtype: float32, max_total_tokens: {16384 * 4}, cpu_threads: {threads[1] or 'null'}}}",
+           f"train.cpu_threads={threads[0] or 'null'}",
            f"logging.dir={run}", "checkpoint.dir=", "logging.plot_every=0", "logging.tensorboard=false",
            f"rollout.mode={mode}", f"parallel.pack_sequences={str(pack).lower()}",
            f"rollout.stop_token_ids={list(stops)}"]
@@ -180,19 +183,24 @@ def main() -> int:
     parser.add_argument("--runs", "--modes", default="sync",
                         help="ours: padded|packed[+sync|one_step_off|async] or a bare mode, comma-separated")
     parser.add_argument("--lengths", choices=("fixed", "long_tail"), default="fixed")
+    parser.add_argument("--threads", default="",
+                        help="TRAINER,SERVER torch threads of ours (e.g. 1,1: one core each on a 2-core CPU); "
+                             "default: torch's (every core) for both")
     parser.add_argument("--no-trl", action="store_true", help="skip TRL (compare rollout modes only)")
     args = parser.parse_args()
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench_rl_step_"))
     model_dir = build_model(args.size, work)
     names = args.runs.split(",")
     stops = stop_tokens(args.size, args.lengths)
+    threads = tuple(int(t) if t else None for t in args.threads.split(",")) if args.threads else (None, None)
     runs = {}
     for name in names:
-        runs[name] = run_ours(args.size, model_dir, work, name, stops)
+        runs[name] = run_ours(args.size, model_dir, work, name, stops, threads)
         print(f"[bench] {name}: {runs[name]}", flush=True)
     s = SIZES[args.size]
     print(f"\nRL step, {args.size}: {s['prompts']} prompts x {s['group']} samples x {s['new_tokens']} new tokens "
-          f"({args.lengths} lengths, {len(stops)} stop tokens), {s['minibatches']} minibatches "
+          f"({args.lengths} lengths, {len(stops)} stop tokens), {s['minibatches']} minibatches, threads (trainer, "
+          f"server) {threads} "
           f"(mean of {STEPS - 1} steps after a warm-up)")
     base = runs[names[0]]["step"]
     for name, ours in runs.items():

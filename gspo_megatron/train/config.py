@@ -318,6 +318,10 @@ class TrainSection:
     """A step whose loss or gradient is NaN/inf on any rank skips that update on every rank (``skipped_updates``) and
     saves its batch to ``<logging.dir>/nonfinite/``; this many such steps in a row stop the run with NonFiniteError
     before that step's checkpoint. 0: never stop."""
+    cpu_threads: int | None = None
+    """torch's intra-op threads in each trainer process (None: torch's default, every core). On a CPU shared with
+    the rollout server (``rollout.server_args.cpu_threads``), threads beyond the cores left to the trainer wait
+    on busy cores and slow every op; GPU runs need none."""
 
 
 @dataclass

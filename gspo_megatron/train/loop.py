@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from gspo_megatron.parallel import groups
@@ -37,6 +38,8 @@ def train(cfg: Config, resume: bool = False) -> dict:
     """Run ``cfg`` to ``train.steps``; returns the last step's metrics."""
     groups.init_distributed(timeout_s=cfg.distributed.timeout_s, control_timeout_s=cfg.distributed.control_timeout_s)
     rank0 = dist.get_rank() == 0
+    if cfg.train.cpu_threads:
+        torch.set_num_threads(cfg.train.cpu_threads)
     hf_dir = prepare_model_dir(cfg)
     groups.init_model_parallel(layout_of(cfg), seed=cfg.train.seed, timeout_s=cfg.distributed.timeout_s)
     policy = build_policy(cfg, hf_dir)

@@ -246,6 +246,8 @@ def validate(cfg: Config, world_size: int, hf: dict | None = None) -> None:
     for name in ("prompts_per_step", "max_new_tokens", "temperature", "max_sampling_rounds"):
         _positive(getattr(r, name), f"rollout.{name}")
     _positive(a.minibatches, "algo.minibatches")
+    if cfg.train.cpu_threads is not None:
+        _positive(cfg.train.cpu_threads, "train.cpu_threads")
     vocab = hf.get("vocab_size") if hf else None
     for i, token in enumerate(r.stop_token_ids):
         if token < 0 or (vocab is not None and token >= vocab):

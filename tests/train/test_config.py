@@ -63,6 +63,7 @@ def test_bad_fields_are_named(overrides, message):
         (["algo.kl_coef=-0.1"], 1, None, r"algo.kl_coef=-0.1 must be finite and >= 0"),
         (["algo.kl_coef=0.01", "parallel.context=2"], 2, None, r"algo.kl_coef=0.01 with parallel.context=2"),
         (["algo.entropy_coef=-1"], 1, None, r"algo.entropy_coef=-1.0 must be finite and >= 0"),
+        (["train.cpu_threads=0"], 1, None, r"train.cpu_threads=0 must be > 0"),
         (["parallel.context=2"], 2, None, r"parallel.context=2 needs TransformerEngine"),
         (["parallel.max_tokens_per_micro_batch=4096"], 1, None,
          r"parallel.max_tokens_per_micro_batch needs parallel.pack_sequences=true"),
