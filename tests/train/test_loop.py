@@ -80,7 +80,8 @@ def test_train_logs_plots_and_resumes_exactly(tmp_path):
 
 
 def test_kl_penalty_runs_a_frozen_reference_pass(tmp_path):
-    """algo.kl_coef > 0: a reference pass each step against the starting weights, logged as kl_ref."""
+    """algo.kl_coef > 0: a reference pass each step against the starting weights, logged as kl_ref; the padding
+    share of padded and packed rows; rollout.stop_token_ids reach the engine."""
     _train(tmp_path / "kl", 3, "algo.kl_coef=0.1", "checkpoint.every=0")
     records = [json.loads(line) for line in (tmp_path / "kl" / "metrics.jsonl").read_text().splitlines()]
     assert all(r["time/ref_logprobs"] > 0 for r in records)
@@ -88,9 +89,15 @@ def test_kl_penalty_runs_a_frozen_reference_pass(tmp_path):
     assert abs(records[0]["kl_ref"]) < 1e-6
     # After updates the policy has moved from the reference, which itself stays put: KL grows from zero.
     assert records[1]["kl_ref"] > 1e-5 and records[2]["kl_ref"] > 1e-5
+    assert all(r["padding_frac"] > 0 for r in records)  # padded rows: prompts and responses of several lengths
+    # Without KL; and every token id a stop token (each response is its first token), packed rows, one trainer thread.
     without = tmp_path / "no_kl"
-    _train(without, 1, "checkpoint.every=0", "train.eval_every=0")
-    assert "kl_ref" not in json.loads((without / "metrics.jsonl").read_text().splitlines()[0])
+    _train(without, 1, "checkpoint.every=0", "train.eval_every=0", f"rollout.stop_token_ids={list(range(128))}",
+           "parallel.pack_sequences=true", "train.cpu_threads=1")
+    record = json.loads((without / "metrics.jsonl").read_text().splitlines()[0])
+    assert "kl_ref" not in record
+    assert record["response_length_mean"] == 1.0 and record["truncated_frac"] == 0.0
+    assert record["padding_frac"] == 0.0
 
 
 def _records(run: Path) -> list[dict]:
