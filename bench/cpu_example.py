@@ -5,6 +5,7 @@ one after another on the same machine.
 
     .venv/bin/python bench/cpu_example.py                     # the README's config vs the throughput settings
     .venv/bin/python bench/cpu_example.py --runs "readme=" "packed=parallel.pack_sequences=true"
+    .venv/bin/python bench/cpu_example.py --reuse ...         # summary and plot of runs already made
 
 Each run is ``name=override,override,...``. Printed per run: the wall time until the reward's running mean over
 ``--window`` steps first reaches ``--target`` (and at which step), the whole run's wall time, the median seconds
@@ -28,6 +29,8 @@ RUNS = [
     "packed_1thread=train.cpu_threads=1,parallel.pack_sequences=true",
     # ... and the next batch generated while the trainer updates (each on its own core).
     "overlapped=train.cpu_threads=1,parallel.pack_sequences=true,rollout.mode=one_step_off",
+    # ... or, instead of the overlap, DAPO's dynamic sampling (groups without reward variance dropped, refilled).
+    "dynamic=train.cpu_threads=1,parallel.pack_sequences=true,rollout.filter_zero_variance_groups=true",
 ]
 
 
@@ -42,8 +45,15 @@ def run(name: str, overrides: list[str], work: Path, steps: int) -> dict:
     with (work / f"{name}.log").open("w") as log:
         subprocess.run(cmd, check=True, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     total = time.time() - start
-    records = [json.loads(line) for line in (directory / "metrics.jsonl").read_text().splitlines()]
-    return {"start": start, "total": total, "records": records}
+    (work / f"{name}.run.json").write_text(json.dumps({"start": start, "total": total}))
+    return load(name, work)
+
+
+def load(name: str, work: Path) -> dict:
+    """A finished run of ``run``: its start and wall time, and its metrics."""
+    result = json.loads((work / f"{name}.run.json").read_text())
+    records = [json.loads(line) for line in (work / name / "metrics.jsonl").read_text().splitlines()]
+    return {**result, "records": records}
 
 
 def running_mean(values: list[float], window: int) -> list[float]:
@@ -92,13 +102,16 @@ def main() -> int:
     parser.add_argument("--window", type=int, default=20)
     parser.add_argument("--work-dir", default="/tmp/bench_cpu_example")
     parser.add_argument("--plot", default=str(ROOT / "bench/cpu_example.png"))
+    parser.add_argument("--reuse", action="store_true",
+                        help="summarise and plot the runs already in --work-dir instead of running them again")
     args = parser.parse_args()
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     summaries = {}
     for spec in args.runs:
         name, _, overrides = spec.partition("=")
-        result = run(name, [o for o in overrides.split(",") if o], work, args.steps)
+        result = (load(name, work) if args.reuse
+                  else run(name, [o for o in overrides.split(",") if o], work, args.steps))
         summaries[name] = summary(result, args.target, args.window)
         s = summaries[name]
         print(f"[cpu_example] {name}: {json.dumps({k: v for k, v in s.items() if k != 'curve'})}", flush=True)
