@@ -2,12 +2,14 @@
 
 Modules: advantages (group-relative A_i), ratios (sequence log-ratio and its CP-reducible partial sums),
 surrogate (the clipped min shared by all losses), gspo (GSPO and GSPO-token), grpo (token-level baseline),
-kl (reference-policy KL estimators), aggregation (denominators), metrics (diagnostics).
+kl (reference-policy KL estimators), aggregation (denominators), metrics (diagnostics), decoupled (clipping
+samples from older weights around the proximal policy).
 """
 
 from .advantages import group_advantages, segment_advantages
 from .aggregation import AGGREGATIONS, aggregate, seq_mean_token_mean, sequence_mean, token_mean
 from .grpo import grpo_loss, grpo_terms
+from .decoupled import behaviour_weights, decoupled_advantages
 from .gspo import (GSPOTerms, TokenTerms, gspo_loss, gspo_loss_from_sums, gspo_sequence_objective, gspo_token_loss,
                    gspo_token_terms)
 from .metrics import SEQUENCE_STATS, mismatch_metrics, sequence_stats, update_metrics
@@ -22,7 +24,9 @@ __all__ = [
     "TokenTerms",
     "KL_ESTIMATORS",
     "aggregate",
+    "behaviour_weights",
     "clipped_surrogate",
+    "decoupled_advantages",
     "group_advantages",
     "grpo_loss",
     "grpo_terms",

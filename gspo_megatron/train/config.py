@@ -158,7 +158,8 @@ class RolloutConfig:
     """sync (sample each batch when its step starts), one_step_off (sample batch k+1 while the trainer updates on
     batch k; the weight sync waits for it: every sample one version old) or async (up to max_staleness batches
     sampled ahead; weight syncs pause the servers' requests in flight and continue them on the new weights).
-    Samples from older weights than the trainer's take the engine's log-probs as pi_old."""
+    Samples from older weights than the trainer's take the engine's log-probs as pi_old (or, with
+    algo.decoupled_clip, clip around the trainer's and are weighted by the engine's)."""
     max_staleness: int = 1
     """With mode=async: batches sampled ahead, so a sample is at most this many weight versions older than the
     weights it is trained on (one_step_off is 1 without pausing)."""
@@ -245,6 +246,14 @@ class AlgoSection:
     matmuls, ops.sequence_loss); false: the log-prob op, then the loss (four: its backward recomputes the logits)."""
     minibatches: int = 4
     """Optimizer steps per rollout batch (the paper uses 4)."""
+    decoupled_clip: bool = False
+    """Samples from older weights than the trainer's (rollout.mode one_step_off / async, partial rollouts) clip
+    around the trainer's weights at the update's start (the old-policy pass: the proximal policy) instead of the
+    engine's, and their advantages are weighted by min(pi_prox / pi_behaviour, behaviour_weight_cap),
+    length-normalised for GSPO (AReaL's decoupled PPO, ``algo/decoupled.py``). false: such a sample's pi_old is the
+    engine's, and after the first optimizer step GSPO's narrow range clips most of them."""
+    behaviour_weight_cap: float = 2.0
+    """With decoupled_clip: the truncation of the behaviour weight (a one-version-old sample's is ~1)."""
 
     def __post_init__(self):
         if isinstance(self.routing_replay, str) and self.routing_replay.lower() in ("old", "rollout"):

@@ -134,9 +134,11 @@ def old_logprobs(policy, batch: dict, rows: list[torch.Tensor], cfg: Config, alg
     """pi_old into ``batch["old_logprobs"]``: the trainer's pass over this rank's rows, or the engine's log-probs
     with rollout.reuse_rollout_logprobs (no pass). The pass also gives the policy's entropy and the
     rollout-vs-trainer mismatch over the whole batch (under rollout routing replay, with the engine's experts
-    replayed). Rows of ``batch["stale"]`` (sampled by older weights than the policy's, ``rollout.mode`` one_step_off
-    or async) always take the engine's log-probs: their behaviour policy is not these weights. Returns this rank's recorded routing when Routing Replay (all its rows, in the order of ``rows``) or
-    expert volatility (the second minibatch's rows) needs it, else None."""
+    replayed). Rows of ``batch["stale"]`` (sampled by older weights than the policy's: ``rollout.mode`` one_step_off
+    or async, partial rollouts) take the engine's log-probs, their behaviour policy's, or with algo.decoupled_clip
+    keep this pass's and have their advantages weighted (``_weight_stale``). Returns this rank's recorded routing
+    when Routing Replay (all its rows, in the order of ``rows``) or expert volatility (the second minibatch's rows)
+    needs it, else None."""
     if not runs_old_pass(cfg):
         batch["old_logprobs"] = batch["rollout_logprobs"]  # the mismatch is measured by the first update instead
         return None
@@ -154,11 +156,30 @@ def old_logprobs(policy, batch: dict, rows: list[torch.Tensor], cfg: Config, alg
     batch["old_logprobs"] = batch["rollout_logprobs"] if cfg.rollout.reuse_rollout_logprobs else trainer_logprobs
     stale = batch.get("stale")
     if stale is not None and stale.any():
-        batch["old_logprobs"] = torch.where(stale.unsqueeze(1), batch["rollout_logprobs"], batch["old_logprobs"])
+        if cfg.algo.decoupled_clip:  # clipped around this pass (the proximal policy), weighted by the engine's
+            _weight_stale(batch, trainer_logprobs, stale, cfg, metrics)
+        else:
+            batch["old_logprobs"] = torch.where(stale.unsqueeze(1), batch["rollout_logprobs"], batch["old_logprobs"])
     if record and not cfg.algo.replays_old_routing:  # volatility compares the second minibatch's rows only
         first = rows[0].numel()
         return trainer["routing"][first:first + rows[1].numel()].clone()
     return trainer.get("routing")
+
+
+def _weight_stale(batch: dict, prox_logprobs: torch.Tensor, stale: torch.Tensor, cfg: Config,
+                  metrics: dict) -> None:
+    """algo.decoupled_clip: the stale rows' advantages times min(pi_prox / pi_behaviour, cap) (``algo.decoupled``;
+    per token for GRPO, whose ratio is), and the weights' range and capped share over those rows' responses."""
+    mask = batch["loss_mask"]
+    per_token = cfg.algo.name == "grpo"
+    weights = algo.behaviour_weights(prox_logprobs, batch["rollout_logprobs"], mask, per_token=per_token,
+                                     cap=cfg.algo.behaviour_weight_cap)
+    batch["advantages"] = algo.decoupled_advantages(batch["advantages"], weights, stale)
+    held = (mask & stale.unsqueeze(1)) if per_token else (stale & mask.any(dim=1))
+    if held.any():
+        held_weights = weights[held]
+        metrics.update(behaviour_weight_min=float(held_weights.min()), behaviour_weight_max=float(held_weights.max()),
+                       behaviour_weight_capped=float((held_weights >= cfg.algo.behaviour_weight_cap).float().mean()))
 
 
 def reference_logprobs(reference, batch: dict, rows: list[torch.Tensor], cfg: Config, algo_config: AlgoConfig,

@@ -234,6 +234,11 @@ def validate(cfg: Config, world_size: int, hf: dict | None = None) -> None:
     if a.replays_old_routing and a.name != "grpo":
         raise ConfigError(f"algo.routing_replay=true is the GRPO baseline's fix; GSPO does not need it "
                           f"(algo.name={a.name!r}): set algo.name=grpo or algo.routing_replay=false")
+    if a.decoupled_clip and r.reuse_rollout_logprobs:
+        raise ConfigError("algo.decoupled_clip=true clips around the trainer's old-policy pass, but "
+                          "rollout.reuse_rollout_logprobs=true takes the engine's log-probs as pi_old: unset one")
+    if not (math.isfinite(a.behaviour_weight_cap) and a.behaviour_weight_cap > 0):
+        raise ConfigError(f"algo.behaviour_weight_cap={a.behaviour_weight_cap} must be finite and > 0")
     for name in ("kl_coef", "entropy_coef"):
         value = getattr(a, name)
         if not (math.isfinite(value) and value >= 0):

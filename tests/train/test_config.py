@@ -95,6 +95,9 @@ def test_bad_fields_are_named(overrides, message):
         (["rollout.mode=one_step_off", "algo.name=grpo", "algo.routing_replay=true"], 1, None, r"algo.routing_replay=true"),
         (["rollout.mode=async", "rollout.filter_zero_variance_groups=true"], 1, None,
          r"rollout.filter_zero_variance_groups"),
+        (["algo.decoupled_clip=true", "rollout.reuse_rollout_logprobs=true"], 1, None,
+         r"algo.decoupled_clip=true clips around the trainer's old-policy pass"),
+        (["algo.behaviour_weight_cap=0"], 1, None, r"algo.behaviour_weight_cap=0.* must be finite and > 0"),
         # partial rollouts (train/partial_rollouts.py)
         (["rollout.partial_chunk_tokens=0"], 1, None, r"rollout.partial_chunk_tokens=0"),
         (["rollout.partial_chunk_tokens=2", "rollout.partial_mask=old"], 1, None, r"rollout.partial_mask='old'"),
@@ -116,6 +119,8 @@ def test_incompatibilities_name_the_field(overrides, world, hf, message):
     ["rollout.mode=one_step_off", "rollout.engine=local"],
     ["rollout.mode=async", "rollout.max_staleness=3", "algo.routing_replay=rollout"],
     ["rollout.partial_chunk_tokens=2", "rollout.partial_mask=old_tokens"],
+    ["rollout.mode=async", "algo.decoupled_clip=true", "algo.behaviour_weight_cap=5"],
+    ["rollout.partial_chunk_tokens=2", "algo.decoupled_clip=true", "algo.name=grpo"],
 ])
 def test_rollout_modes_that_combine(overrides):
     validate(cfg(*overrides), 1)

@@ -155,6 +155,28 @@ def test_one_step_off_through_the_loop(tmp_path):
     assert pair[0]["reward_mean"] == records[0]["reward_mean"]  # version 0's samples: the same engine, weights, seed
 
 
+def test_decoupled_clip_weights_the_stale_samples(tmp_path):
+    """algo.decoupled_clip under one_step_off through the real loop: the samples one version old are clipped around
+    the trainer's weights and weighted by (pi_prox / pi_behaviour)^(1/|y|); the weights' log range is the
+    rollout-vs-trainer gap the mismatch metrics measure independently (max |mean token diff| of a sequence)."""
+    run = tmp_path / "run"
+    _train(run, 3, "rollout.mode=one_step_off", "algo.decoupled_clip=true", "algo.behaviour_weight_cap=100",
+           "checkpoint.every=0", "train.eval_every=0", "logging.plot_every=0")
+    records = _records(run)
+    assert "behaviour_weight_max" not in records[0]  # version 0's samples trained by version 0: none stale
+    for r in records[1:]:
+        assert r["staleness_max"] == 1 and r["behaviour_weight_capped"] == 0.0, r
+        widest = max(abs(math.log(r["behaviour_weight_min"])), abs(math.log(r["behaviour_weight_max"])))
+        assert r["logprob_diff_seq_log_ratio"] > 1e-4  # one update apart: far beyond fp32 rounding
+        assert abs(widest - r["logprob_diff_seq_log_ratio"]) < 1e-5 * r["logprob_diff_seq_log_ratio"] + 1e-7, r
+    # The same update with a cap below every weight > 1: those weights are cut there.
+    capped = tmp_path / "capped"
+    _train(capped, 2, "rollout.mode=one_step_off", "algo.decoupled_clip=true", "algo.behaviour_weight_cap=1",
+           "checkpoint.every=0", "train.eval_every=0", "logging.plot_every=0")
+    last = _records(capped)[1]
+    assert last["behaviour_weight_max"] == 1.0 and last["behaviour_weight_capped"] > 0, last
+
+
 def test_partial_rollouts_through_the_loop(tmp_path):
     """rollout.partial_chunk_tokens in the real loop (local engine): samples cut at a step's end continue under the
     next step's weights, so a trained sample spans two versions (pi_old: the engine's per-token log-probs); every
