@@ -29,6 +29,9 @@ RUNS = [
     "packed_1thread=train.cpu_threads=1,parallel.pack_sequences=true",
     # ... and the next batch generated while the trainer updates (each on its own core).
     "overlapped=train.cpu_threads=1,parallel.pack_sequences=true,rollout.mode=one_step_off",
+    # ... with the one-version-old samples clipped around the trainer's weights, weighted by the engine's
+    # (algo.decoupled_clip: AReaL's decoupled objective).
+    "decoupled=train.cpu_threads=1,parallel.pack_sequences=true,rollout.mode=one_step_off,algo.decoupled_clip=true",
     # ... or, instead of the overlap, DAPO's dynamic sampling (groups without reward variance dropped, refilled).
     "dynamic=train.cpu_threads=1,parallel.pack_sequences=true,rollout.filter_zero_variance_groups=true",
 ]

@@ -46,7 +46,7 @@ def row_index(segments: torch.Tensor, width: int, cp: int, rank: int) -> tuple[t
     segments = segments.to(torch.int64)
     if (segments % (2 * cp)).any():
         raise ValueError(f"segments {segments.tolist()} cannot each be split into 2 * context_parallel_size = "
-                         f"{2 * cp} equal chunks")
+                         f"{2 * cp} equal chunks (pad each to a multiple: parallel.packing.padded_lengths)")
     chunk = (segments // (2 * cp)).unsqueeze(1)  # [b, 1]
     j = torch.arange(width // cp, device=segments.device).unsqueeze(0)
     first = j < chunk
@@ -58,18 +58,14 @@ def row_index(segments: torch.Tensor, width: int, cp: int, rank: int) -> tuple[t
 def packed_token_index(offsets: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
     """The positions [N / cp] of a packed row of segments ``offsets`` (``cu_seqlens``, padded) that CP rank
     ``rank`` holds: chunks r and 2*cp-1-r of every segment, segment by segment (TransformerEngine's
-    ``thd_get_partitioned_indices``, the layout its THD attention and megatron's THD RoPE expect)."""
+    ``thd_get_partitioned_indices``, the layout its THD attention and megatron's THD RoPE expect): ``row_index``
+    of the segments as rows, each shifted to its offset, held positions in row-major order."""
     offsets = offsets.to(torch.int64)
     segments = offsets.diff()
-    if (segments % (2 * cp)).any():
-        raise ValueError(f"packed segments {segments.tolist()} cannot each be split into 2 * context_parallel_size "
-                         f"= {2 * cp} equal chunks (pad each to a multiple: parallel.packing.padded_lengths)")
-    chunk = segments // (2 * cp)
-    segment = torch.repeat_interleave(torch.arange(segments.numel(), device=offsets.device), 2 * chunk)
-    local_starts = torch.cumsum(2 * chunk, 0) - 2 * chunk
-    j = torch.arange(segment.numel(), device=offsets.device) - local_starts[segment]
-    c = chunk[segment]
-    return offsets[segment] + torch.where(j < c, rank * c + j, (2 * cp - 1 - rank) * c + j - c)
+    if not segments.numel():
+        return offsets[:0]
+    index, held = row_index(segments, int(segments.max()), cp, rank)
+    return (offsets[:-1, None] + index)[held]
 
 
 def split_batch(batch: dict, group) -> dict:
@@ -82,7 +78,8 @@ def split_batch(batch: dict, group) -> dict:
     index = token_index(seq_len, cp, rank, device=batch["input_ids"].device)
 
     def split(key, value):
-        if key in _LOCAL_KEYS or not torch.is_tensor(value) or value.dim() < 2 or tuple(value.shape[:2]) != (b, seq_len):
+        if (key in _LOCAL_KEYS or not torch.is_tensor(value) or value.dim() < 2
+                or tuple(value.shape[:2]) != (b, seq_len)):
             return value
         return value.index_select(1, index.to(value.device))
 

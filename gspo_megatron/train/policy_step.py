@@ -507,9 +507,10 @@ def update_step(model, optimizer, micro_batches: list[dict], algo_config: AlgoCo
     Returns, on every rank (CPU tensors): ``loss`` (the minibatch's mean loss per unit, over all DP ranks),
     ``stats`` [N, len(algo.SEQUENCE_STATS)] for every sequence of the minibatch (gathered over DP ranks in
     rank order: ``algo.update_metrics`` turns them into the logged metrics), ``seq_log_ratio`` and ``valid`` [N]
-    from them, ``grad_norm``, ``update_successful``, ``token_positions`` (this rank's ``computed_positions``), and with ``old_routing`` ``routing_changes``
-    [changed, decisions] summed over all ranks. If any rank's loss or gradient is non-finite the step is skipped on
-    every rank (``train.faults.guarded_step``): weights and optimizer state are left as they were.
+    from them, ``grad_norm``, ``update_successful``, ``token_positions`` (this rank's ``computed_positions``), and
+    with ``old_routing`` ``routing_changes`` [changed, decisions] summed over all ranks. If any rank's loss or
+    gradient is non-finite the step is skipped on every rank (``train.faults.guarded_step``): weights and optimizer
+    state are left as they were.
     """
     _, _, ps = _groups()
     model.zero_grad_buffer()
@@ -524,7 +525,8 @@ def update_step(model, optimizer, micro_batches: list[dict], algo_config: AlgoCo
     finally:
         if "routing" in micro_batches[0] or "rollout_routing" in micro_batches[0] or volatility:
             _end_routing_replay()
-    # Skipped on every rank when any loss or gradient is NaN/inf (train.faults: megatron's fp32/bf16 step would apply it).
+    # Skipped on every rank when any loss or gradient is NaN/inf (train.faults: megatron's fp32/bf16 step would
+    # apply it).
     update_successful, grad_norm = guarded_step(
         model, optimizer, [r["loss_sum"] for r in results] if ps.is_pipeline_last_stage() else [])
     summary = None
@@ -574,9 +576,9 @@ def logprob_pass(model, micro_batches: Iterable[dict], temperature: float = 1.0,
                  with_entropy: bool = False, pack: bool = False) -> dict:
     """Log-likelihoods of each micro batch's labels, with no gradient: the old- and reference-policy pass.
 
-    Returns on every pipeline rank, on the model's device: ``logprobs`` [n, S] per token (meaningful where loss_mask is set),
-    ``seq_logprob`` [n] (sum over response tokens) and ``num_tokens`` [n]; with ``with_entropy``, ``entropy``
-    [n, S] of each position's (tempered) distribution. With ``record_routing``, also
+    Returns on every pipeline rank, on the model's device: ``logprobs`` [n, S] per token (meaningful where
+    loss_mask is set), ``seq_logprob`` [n] (sum over response tokens) and ``num_tokens`` [n]; with
+    ``with_entropy``, ``entropy`` [n, S] of each position's (tempered) distribution. With ``record_routing``, also
     ``routing`` [n, L_local, s_local, k]: the experts this rank's routers chose, to put in the update pass's
     micro batches for Routing Replay (it stays on this rank: the same rank runs those layers in the update).
     Micro batches with ``rollout_routing`` (the engine's experts) are computed under that routing instead. With

@@ -169,10 +169,12 @@ def test_decoupled_clip_weights_the_stale_samples(tmp_path):
         widest = max(abs(math.log(r["behaviour_weight_min"])), abs(math.log(r["behaviour_weight_max"])))
         assert r["logprob_diff_seq_log_ratio"] > 1e-4  # one update apart: far beyond fp32 rounding
         assert abs(widest - r["logprob_diff_seq_log_ratio"]) < 1e-5 * r["logprob_diff_seq_log_ratio"] + 1e-7, r
-    # The same update with a cap below every weight > 1: those weights are cut there.
+    # With a cap below every weight > 1 those weights are cut there; here with the README's fast CPU settings
+    # (packed rows, one trainer thread).
     capped = tmp_path / "capped"
     _train(capped, 2, "rollout.mode=one_step_off", "algo.decoupled_clip=true", "algo.behaviour_weight_cap=1",
-           "checkpoint.every=0", "train.eval_every=0", "logging.plot_every=0")
+           "parallel.pack_sequences=true", "train.cpu_threads=1", "checkpoint.every=0", "train.eval_every=0",
+           "logging.plot_every=0")
     last = _records(capped)[1]
     assert last["behaviour_weight_max"] == 1.0 and last["behaviour_weight_capped"] > 0, last
 
