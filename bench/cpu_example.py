@@ -69,11 +69,13 @@ def summary(result: dict, target: float, window: int) -> dict:
     means = running_mean([r["reward_mean"] for r in records], window)
     reached = next((i for i, m in enumerate(means) if i + 1 >= window and m >= target), None)
     steps = sorted(r["time/step"] for r in records)
+    clipped = [r["clip_frac_seqs"] for r in records[50:] if "clip_frac_seqs" in r]  # after the start-up steps
     return {
         "to_target_s": None if reached is None else records[reached]["time"] - result["start"],
         "target_step": None if reached is None else records[reached]["step"],
         "total_s": result["total"], "step_s_median": steps[len(steps) // 2], "final_mean": means[-1],
         "first_step_s": records[0]["time"] - result["start"],  # start-up: model build, warm start, server
+        "clipped_seqs": sum(clipped) / len(clipped) if clipped else None,
         "curve": [(r["time"] - result["start"], m) for r, m in zip(records, means)],
     }
 
@@ -120,14 +122,17 @@ def main() -> int:
         print(f"[cpu_example] {name}: {json.dumps({k: v for k, v in s.items() if k != 'curve'})}", flush=True)
     plot(summaries, args.target, args.window, Path(args.plot))
     base = next(iter(summaries.values()))
-    print(f"\nCPU example, {args.steps} steps: wall time until the {args.window}-step mean reward reaches {args.target}")
+    print(f"\nCPU example, {args.steps} steps: wall time until the {args.window}-step mean reward reaches "
+          f"{args.target}")
     for name, s in summaries.items():
         reached = (f"{s['to_target_s'] / 60:.2f} min (step {s['target_step']})" if s["to_target_s"] is not None
                    else "not reached")
         ratio = (f" = {base['to_target_s'] / s['to_target_s']:.2f}x {next(iter(summaries))}"
                  if s["to_target_s"] and base["to_target_s"] else "")
-        print(f"  {name}: {reached}{ratio}; whole run {s['total_s'] / 60:.2f} min, first step at {s['first_step_s']:.0f} s, "
-              f"median {s['step_s_median']:.2f} s/step, final mean {s['final_mean']:.3f}")
+        print(f"  {name}: {reached}{ratio}; whole run {s['total_s'] / 60:.2f} min, "
+              f"first step at {s['first_step_s']:.0f} s, median {s['step_s_median']:.2f} s/step, "
+              f"final mean {s['final_mean']:.3f}"
+              + (f", sequences clipped {s['clipped_seqs']:.0%}" if s["clipped_seqs"] is not None else ""))
     print(f"  plot: {args.plot}")
     return 0
 

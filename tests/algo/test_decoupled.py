@@ -76,3 +76,13 @@ def test_decoupled_grpo_weights_each_token():
     expected = -torch.stack(terms).mean()  # token-mean over every response token of the batch
     torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-15)
     torch.testing.assert_close(grad_of(loss, new), grad_of(expected, new), rtol=1e-10, atol=1e-15)
+
+
+def test_gspo_token_takes_the_sequence_weight_on_every_token():
+    _, prox, behaviour, mask, advantages, stale = _batch(seed=5)
+    token_advantages = advantages.unsqueeze(1) * torch.linspace(0.5, 1.5, T, dtype=torch.float64)  # [B, T]
+    weights = behaviour_weights(prox, behaviour, mask)
+    out = decoupled_advantages(token_advantages, weights, stale)
+    for i in range(len(LENGTHS)):
+        factor = float(weights[i]) if stale[i] else 1.0
+        torch.testing.assert_close(out[i], token_advantages[i] * factor, rtol=1e-15, atol=0)

@@ -177,6 +177,14 @@ def test_decoupled_clip_weights_the_stale_samples(tmp_path):
            "logging.plot_every=0")
     last = _records(capped)[1]
     assert last["behaviour_weight_max"] == 1.0 and last["behaviour_weight_capped"] > 0, last
+    # Partial rollouts: a sample spanning versions is stale; its behaviour log-probs are per token, from each chunk's
+    # weights.
+    partial = tmp_path / "partial"
+    _train(partial, 3, "rollout.partial_chunk_tokens=2", "algo.decoupled_clip=true", "checkpoint.every=0",
+           "train.eval_every=0", "logging.plot_every=0")
+    spanning = [r for r in _records(partial) if r["staleness_max"] >= 1]
+    assert spanning and all(0 < r["behaviour_weight_min"] <= r["behaviour_weight_max"] <= 2.0
+                            and math.isfinite(r["loss"]) for r in spanning), _records(partial)
 
 
 def test_partial_rollouts_through_the_loop(tmp_path):
