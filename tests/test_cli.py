@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
+
+from tests import warm_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(*args):
-    return subprocess.run([sys.executable, "-m", "gspo_megatron.cli", *args], capture_output=True, text=True, cwd=ROOT)
+    return warm_cli.run([sys.executable, "-m", "gspo_megatron.cli", *args], capture_output=True, text=True, cwd=ROOT)
 
 
 def test_help_lists_subcommands():
@@ -41,9 +42,9 @@ def test_train_checks_the_layout_against_the_model_before_starting(tmp_path):
     import os
 
     env = dict(os.environ, WORLD_SIZE="4")
-    out = subprocess.run([sys.executable, "-m", "gspo_megatron.cli", "train", "examples/tiny_moe_cpu.yaml",
+    out = warm_cli.run([sys.executable, "-m", "gspo_megatron.cli", "train", "examples/tiny_moe_cpu.yaml",
                           "parallel.tensor=4", f"model.hf_dir={tmp_path / 'model'}"],
-                         capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+                       capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
     assert out.returncode == 2, out.stderr[-2000:]
     assert "num_key_value_heads=2 is not divisible by parallel.tensor=4" in out.stderr
     assert not (tmp_path / "model").exists()  # nothing was built

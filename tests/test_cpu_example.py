@@ -14,7 +14,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.rollout.helpers import require_sglang
+
+pytestmark = pytest.mark.megatron  # trains the Megatron policy through the CLI
 
 ROOT = Path(__file__).resolve().parents[1]
 

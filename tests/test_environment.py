@@ -128,6 +128,7 @@ def test_every_parameter_goes_to_the_device(tmp_path):
 
 
 def test_megatron_fallback_warnings_are_said_once():
+    # A real interpreter (not tests.warm_cli): what it prints while importing megatron-core is the point.
     out = subprocess.run([sys.executable, "-m", "gspo_megatron.cli", "plan", "examples/qwen3_30b_a3b/train.yaml",
                           "--nodes", "2", "--gpus-per-node", "8"], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr

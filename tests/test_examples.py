@@ -9,12 +9,14 @@ from pathlib import Path
 
 import pytest
 
+from tests import warm_cli
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def plan(*args):
-    return subprocess.run([sys.executable, "-m", "gspo_megatron.cli", "plan", *args], capture_output=True, text=True,
-                          cwd=ROOT, timeout=300)
+    return warm_cli.run([sys.executable, "-m", "gspo_megatron.cli", "plan", *args], capture_output=True, text=True,
+                      cwd=ROOT, timeout=300)
 
 
 @pytest.mark.parametrize("config, nodes, params", [

@@ -1,18 +1,21 @@
-"""The Megatron-side tests again on megatron-core 0.19 (Python 3.12), from this Python 3.11 run.
+"""The tests that depend on megatron-core's version, again on megatron-core 0.19 (Python 3.12), from this run.
 
-megatron-core stops at 0.16.1 on Python 3.11 (0.17 onwards require 3.12), and clusters run 0.19.x. So this
-one test runs the test suite, minus what needs SGLang (tests/rollout, the CPU example), with the interpreter
-of ``.venv312`` (``tools/install.sh`` builds it: Python 3.12, torch 2.14.1, megatron-core 0.19.2, no SGLang),
-and fails with the tail of its output if anything there fails. One subprocess rather than a second pytest
-command keeps CI at the README's single test command; the two runs are sequential, as 2 cores can take.
-
-Tests elsewhere that need SGLang must call ``tests.rollout.helpers.require_sglang()``: the run here has no
-``CI`` variable, so they skip in it (the 3.11 run still runs them).
+megatron-core stops at 0.16.1 on Python 3.11 (0.17 onwards require 3.12), and clusters run 0.19.x. So this one
+test runs, with the interpreter of ``.venv312`` (``tools/install.sh`` builds it: Python 3.12, torch 2.14.1,
+megatron-core 0.19.2, no SGLang):
+- every test marked ``megatron`` (it builds or runs a Megatron model, optimizer, dist checkpoint or one of our
+  megatron patches; tests/conftest.py fails an unmarked test that builds one) or ``triton`` (the log-prob kernels
+  under that environment's own Triton);
+- a collection of the whole tree, so that every test module at least imports there.
+It fails with the tail of the output if anything fails there, or if a test skips there for a reason not listed
+in ``EXPECTED_SKIPS`` (it has no SGLang and no GPU, by design). One subprocess rather than a second pytest command
+keeps CI at the README's single test command; the two runs are sequential, as 2 cores can take.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -23,14 +26,11 @@ from patches.megatron_cpu import TESTED_MEGATRON_VERSIONS
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV312 = Path(os.environ.get("VENV312", ROOT / ".venv312"))  # as tools/install.sh
-# Everything but the SGLang tests (and this file), and the preemption and elastic-restart tests: torchrun launches
-# (~4 min each here on 0.19) of signal handling, restart and CLI flow that do not depend on megatron's version; the
-# checkpoint and exact resume they rely on run on 0.19 in tests/train/test_checkpoint.py and test_loop.py, and the
-# checkpoint writer's patch in tests/patches (the preemption test passed on 0.19 when added).
-ARGS = ["tests", "--ignore=tests/rollout", "--ignore=tests/test_cpu_example.py",
-        "--ignore=tests/train/test_preemption.py", "--ignore=tests/train/test_elastic.py",
-        f"--ignore={Path(__file__).relative_to(ROOT)}"]
-TIMEOUT_S = 45 * 60  # measured: 15 min on a busy 2-core machine (10 CPU-minutes), as long as the same tests on 3.11
+SELECTION = "megatron or triton"
+TIMEOUT_S = 30 * 60
+# Why a selected test may skip in this environment: no SGLang (tests/rollout/helpers.require_sglang) and no GPU.
+EXPECTED_SKIPS = ("sglang is not installed", "needs CUDA", "auto picks the kernels for CUDA inputs only",
+                  "the CPU's chunk size is fixed", "TransformerEngine is not installed")
 
 
 def _python312() -> Path:
@@ -44,6 +44,20 @@ def _python312() -> Path:
     return python
 
 
+def _run(command: list[str], env: dict, what: str) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+        tail = e.stdout[-6000:] if isinstance(e.stdout, str) else (e.stdout or b"")[-6000:].decode()
+        pytest.fail(f"{what} took over {TIMEOUT_S} s; its output ends:\n{tail}", pytrace=False)
+
+
+def unexpected_skips(output: str) -> list[str]:
+    """pytest's ``-rs`` lines (``SKIPPED [n] file:line: reason``) whose reason is none of ``EXPECTED_SKIPS``."""
+    skips = re.findall(r"^SKIPPED \[\d+\] (.*)$", output, flags=re.M)
+    return [line for line in skips if not any(reason in line for reason in EXPECTED_SKIPS)]
+
+
 @pytest.mark.skipif(sys.version_info >= (3, 12), reason="this is the megatron-core 0.19 run itself")
 def test_megatron_side_tests_pass_on_megatron_core_019(tmp_path, capsys):
     python = _python312()
@@ -51,18 +65,26 @@ def test_megatron_side_tests_pass_on_megatron_core_019(tmp_path, capsys):
                              capture_output=True, text=True, check=True).stdout.strip()
     assert version.startswith("0.19.") and version in TESTED_MEGATRON_VERSIONS, (
         f"{VENV312} has megatron-core {version}, not the tested 0.19 release: rerun `bash tools/install.sh`")
-
+    # No CI variable there: the SGLang tests skip (this environment has none) instead of failing.
     env = {k: v for k, v in os.environ.items() if k not in ("CI", "PYTHONPATH", "VIRTUAL_ENV")}
-    command = [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--basetemp={tmp_path / 'run'}", *ARGS]
-    try:
-        out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired as e:
-        tail = (e.stdout or b"")[-6000:]
-        pytest.fail(f"the megatron-core {version} run took over {TIMEOUT_S} s; its output ends:\n"
-                    f"{tail.decode() if isinstance(tail, bytes) else tail}", pytrace=False)
+    base = [str(python), "-m", "pytest", "-p", "no:cacheprovider", f"--basetemp={tmp_path / 'run'}"]
+
+    collected = _run([*base, "-q", "--collect-only", "tests"], env, "collecting the tree on megatron-core 0.19")
+    assert collected.returncode == 0, (f"the test tree does not import on megatron-core {version}:\n"
+                                       f"{collected.stdout[-6000:]}\n{collected.stderr[-2000:]}")
+
+    command = [*base, "-q", "-rs", "-m", SELECTION, "tests", f"--deselect={Path(__file__).relative_to(ROOT)}"]
+    if os.environ.get("GSPO_DURATIONS"):
+        command.append(f"--durations={os.environ['GSPO_DURATIONS']}")
+    out = _run(command, env, f"the megatron-core {version} run")
     summary = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else "(no output)"
     if out.returncode != 0:
         pytest.fail(f"on megatron-core {version} (Python 3.12, `{' '.join(command[2:])}`): {summary}\n"
                     f"{out.stdout[-8000:]}\n{out.stderr[-2000:]}", pytrace=False)
+    surprises = unexpected_skips(out.stdout)
+    assert not surprises, f"on megatron-core {version}, tests skipped for reasons not expected there:\n" + \
+        "\n".join(surprises)
     with capsys.disabled():
-        print(f"\n[megatron-core {version}, Python 3.12] {summary}")
+        print(f"\n[megatron-core {version}, Python 3.12, -m '{SELECTION}'] {summary}")
+        if os.environ.get("GSPO_DURATIONS"):
+            print(out.stdout[out.stdout.find("slowest"):][:6000])

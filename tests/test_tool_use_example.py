@@ -12,15 +12,18 @@ import json
 import math
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from gspo_megatron.rollout.multiturn import _CALC, calculator_observation, format_number, safe_eval
 from gspo_megatron.rollout.synthetic import char_tokenizer
+from tests import warm_cli
 from tests.rollout.helpers import require_sglang
+
+pytestmark = pytest.mark.megatron  # trains the Megatron policy through the CLI
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "examples/tool_use_cpu.yaml"
@@ -30,12 +33,25 @@ QUICK = ["model.warm_start_steps=120", "rollout.group_size=4", "rollout.prompts_
          "parallel.micro_batch_size=8", "train.eval_every=2", "checkpoint.every=0"]
 
 
+@pytest.fixture(scope="module")
+def warm_model(tmp_path_factory) -> Path:
+    """The example's tiny model warm-started as the trainer builds it (``bootstrap.build_tiny_model``, the QUICK
+    settings), once for both tests: each copies it to its ``model.hf_dir``, where the trainer then finds it."""
+    from gspo_megatron.train.bootstrap import build_tiny_model
+    from gspo_megatron.train.config import load_config
+
+    require_sglang()  # (both tests need the server: no model to build without it)
+    path = tmp_path_factory.mktemp("tool_use") / "model"
+    build_tiny_model(load_config(str(CONFIG), QUICK), path)
+    return path
+
+
 def _run(tmp_path, steps: int, launcher: list[str], overrides: list[str], env: dict) -> list[dict]:
     """``launcher train examples/tool_use_cpu.yaml`` for ``steps`` steps -> its metrics records."""
     cmd = [*launcher, "train", str(CONFIG), f"train.steps={steps}", *QUICK, *overrides,
            f"model.hf_dir={tmp_path / 'model'}", f"logging.dir={tmp_path}", f"checkpoint.dir={tmp_path / 'ck'}",
            f"logging.plot_every={steps}"]
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    out = warm_cli.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, steps + 1))
@@ -93,8 +109,9 @@ def _check_trajectories(record: dict, tokenizer) -> int:
     return calls
 
 
-def test_tool_use_example_under_torchrun_tp2_ep2(tmp_path):
+def test_tool_use_example_under_torchrun_tp2_ep2(tmp_path, warm_model):
     require_sglang()
+    shutil.copytree(warm_model, tmp_path / "model")
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"
     (tmp_path / "rollouts").mkdir()
     # One torch thread per rank: four ranks and the server share the machine's cores.
@@ -112,8 +129,9 @@ def test_tool_use_example_under_torchrun_tp2_ep2(tmp_path):
         assert calls == round(records[step - 1]["observed_frac"] * len(batches[0]["input_ids"])) > 0
 
 
-def test_tool_use_example_runs(tmp_path):
+def test_tool_use_example_runs(tmp_path, warm_model):
     require_sglang()
+    shutil.copytree(warm_model, tmp_path / "model")
     records = _run(tmp_path, 3, [sys.executable, "-m", "gspo_megatron.cli"], [], dict(os.environ, WORLD_SIZE="1"))
     _check_sane(records)
     # The warm start's demonstrations taught it to call the calculator and copy the result: a signal from step 1.

@@ -126,6 +126,8 @@ class RolloutSource:
         finally:
             if paused:
                 self.engine.continue_generation()
+        if self.rank0 and self.cfg.rollout.mode == "async":
+            metrics["weight_sync/paused"] = int(paused)  # requests in flight were held over the update
         return metrics
 
     def _resync(self):

@@ -33,7 +33,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 ON_CPU = os.environ.get("GSPO_GPU_TESTS_ON_CPU") == "1"
-pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() or ON_CPU), reason="needs CUDA (bench/gpu_check.sh)")
+pytestmark = [pytest.mark.skipif(not (torch.cuda.is_available() or ON_CPU), reason="needs CUDA (bench/gpu_check.sh)"),
+              pytest.mark.megatron]  # builds the policy in a subprocess
 
 
 def run_paths(hf_dir: Path, out: Path, cpu: bool) -> dict:

@@ -20,7 +20,8 @@ import torch
 ON_CPU = os.environ.get("GSPO_GPU_TESTS_ON_CPU") == "1"
 if ON_CPU:
     os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are imported
-pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() or ON_CPU), reason="needs CUDA (bench/gpu_check.sh)")
+pytestmark = [pytest.mark.skipif(not (torch.cuda.is_available() or ON_CPU), reason="needs CUDA (bench/gpu_check.sh)"),
+              pytest.mark.triton]
 
 DEVICE = torch.device("cpu") if ON_CPU or not torch.cuda.is_available() else torch.device("cuda")
 DTYPE = torch.float16 if DEVICE.type == "cpu" else torch.bfloat16

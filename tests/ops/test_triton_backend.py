@@ -37,6 +37,8 @@ from tests.ops import test_logprob_op as op_tests  # noqa: E402
 from tests.ops import test_sequence_loss as loss_tests  # noqa: E402
 from tests.ops.common import diffs, rel_diff  # noqa: E402
 
+pytestmark = pytest.mark.triton  # runs again under the megatron-core 0.19 environment's own Triton
+
 DTYPES = (torch.float32, torch.float16)
 GRADS = ("hidden_grad", "weight_grad")
 

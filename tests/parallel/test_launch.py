@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -27,18 +28,61 @@ def _everyone_sleeps():
     time.sleep(60)
 
 
+# The launch itself is under test here: fresh processes (as the score tool runs them) unless a test says warm.
+
 def test_results_per_rank():
-    results = run_on_ranks(_rank_and_sum, 2, None)
+    results = run_on_ranks(_rank_and_sum, 2, None, fresh=True)
     assert results == [{"rank": r, "world": 2, "sum": 3.0} for r in range(2)]
 
 
 def test_failing_rank_is_named_with_its_traceback():
     with pytest.raises(RankFailed, match=r"(?s)rank 1 of 2 failed.*ValueError: boom on purpose"):
-        run_on_ranks(_rank1_raises_rank0_waits, 2, None, timeout=60)
+        run_on_ranks(_rank1_raises_rank0_waits, 2, None, timeout=60, fresh=True)
 
 
-def test_hung_ranks_time_out():
+@pytest.mark.parametrize("fresh", [True, False])
+def test_hung_ranks_time_out(fresh):
     start = time.monotonic()
     with pytest.raises(RankFailed, match="timed out"):
-        run_on_ranks(_everyone_sleeps, 2, None, timeout=8)
+        run_on_ranks(_everyone_sleeps, 2, None, timeout=8, fresh=fresh)
     assert time.monotonic() - start < 40
+
+
+def _job_state(key: str):
+    """What a call's rank starts from: the caller's environment, default dtype and grad mode."""
+    seen = (os.environ.get(key), torch.get_default_dtype(), torch.is_grad_enabled(), os.getpid())
+    os.environ[key] = "left behind by this call"  # none of this may reach the next call
+    torch.set_default_dtype(torch.float64)
+    torch.set_grad_enabled(False)
+    return seen
+
+
+def _rank_exits():
+    if torch.distributed.get_rank() == 1:
+        os._exit(3)
+    torch.distributed.barrier()
+
+
+@pytest.mark.parametrize("workers", ["warm", "fresh"])
+def test_calls_start_as_fresh_processes_would(workers, monkeypatch):
+    """A warm rank (forked from the preloading server) starts as a spawned one does: from the caller's environment as it
+    is at the call, float32, grad mode on, in a process of its own, whatever the previous call left."""
+    monkeypatch.setenv("GSPO_RANK_WORKERS", workers)
+    monkeypatch.setenv("GSPO_TEST_KEY", "first")
+    first = run_on_ranks(_job_state, 2, None, "GSPO_TEST_KEY")
+    monkeypatch.setenv("GSPO_TEST_KEY", "second")
+    second = run_on_ranks(_job_state, 2, None, "GSPO_TEST_KEY")
+    assert [s[0] for s in first] == ["first"] * 2 and [s[0] for s in second] == ["second"] * 2
+    assert all(s[1:3] == (torch.float32, True) for s in first + second)
+    assert len({s[3] for s in first + second} | {os.getpid()}) == 5
+
+
+def test_warm_ranks_report_a_failed_or_dead_rank_and_go_on(monkeypatch):
+    """On warm ranks a rank that raises or exits is named as on spawned ones, and the next call works."""
+    monkeypatch.setenv("GSPO_RANK_WORKERS", "warm")
+    with pytest.raises(RankFailed, match=r"(?s)rank 1 of 2 failed.*ValueError: boom on purpose"):
+        run_on_ranks(_rank1_raises_rank0_waits, 2, None, timeout=60)
+    assert run_on_ranks(_rank_and_sum, 2, None) == [{"rank": r, "world": 2, "sum": 3.0} for r in range(2)]
+    with pytest.raises(RankFailed, match="rank 1 of 2 exited with code 3"):
+        run_on_ranks(_rank_exits, 2, None, timeout=60)
+    assert run_on_ranks(_rank_and_sum, 2, None) == [{"rank": r, "world": 2, "sum": 3.0} for r in range(2)]

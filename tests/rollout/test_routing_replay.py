@@ -15,7 +15,6 @@ from __future__ import annotations
 import base64
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from gspo_megatron.rollout import Sample, hf_weights, samples_to_batch
 from gspo_megatron.rollout.errors import BadResponse
 from gspo_megatron.rollout.sglang_engine import parse_generate
 from gspo_megatron.rollout.weight_sync import save_checkpoint
+from tests import warm_cli
 
 from .helpers import TOLERANCE
 from .r3_ranks import GROUP, N_PROMPTS, r3_replay
@@ -117,8 +117,8 @@ def test_training_with_rollout_routing_replay_logs_metrics(engine, trainer, tiny
            "rollout.group_size=4", "parallel.micro_batch_size=8", "algo.minibatches=2", f"logging.dir={run}",
            "checkpoint.dir=", "logging.plot_every=0", "logging.tensorboard=false"]
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600,
-                             env=dict(os.environ, WORLD_SIZE="1", PYTHONPATH=str(ROOT)))
+        out = warm_cli.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600,
+                         env=dict(os.environ, WORLD_SIZE="1", PYTHONPATH=str(ROOT)))
     finally:  # the loop synced its weights to the server: put the session trainer's back for the tests that follow
         engine.update_weights(hf_weights.checkpoint_tensors(trainer.model), "restored-after-r3-loop")
     assert out.returncode == 0, out.stderr[-3000:]

@@ -11,8 +11,11 @@ import sys
 from pathlib import Path
 
 import psutil
+import pytest
 
 from tests.rollout.helpers import require_sglang
+
+pytestmark = pytest.mark.megatron  # trains the Megatron policy through the CLI
 
 ROOT = Path(__file__).resolve().parents[2]
 

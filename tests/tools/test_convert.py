@@ -26,6 +26,7 @@ from gspo_megatron.model.checkpoint import HF_DIR, METADATA_FILE
 from gspo_megatron.model.convert import hf_to_megatron, megatron_to_hf
 from gspo_megatron.model.errors import MappingError, UnsupportedModel
 from gspo_megatron.model.hf_files import INDEX_FILE, SafetensorsDir
+from tests import warm_cli
 from tests.model import hf_tiny, rank_checks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -180,8 +181,8 @@ def test_sigterm_midway_leaves_no_output(tmp_path):
 def run_tool(script: str, *args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     env.pop("WORLD_SIZE", None)
-    return subprocess.run([sys.executable, str(ROOT / "tools" / script), *args], capture_output=True, text=True,
-                          cwd=ROOT, env=env, timeout=300)
+    return warm_cli.run([sys.executable, str(ROOT / "tools" / script), *args], capture_output=True, text=True,
+                      cwd=ROOT, env=env, timeout=300)
 
 
 def test_command_line_round_trip_in_one_process(hf_models, tmp_path):

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import pytest
 import torch
 
 from gspo_megatron.score import Record, ScoreInputError, plan_chunks, read_records
+from tests import warm_cli
 from tests.model import rank_checks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -73,8 +73,8 @@ def test_score_command_on_a_megatron_checkpoint(hf_models, rank_results, rank_wo
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
     command = ["score", "--model", str(rank_work / "megatron" / "qwen3_moe"), "--input", str(tmp_path / "in.jsonl"),
                "--micro-batch-size", "3", "--output", str(tmp_path / "out.jsonl")]
-    out = subprocess.run([sys.executable, "-m", "gspo_megatron.cli", *command], capture_output=True, text=True,
-                         cwd=ROOT, env=env, timeout=300)
+    out = warm_cli.run([sys.executable, "-m", "gspo_megatron.cli", *command], capture_output=True, text=True,
+                     cwd=ROOT, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     results = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert all(set(r) == {"logprob_sum", "num_tokens"} for r in results)
@@ -123,8 +123,8 @@ def test_score_command_rejects_bad_records_naming_line_and_field(hf_models, tmp_
     (tmp_path / "bad.jsonl").write_text('{"prompt_ids": [1, 2], "response_ids": [3]}\n'
                                         '{"prompt_ids": [1], "response_ids": [4, 128]}\n')
     command = ["score", "--model", str(hf_models["qwen3"]), "--input", str(tmp_path / "bad.jsonl")]
-    out = subprocess.run([sys.executable, "-m", "gspo_megatron.cli", *command], capture_output=True, text=True,
-                         cwd=ROOT, timeout=120)
+    out = warm_cli.run([sys.executable, "-m", "gspo_megatron.cli", *command], capture_output=True, text=True,
+                     cwd=ROOT, timeout=120)
     assert out.returncode == 2
     assert "line 2: response_ids[1]=128 is outside the vocabulary [0, 128)" in out.stderr
 

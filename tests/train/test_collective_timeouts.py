@@ -79,7 +79,8 @@ def test_rank0_rollout_longer_than_the_collective_timeout(tmp_path):
 
     model_dir = save_tiny_model(tmp_path / "model", seed=0, vocab_size=128, hidden_size=32, num_layers=1, num_heads=2,
                                 num_kv_heads=1, head_dim=16, num_experts=2, top_k=1, moe_intermediate_size=16)
-    rank0, rank1 = run_on_ranks(_slow_rollout_and_eval, 2, None, str(model_dir), timeout=180,
+    # Fresh ranks: a collective that timed out is under test, and it leaves its ranks' groups broken.
+    rank0, rank1 = run_on_ranks(_slow_rollout_and_eval, 2, None, str(model_dir), timeout=180, fresh=True,
                                 dist_timeouts={"timeout_s": WORLD_TIMEOUT_S, "control_timeout_s": 120.0})
     # Rank 1 waited past the world timeout for each of rank 0's generate calls, and got rank 0's results.
     assert rank1["collect_s"] > WORLD_TIMEOUT_S and rank1["eval_s"] > WORLD_TIMEOUT_S, rank1

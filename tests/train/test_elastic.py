@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 import torch
 
 from gspo_megatron.parallel.launch import run_on_ranks
@@ -28,6 +29,8 @@ from gspo_megatron.train.metrics_log import read_metrics
 from tests.rollout.helpers import require_sglang
 from tests.train.saved import final_weights
 from tests.train.torchrun_runs import ROOT, STEPS, env, logged_steps, rank_process, two_ranks
+
+pytestmark = pytest.mark.megatron  # trains the Megatron policy through the CLI
 
 
 def _run_killing_rank_1(run: Path, command: list[str]) -> str:

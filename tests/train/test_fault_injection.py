@@ -69,5 +69,17 @@ def test_kill_rank_kills_only_that_rank(tmp_path):
 
 
 def test_no_schedule_no_faults(tmp_path, monkeypatch):
-    monkeypatch.delenv(fault_injection.ENV, raising=False)
-    fault_injection.at("rollout", 1, SimpleNamespace(servers=[]))  # would raise if it looked at the engine
+    """Without GSPO_FAULTS a schedule that would fire here does nothing; with it set, the same call fires."""
+    path = _faults(tmp_path, [{"at": "rollout", "step": 1, "action": "kill_server"}])
+    server = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    engine = SimpleNamespace(servers=[SimpleNamespace(process=server)])
+    try:
+        monkeypatch.delenv(fault_injection.ENV, raising=False)
+        fault_injection.at("rollout", 1, engine)
+        time.sleep(0.2)
+        assert server.poll() is None and not list(tmp_path.glob("*.fired.*"))
+        monkeypatch.setenv(fault_injection.ENV, str(path))  # the same call, scheduled: it fires
+        fault_injection.at("rollout", 1, engine)
+        assert server.wait(timeout=10) == -9 and (tmp_path / "faults.json.fired.0").exists()
+    finally:
+        server.kill()

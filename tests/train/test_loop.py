@@ -16,10 +16,14 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from gspo_megatron.parallel.launch import run_on_ranks
+from tests import warm_cli
 from tests.train.saved import final_weights
+
+pytestmark = pytest.mark.megatron  # trains the Megatron policy through the CLI
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -34,7 +38,7 @@ def _command(run: Path, steps: int, *extra: str) -> list[str]:
 
 def _train(run: Path, steps: int, *extra: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, WORLD_SIZE="1")
-    out = subprocess.run(_command(run, steps, *extra), capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+    out = warm_cli.run(_command(run, steps, *extra), capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     return out
 

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import math
-import subprocess
 import sys
 from pathlib import Path
 
 from gspo_megatron.train.metrics_log import MetricsLogger, read_metrics
 from gspo_megatron.train.plots import plot_runs
+from tests import warm_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -37,10 +37,10 @@ def _is_png(path: Path) -> bool:
 def test_plot_and_compare(tmp_path):
     a, b = fake_run(tmp_path / "gspo", 0.1), fake_run(tmp_path / "grpo", 0.05)
     assert _is_png(plot_runs({"gspo": a}, tmp_path / "gspo.png"))
-    out = subprocess.run([sys.executable, str(ROOT / "tools/compare_runs.py"), str(tmp_path / "gspo"), f"grpo={b}",
-                          "--out", str(tmp_path / "cmp.png")], capture_output=True, text=True)
+    out = warm_cli.run([sys.executable, str(ROOT / "tools/compare_runs.py"), str(tmp_path / "gspo"), f"grpo={b}",
+                      "--out", str(tmp_path / "cmp.png")], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert _is_png(tmp_path / "cmp.png")
-    bad = subprocess.run([sys.executable, str(ROOT / "tools/compare_runs.py"), str(tmp_path / "nope")],
-                         capture_output=True, text=True)
+    bad = warm_cli.run([sys.executable, str(ROOT / "tools/compare_runs.py"), str(tmp_path / "nope")],
+                     capture_output=True, text=True)
     assert bad.returncode != 0 and "no metrics.jsonl" in bad.stderr

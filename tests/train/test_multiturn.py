@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import pytest
 
 from gspo_megatron.train.config import ConfigError, load_config
 from gspo_megatron.train.validate import validate
+from tests import warm_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = "tests.rollout.user_envs:ScriptedEnv"
@@ -56,6 +56,7 @@ def test_plan_sizes_trajectories():
     assert (padded_length(single), padded_length(multi)) == (24, 116)
 
 
+@pytest.mark.megatron  # trains the Megatron policy through the CLI
 def test_loop_runs_multiturn_rollouts(tmp_path):
     run = tmp_path / "run"
     command = [sys.executable, "-m", "gspo_megatron.cli", "train", str(ROOT / "examples/tiny_moe_cpu.yaml"),
@@ -64,8 +65,8 @@ def test_loop_runs_multiturn_rollouts(tmp_path):
                "rollout.prompts_per_step=2", "rollout.group_size=2", "parallel.micro_batch_size=2",
                "rollout.max_new_tokens=3", f"rollout.env={ENV}", "rollout.env_args={turns: 2}",
                "rollout.max_turns=3", "algo.name=gspo_token", "algo.token_advantages=turns", "algo.gamma=0.9"]
-    out = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, WORLD_SIZE="1"),
-                         timeout=600)
+    out = warm_cli.run(command, capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, WORLD_SIZE="1"),
+                     timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]

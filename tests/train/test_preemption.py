@@ -11,11 +11,14 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from gspo_megatron.parallel.launch import run_on_ranks
 from tests.train.saved import final_weights
 from tests.train.torchrun_runs import ROOT, STEPS, env, logged_steps, rank_process, two_ranks
+
+pytestmark = pytest.mark.megatron  # trains the Megatron policy through the CLI
 
 
 def _command(run: Path, model: Path, *extra: str) -> list[str]:

@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from tests import warm_cli
 from tests.rollout.helpers import require_sglang
+
+pytestmark = pytest.mark.megatron  # trains the Megatron policy through the CLI
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,7 +29,7 @@ def test_server_killed_inside_a_weight_update_is_restarted_and_the_update_sent_a
            "parallel.micro_batch_size=8", f"model.hf_dir={tmp_path / 'model'}", f"logging.dir={tmp_path / 'run'}",
            "checkpoint.dir=", "logging.plot_every=0", "logging.tensorboard=false", "data.reward_workers=0"]
     env = dict(os.environ, WORLD_SIZE="1", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), GSPO_FAULTS=str(faults))
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    out = warm_cli.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     assert (tmp_path / "faults.json.fired.0").is_file()  # the kill happened, inside step 1's update
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

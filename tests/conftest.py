@@ -1,0 +1,82 @@
+"""Suite-wide settings: warm rank workers, and the ``megatron`` marker that selects the megatron-core 0.19 run.
+
+- tests/gpu runs in its CPU mode (``GSPO_GPU_TESTS_ON_CPU=1``) on a machine without CUDA.
+- The session's SGLang servers: ``tests/sglang_servers.py`` (tests that destroy them run last).
+- ``run_on_ranks`` uses warm workers here (``GSPO_RANK_WORKERS=warm``, see ``gspo_megatron.parallel.launch``):
+  ~100 multi-rank launches would otherwise pay ~8 s of start-up each. ``GSPO_RANK_WORKERS=fresh`` in the
+  environment restores fresh processes for every call.
+- ``@pytest.mark.megatron``: the test depends on megatron-core's version — it builds or runs a Megatron model,
+  optimizer or dist checkpoint, or one of our megatron patches, in its process, in its ranks or through a CLI that
+  trains one. tests/test_megatron_019.py runs exactly these again on megatron-core 0.19.2. So that the subset cannot
+  rot, a test that builds a megatron-core module without the marker fails here (``tests.megatron_use``): in its
+  process, in its ``run_on_ranks`` ranks, in a command run through ``tests.warm_cli``, or in a session fixture it
+  uses. Commands under torchrun or plain ``subprocess`` are out of its sight: those tests carry the marker by hand.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.megatron_use import probe
+
+pytest_plugins = ["tests.sglang_servers"]  # the session's SGLang servers (fixtures started_servers, engine, ...)
+
+os.environ.setdefault("GSPO_RANK_WORKERS", "warm")
+# Without a GPU, tests/gpu runs its harness with both sides on the CPU (bench/gpu_check.sh runs it on a GPU).
+if not torch.cuda.is_available():
+    os.environ.setdefault("GSPO_GPU_TESTS_ON_CPU", "1")
+os.environ["GSPO_RANK_PROBE"] = "tests.megatron_use:probe"
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "megatron: depends on megatron-core's version (runs again on 0.19 in tests/test_megatron_019.py)")
+    config.addinivalue_line(
+        "markers", "triton: runs Triton kernels (runs again under the 0.19 environment's own Triton)")
+    config.addinivalue_line("markers", "destroys_server: hangs or stops the session's SGLang server; runs last")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests that hang, kill or shut down the session's SGLang servers run after every test that needs them (in
+    their collected order)."""
+    items.sort(key=lambda item: item.get_closest_marker("destroys_server") is not None)
+
+
+# Megatron classes built while each fixture was set up: a test that uses a session fixture built for an earlier
+# test depends on Megatron as much as that test did.
+_fixture_builds: dict[str, set[str]] = {}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    from gspo_megatron.parallel import launch
+
+    probe.start()
+    launch.probe_reports.clear()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    from gspo_megatron.parallel import launch
+
+    before, reports = set(probe.built), len(launch.probe_reports)
+    yield
+    built = (probe.built - before).union(*launch.probe_reports[reports:])
+    if built:
+        _fixture_builds.setdefault(fixturedef.argname, set()).update(built)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    from gspo_megatron.parallel import launch
+
+    built = set(probe.stop()).union(*launch.probe_reports,
+                                    *(_fixture_builds.get(name, ()) for name in getattr(item, "fixturenames", ())))
+    launch.probe_reports.clear()
+    if built and item.get_closest_marker("megatron") is None:
+        shown = ", ".join(sorted(built)[:3]) + (", ..." if len(built) > 3 else "")
+        pytest.fail(f"{item.nodeid} built megatron-core modules ({shown}), or uses a fixture that did, but is not "
+                    "marked @pytest.mark.megatron: mark it, so that it runs again on megatron-core 0.19", pytrace=False)
