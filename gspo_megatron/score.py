@@ -127,6 +127,7 @@ def load_policy(model_dir: str | Path, layout, dtype=None):
 
     model_dir = Path(model_dir)
     if checkpoint.is_megatron_checkpoint(model_dir):
+        model_dir = checkpoint.resolve(model_dir)  # a training run's checkpoint.dir or latest: its newest step
         info = checkpoint.read_info(model_dir)
         model = build_gpt_model(info.spec, layout, dtype=dtype or checkpoint.torch_dtype(info.dtype),
                                 padded_vocab_size=info.padded_vocab_size)
@@ -247,7 +248,13 @@ def run(args) -> int:
     layout = Layout(tensor=args.tp, pipeline=args.pp, expert=args.ep, expert_tensor=args.etp,
                     sequence_parallel=args.tp > 1)
     try:
-        if not model_dir.is_dir():
+        if not model_dir.exists():
+            raise FileNotFoundError(f"--model {model_dir} does not exist")
+        from gspo_megatron.model import checkpoint
+
+        if checkpoint.is_megatron_checkpoint(model_dir):
+            model_dir = checkpoint.resolve(model_dir)  # a training run's checkpoint.dir or latest: its newest step
+        elif not model_dir.is_dir():
             raise FileNotFoundError(f"--model {model_dir} is not a directory")
         spec, padded = _model_spec(model_dir)
         records = read_records(args.input, spec.vocab_size)
@@ -275,7 +282,8 @@ def run(args) -> int:
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--model", required=True, help="HF directory or Megatron checkpoint")
+    parser.add_argument("--model", required=True, help="HF directory or Megatron checkpoint (a converted model, a "
+                        "training run's checkpoint.dir, its step_N dir or latest)")
     parser.add_argument("--input", required=True, help="JSONL with prompt_ids and response_ids")
     parser.add_argument("--output", help="where to write the JSONL results (default: stdout)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")

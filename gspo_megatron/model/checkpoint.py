@@ -8,6 +8,10 @@ A checkpoint directory holds
                                                     the layout it was saved from
     hf/                                             the HF config.json, generation config and tokenizer files
 
+A training checkpoint (train/checkpoint.py: ``checkpoint.dir/step_N/``) is one too, with optimizer, schedule and
+trainer state beside the model's tensors; wherever a checkpoint is read, ``resolve`` also accepts the training run's
+``latest`` pointer and its checkpoint dir (meaning its latest step).
+
 Only tensors are saved (no ``_extra_state`` ShardedObjects): they are empty for the local spec and
 layout-specific for TE, and a tensors-only checkpoint loads into either spec. Keys are per layer
 (``decoder.layers.{i}.…``, megatron's ``non_homogeneous_layers``) for every family: MoE models with dense
@@ -18,6 +22,7 @@ missing or unexpected layers named, not with a shape mismatch of a stacked [num_
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -34,8 +39,10 @@ METADATA_FILE = "gspo_megatron.json"
 HF_DIR = "hf"
 SHARDED_STATE_DICT_METADATA = {"non_homogeneous_layers": True}
 # A training checkpoint (train/checkpoint.py) holds the same model tensors plus megatron's optimizer state, whose
-# keys all start with this: it converts as it is, and only model-like keys count as unexpected.
-NON_MODEL_KEY_PREFIXES = ("optimizer.",)
+# keys all start with this ("chained_N.optimizer." for MoE models' chained optimizers): it converts as it is, and
+# only model-like keys count as unexpected.
+NON_MODEL_KEY = re.compile(r"^(chained_\d+\.)?optimizer\.")
+LATEST = "latest"  # a training run's checkpoint dir: the file naming its newest complete step dir
 
 
 @dataclass
@@ -53,15 +60,42 @@ class CheckpointInfo:
         return json.dumps(data, indent=2) + "\n"
 
 
+def _pointed(path: Path) -> Path | None:
+    """The step dir a training run's ``latest`` names (``path`` the file itself or the dir holding it), or None."""
+    pointer = path / LATEST if path.is_dir() else path
+    if pointer.name != LATEST or not pointer.is_file():
+        return None
+    target = pointer.parent / pointer.read_text().strip()
+    if not (target / METADATA_FILE).is_file():
+        raise FileNotFoundError(f"{pointer} names {target.name}, which is not a complete checkpoint "
+                                f"(no {target / METADATA_FILE}): the checkpoint dir was edited")
+    return target
+
+
+def resolve(path: str | Path) -> Path:
+    """The checkpoint dir ``path`` means: a checkpoint (a converted model or a training step dir), a training run's
+    ``latest`` file, or its checkpoint dir (its latest step)."""
+    path = Path(path)
+    if (path / METADATA_FILE).is_file():
+        return path
+    if not path.exists():
+        raise FileNotFoundError(f"the Megatron checkpoint {path} does not exist")
+    target = _pointed(path)
+    if target is None:
+        raise FileNotFoundError(f"{path} is not a gspo-megatron checkpoint: no {METADATA_FILE} and no {LATEST} "
+                                "file (give a checkpoint.dir, its step_N dir or its latest; or convert an HF model "
+                                "with tools/convert_hf_to_megatron.py)")
+    return target
+
+
 def is_megatron_checkpoint(directory: str | Path) -> bool:
-    return (Path(directory) / METADATA_FILE).is_file()
+    """Whether ``directory`` is (or, like ``resolve``, points at) a Megatron checkpoint rather than an HF model."""
+    path = Path(directory)
+    return (path / METADATA_FILE).is_file() or (path / LATEST).is_file() or path.name == LATEST
 
 
 def read_info(directory: str | Path) -> CheckpointInfo:
-    file = Path(directory) / METADATA_FILE
-    if not file.is_file():
-        raise FileNotFoundError(f"{directory} is not a gspo-megatron checkpoint: no {METADATA_FILE} "
-                                "(convert an HF model with tools/convert_hf_to_megatron.py)")
+    file = resolve(directory) / METADATA_FILE
     data = json.loads(file.read_text())
     if data.get("format") != FORMAT:
         raise ValueError(f"{file}: format {data.get('format')!r}, expected {FORMAT!r}")
@@ -135,10 +169,11 @@ def check_weights(model, directory: str | Path) -> None:
 
     Collective. Raises ``MappingError`` naming missing, unexpected and mis-shaped Megatron tensors
     (megatron-core itself would load a mis-shaped tensor silently or fail deep inside torch). Optimizer
-    state (``NON_MODEL_KEY_PREFIXES``) is not unexpected: training checkpoints convert as they are.
+    state (``NON_MODEL_KEY``) is not unexpected: training checkpoints convert as they are.
     """
     from megatron.core import dist_checkpointing
 
+    directory = resolve(directory)
     stored = {key: tuple(t.global_shape) for key, t in dist_checkpointing.load_tensors_metadata(str(directory)).items()}
     needed = {t.key: tuple(t.global_shape) for t in _sharded_tensors(tensors_state_dict(model))}
     # Every rank judges the union of all ranks' needs, so all raise together (none is left in a collective).
@@ -152,7 +187,7 @@ def check_weights(model, directory: str | Path) -> None:
     missing = set(needed) - set(stored)
     if missing:
         problems.append(listing("missing tensors", missing))
-    unexpected = {key for key in set(stored) - set(needed) if not key.startswith(NON_MODEL_KEY_PREFIXES)}
+    unexpected = {key for key in set(stored) - set(needed) if not NON_MODEL_KEY.match(key)}
     if unexpected:
         problems.append(listing("unexpected tensors", unexpected))
     wrong = [f"{k} has shape {list(stored[k])}, the model needs {list(needed[k])}"
@@ -170,8 +205,12 @@ def load_weights(model, directory: str | Path) -> None:
 
     from .hidden_output import unwrap
 
+    directory = resolve(directory)
     check_weights(model, directory)
-    loaded = dist_checkpointing.load(tensors_state_dict(model), str(directory))
+    template = tensors_state_dict(model)
+    loaded = dist_checkpointing.load(template, str(directory))
+    # A training checkpoint's common state (optimizer param groups, scheduler, trainer state) comes back too.
+    loaded = {k: v for k, v in loaded.items() if k in template}
     missing, unexpected = unwrap(model).load_state_dict(loaded, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing or unexpected:

@@ -113,7 +113,7 @@ def megatron_to_hf(megatron_dir: str | Path, out: str | Path, hf_config_dir: str
     from megatron.core import parallel_state as ps
 
     started = time.perf_counter()
-    megatron_dir, out = Path(megatron_dir), Path(out).absolute()
+    megatron_dir, out = checkpoint.resolve(megatron_dir), Path(out).absolute()  # a step dir, latest, checkpoint.dir
     info = checkpoint.read_info(megatron_dir)
     config_dir = Path(hf_config_dir) if hf_config_dir else megatron_dir / checkpoint.HF_DIR
     spec = read_hf_config(config_dir)

@@ -32,9 +32,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from gspo_megatron.model.checkpoint import LATEST
 from gspo_megatron.train import fault_injection
-
-LATEST = "latest"
 # The distributed optimizer's state as one ShardedTensor per contiguous buffer: fully parallel save and load
 # with no gather (Megatron-LM's default). It can be resumed under another data-parallel size, not another
 # TP/PP/EP layout; convert the model alone (tools/) to change those.

@@ -57,7 +57,11 @@ def train(cfg: Config, resume: bool = False) -> dict:
     if resume_from:
         state = checkpoint.load(resume_from, policy.model, policy.optimizer, policy.scheduler)
         step, version = state["step"], state["weight_version"]
-    if resume_from or elastic.restarted():  # servers kept through a restart serve the failed attempt's weights
+        if rank0:
+            print(f"gspo-megatron train: resumed from {resume_from} at step {step} of {cfg.train.steps}", flush=True)
+    # The engine started from model.hf_dir's weights: a resumed run or model.megatron_checkpoint needs its own; servers
+    # kept through a restart serve the failed attempt's weights
+    if resume_from or elastic.restarted() or cfg.model.megatron_checkpoint:
         rollout_phase.sync_weights(policy, engine, elastic.resumed_version(version))
     progress = Progress(cfg.train.steps, start=step, enabled=rank0)
     seq_multiple = sequence_multiple(cfg.parallel.tensor, cfg.parallel.context, cfg.parallel.sequence_parallel)
