@@ -22,6 +22,22 @@ def _train(args) -> int:
     cfg = load_config(args.config, args.overrides)
     # The layout against the model's config too, before any process group starts.
     validate(cfg, int(os.environ.get("WORLD_SIZE", "1")), model_hf_config(cfg))
+    # Output dirs: writable, and never a used one without --resume (before anything is built or written).
+    from gspo_megatron.train import elastic
+    from gspo_megatron.train.run_dirs import check_run_dirs
+
+    rank = int(os.environ.get("RANK", "0"))
+    note = check_run_dirs(cfg, args.resume, args.overwrite, rank, restarted=elastic.restarted())
+    if note and rank == 0:
+        print(note, flush=True)
+    from gspo_megatron.train.bootstrap import preflight
+    from gspo_megatron.train.data import DataError
+
+    try:
+        preflight(cfg)  # prompt files and rewards, before the model is built
+    except DataError as error:
+        print(f"gspo-megatron train: DataError: {error}", file=sys.stderr)
+        return 1
     from gspo_megatron.train import preemption
     from gspo_megatron.train.data import DataError
     from gspo_megatron.train.faults import NonFiniteError
@@ -47,13 +63,28 @@ def _train(args) -> int:
 
 
 def _plan(args) -> int:
-    from gspo_megatron.train.config import load_config
-    from gspo_megatron.train.plan import format_plan
+    from gspo_megatron.train.config import ConfigError, load_config
+    from gspo_megatron.train.plan import fit_options, fits, format_plan
 
+    if args.nodes is not None and args.nodes < 1:
+        raise ConfigError(f"--nodes {args.nodes}: the number of nodes must be at least 1")
+    if args.gpus_per_node < 0:
+        raise ConfigError(f"--gpus-per-node {args.gpus_per_node}: must be at least 1 (or left out)")
+    if args.nodes is not None and not args.gpus_per_node:
+        raise ConfigError(f"--nodes {args.nodes} needs --gpus-per-node (the world is nodes x GPUs per node)")
+    if args.gpu_memory_gib <= 0:
+        raise ConfigError(f"--gpu-memory-gib {args.gpu_memory_gib:g} must be a positive number of GiB")
     cfg = load_config(args.config, args.overrides)
-    world = args.nodes * args.gpus_per_node if args.gpus_per_node else int(os.environ.get("WORLD_SIZE", "1"))
+    world = (args.nodes or 1) * args.gpus_per_node if args.gpus_per_node else int(os.environ.get("WORLD_SIZE", "1"))
     print(format_plan(cfg, world, args.gpu_memory_gib, impl=args.layer_spec))
-    return 0
+    if fits(cfg, world, args.gpu_memory_gib, impl=args.layer_spec):
+        return 0
+    options = fit_options(cfg, world, args.gpu_memory_gib, impl=args.layer_spec, gpus_per_node=args.gpus_per_node)
+    print(f"gspo-megatron plan: this layout does not fit in {args.gpu_memory_gib:g} GiB per GPU; "
+          + (f"each of these would make it fit: {'; '.join(options)}" if options else
+             "no single change of recompute, parallel sizes, micro batch, response length or node count makes it "
+             "fit: combine them, or use GPUs with more memory"), file=sys.stderr)
+    return 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,8 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
                        "rollout, algo, optimizer, data, train, checkpoint, logging, distributed)")
     train.add_argument("overrides", nargs="*", help="section.field=value overrides, e.g. parallel.tensor=2 algo.name=grpo")
     train.add_argument("--resume", action="store_true", help="continue from checkpoint.dir's latest checkpoint if "
-                       "there is one (else start afresh). Under `torchrun --max-restarts N` restarted workers resume "
-                       "from the checkpoints this run wrote without it, and keep rank 0's SGLang servers")
+                       "there is one (else start afresh, saying so). Under `torchrun --max-restarts N` restarted "
+                       "workers resume from the checkpoints this run wrote without it, and keep rank 0's SGLang servers")
+    train.add_argument("--overwrite", action="store_true", help="logging.dir / checkpoint.dir hold an earlier run: "
+                       "delete its metrics and checkpoints and start afresh (without it, or --resume, a used dir is "
+                       "refused)")
     plan = sub.add_parser(
         "plan", help="print the resolved parallel layout and per-GPU memory estimate",
         description="The ranks of every TP/PP/EP/CP/DP group (as megatron-core builds them) and the per-GPU memory "
@@ -87,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan.add_argument("config")
     plan.add_argument("overrides", nargs="*", help="section.field=value overrides")
-    plan.add_argument("--nodes", type=int, default=1)
+    plan.add_argument("--nodes", type=int, default=None, help="nodes (default 1; needs --gpus-per-node)")
     plan.add_argument("--gpus-per-node", type=int, default=0, help="default: $WORLD_SIZE (or 1) ranks in all")
     plan.add_argument("--gpu-memory-gib", type=float, default=H100_GIB,
                       help=f"per-GPU memory as torch reports it (H100 80 GB: {H100_GIB})")

@@ -239,7 +239,7 @@ def _write(results: list[dict], output: str | None) -> None:
 
 def run(args) -> int:
     """The ``score`` subcommand (args from ``cli.build_parser``)."""
-    from gspo_megatron.model.errors import LayoutError, MappingError, UnsupportedModel
+    from gspo_megatron.model.errors import LayoutError
     from gspo_megatron.model.layout_check import check_layout, minimal_world_size
     from gspo_megatron.parallel.groups import Layout
     from gspo_megatron.parallel.launch import run_on_ranks
@@ -257,6 +257,11 @@ def run(args) -> int:
         elif not model_dir.is_dir():
             raise FileNotFoundError(f"--model {model_dir} is not a directory")
         spec, padded = _model_spec(model_dir)
+        if not checkpoint.is_megatron_checkpoint(model_dir):  # names and shapes of the HF tensors (headers only)
+            from gspo_megatron.model.bridge import Bridge
+            from gspo_megatron.model.hf_files import SafetensorsDir
+
+            Bridge(spec).check_hf_tensors(SafetensorsDir(model_dir).shapes())
         records = read_records(args.input, spec.vocab_size)
         if args.backend == "transformers":
             if (args.tp, args.pp, args.ep) != (1, 1, 1):
@@ -266,7 +271,7 @@ def run(args) -> int:
         torchrun = "WORLD_SIZE" in os.environ
         world = int(os.environ["WORLD_SIZE"]) if torchrun else minimal_world_size(layout)
         check_layout(spec, layout, world, padded_vocab_size=padded)
-    except (FileNotFoundError, ScoreInputError, UnsupportedModel, LayoutError, MappingError, NotImplementedError) as e:
+    except (FileNotFoundError, ValueError, NotImplementedError) as e:  # ScoreInputError, the model package's errors
         print(f"gspo-megatron score: error: {e}", file=sys.stderr)
         return 2
     if torchrun or world == 1:

@@ -1,50 +1,76 @@
 """The cluster examples pass `gspo-megatron plan` on their documented node counts (and 235B does not fit 8, nor
-16 without recomputing its MoE layers)."""
+16 without recomputing its MoE layers: exit status 1, naming single changes that fit). In process: ``plan`` builds
+nothing, and runs from any directory (a YAML's relative paths are relative to its folder)."""
 
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests import warm_cli
+from gspo_megatron.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def plan(*args):
-    return warm_cli.run([sys.executable, "-m", "gspo_megatron.cli", "plan", *args], capture_output=True, text=True,
-                      cwd=ROOT, timeout=300)
+@pytest.fixture
+def plan(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # not the repository: the examples' paths resolve against their own folders
+
+    def run(config, *args):
+        code = main(["plan", str(ROOT / config), *args])
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    return run
 
 
 @pytest.mark.parametrize("config, nodes, params", [
     ("examples/qwen3_30b_a3b/train.yaml", 2, "30.53B parameters (3.35B active)"),
     ("examples/qwen3_235b_a22b/train.yaml", 16, "235.09B parameters (22.19B active)"),
 ])
-def test_cluster_examples_fit(config, nodes, params):
-    out = plan(config, "--nodes", str(nodes), "--gpus-per-node", "8")
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert params in out.stdout and ": fits" in out.stdout, out.stdout
+def test_cluster_examples_fit(plan, config, nodes, params):
+    code, out, err = plan(config, "--nodes", str(nodes), "--gpus-per-node", "8")
+    assert code == 0, err
+    assert params in out and ": fits" in out, out
 
 
-def test_235b_needs_its_moe_recompute():
+def test_235b_needs_its_moe_recompute(plan):
     # Keeping the routed experts' activations (2 micro batches of 9216 tokens in flight) does not fit an H100.
-    out = plan("examples/qwen3_235b_a22b/train.yaml", "--nodes", "16", "--gpus-per-node", "8",
-               "recompute.modules=[core_attn]")
-    assert out.returncode == 0 and "DOES NOT FIT" in out.stdout, out.stdout + out.stderr[-2000:]
-    assert "recompute    selective, modules ['core_attn']" in out.stdout
+    code, out, err = plan("examples/qwen3_235b_a22b/train.yaml", "--nodes", "16", "--gpus-per-node", "8",
+                          "recompute.modules=[core_attn]")
+    assert code == 1 and "DOES NOT FIT" in out, out + err
+    assert "recompute    selective, modules ['core_attn']" in out
+    assert "this layout does not fit in 79.1 GiB per GPU; each of these would make it fit: " in err, err
+    assert "recompute.modules=[core_attn, moe]" in err and "recompute.granularity=full" in err, err
 
 
-def test_235b_on_8_nodes_does_not_fit():
-    out = plan("examples/qwen3_235b_a22b/train.yaml", "--nodes", "8", "--gpus-per-node", "8", "parallel.expert=32")
-    assert out.returncode == 0 and "DOES NOT FIT" in out.stdout, out.stdout + out.stderr[-2000:]
+def test_235b_on_8_nodes_does_not_fit_and_each_named_change_fits(plan):
+    code, out, err = plan("examples/qwen3_235b_a22b/train.yaml", "--nodes", "8", "--gpus-per-node", "8",
+                          "parallel.expert=32")
+    assert code == 1 and "DOES NOT FIT" in out, out + err
+    options = err.split("each of these would make it fit: ")[1].strip().split("; ")
+    assert "--nodes 16" in options, options
+    for option in options:  # what the message promises
+        args = option.split() if option.startswith("--") else ["--nodes", "8", *option.split()]
+        code, out, err = plan("examples/qwen3_235b_a22b/train.yaml", *args, "--gpus-per-node", "8",
+                              "parallel.expert=32")
+        assert code == 0 and ": fits" in out, (option, err)
 
 
-def test_bad_layout_names_the_field():
-    out = plan("examples/qwen3_30b_a3b/train.yaml", "--nodes", "1", "--gpus-per-node", "6")
-    assert out.returncode == 2 and "world size=6 is not divisible by parallel.expert*expert_tensor*pipeline=8" in out.stderr
+@pytest.mark.parametrize("args, message", [
+    (["--nodes", "1", "--gpus-per-node", "6"],
+     "world size=6 is not divisible by parallel.expert*expert_tensor*pipeline=8"),
+    (["--nodes", "2"], "--nodes 2 needs --gpus-per-node (the world is nodes x GPUs per node)"),
+    (["--nodes", "0", "--gpus-per-node", "8"], "--nodes 0: the number of nodes must be at least 1"),
+    (["--nodes", "-2", "--gpus-per-node", "8"], "--nodes -2: the number of nodes must be at least 1"),
+    (["--gpus-per-node", "-8"], "--gpus-per-node -8: must be at least 1"),
+    (["--gpus-per-node", "8", "--gpu-memory-gib", "0"], "--gpu-memory-gib 0 must be a positive number of GiB"),
+])
+def test_bad_plan_arguments_are_sentences(plan, args, message):
+    code, out, err = plan("examples/qwen3_30b_a3b/train.yaml", *args)
+    assert code == 2 and message in err, err
 
 
 def test_launch_script_is_valid_bash():

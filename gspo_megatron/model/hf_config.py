@@ -126,8 +126,13 @@ def load_config_json(path: str | Path) -> dict:
     file = path / "config.json" if path.is_dir() else path
     if not file.is_file():
         raise FileNotFoundError(f"no Hugging Face config at {file}: expected a directory holding config.json")
-    with file.open() as f:
-        return json.load(f)
+    try:
+        config = json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{file}:{e.lineno}:{e.colno}: not valid JSON ({e.msg}); is the file truncated?") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{file}: expected a JSON object of config fields")
+    return config
 
 
 def family_of(config: dict) -> Family:

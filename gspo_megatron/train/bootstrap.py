@@ -41,6 +41,36 @@ def reward_function(cfg: Config, segments: bool = False):
     return RewardPool(spec, cfg.data.reward_workers, cfg.data.reward_timeout_s, builtin)
 
 
+def preflight(cfg: Config) -> None:
+    """What can fail from the config and its files, checked before anything is built: the reward functions resolve,
+    and with an existing model directory every prompt line reads and tokenizes within rollout.max_prompt_tokens
+    (a DataError names the file and line). A model still to be built from model.tiny has no tokenizer yet."""
+    from gspo_megatron.rollout import rewards
+    from gspo_megatron.rollout.user_code import load_named
+
+    for name, builtin in (("reward", rewards.BUILTIN), ("segment_reward", rewards.BUILTIN_SEGMENTS)):
+        spec = getattr(cfg.data, name)
+        if spec:
+            try:
+                load_named(spec, builtin, f"data.{name}", "module:function", "callable")
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+    hf_dir = Path(cfg.model.hf_dir)
+    if not (hf_dir / "config.json").is_file():
+        return
+    if not cfg.model.megatron_checkpoint:  # the safetensors' names and shapes against the config (headers only)
+        from gspo_megatron.model.bridge import Bridge
+        from gspo_megatron.model.hf_config import read_hf_config
+        from gspo_megatron.model.hf_files import SafetensorsDir
+
+        try:
+            Bridge(read_hf_config(hf_dir)).check_hf_tensors(SafetensorsDir(hf_dir).shapes())
+        except (ValueError, FileNotFoundError) as e:
+            raise ConfigError(f"model.hf_dir={cfg.model.hf_dir!r}: {e}") from None
+    if cfg.data.prompts:
+        load_prompts(cfg, hf_dir, quiet=True)
+
+
 def model_hf_config(cfg: Config) -> dict:
     """The model's Hugging Face config without building or loading it: ``model.hf_dir``'s config.json, or the
     config ``model.tiny`` will build there. For checking the layout against the model before anything starts."""
@@ -48,7 +78,10 @@ def model_hf_config(cfg: Config) -> dict:
 
     config = Path(cfg.model.hf_dir) / "config.json" if cfg.model.hf_dir else None
     if config is not None and config.is_file():
-        return load_config_json(config)
+        try:
+            return load_config_json(config)
+        except ValueError as e:
+            raise ConfigError(f"model.hf_dir: {e}") from None
     if cfg.model.tiny:
         from gspo_megatron.rollout.synthetic import tiny_qwen3_moe_config
 
@@ -140,7 +173,7 @@ def demonstration_batch(problems, tokenizer) -> tuple[torch.Tensor, torch.Tensor
     return ids, labels
 
 
-def load_prompts(cfg: Config, hf_dir: Path):
+def load_prompts(cfg: Config, hf_dir: Path, quiet: bool = False):
     """(tokenizer, training PromptStream, eval prompts)."""
     from transformers import AutoTokenizer
 
@@ -156,7 +189,7 @@ def load_prompts(cfg: Config, hf_dir: Path):
         evals, eval_skipped = load_jsonl(d.eval_prompts, tokenizer, d.skip_malformed, limit, drop_long) \
             if d.eval_prompts else ([], {})
         for name, counts in (("data.prompts", skipped), ("data.eval_prompts", eval_skipped)):
-            if any(counts.values()) and dist.get_rank() == 0:
+            if any(counts.values()) and not quiet and dist.get_rank() == 0:
                 print(f"{name}: skipped {counts['malformed']} malformed lines (data.skip_malformed=true) and "
                       f"dropped {counts['too_long']} prompts over rollout.max_prompt_tokens (data.long_prompts=drop)")
     return tokenizer, PromptStream(train, seed=d.seed), evals

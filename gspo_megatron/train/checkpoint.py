@@ -220,6 +220,51 @@ def latest(directory: str | Path) -> Path | None:
     return path
 
 
+def damage(path: str | Path) -> str | None:
+    """What is missing or cut short in a checkpoint dir, from its file listing and torch_dist's index (every shard
+    file as long as the byte ranges it is said to hold), without loading it; None when intact."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    path = Path(path)
+    for name in ("metadata.json", ".metadata", "common.pt"):
+        if not (path / name).is_file():
+            return f"{path / name} is missing"
+    try:
+        storage = FileSystemReader(str(path)).read_metadata().storage_data
+    except Exception as e:  # a truncated or garbled index: pickle's and torch's errors alike
+        return f"{path / '.metadata'} is unreadable ({type(e).__name__}: {e})"
+    needed: dict[str, int] = {}
+    for info in storage.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        file = path / name
+        if not file.is_file():
+            return f"{file} is missing"
+        if file.stat().st_size < size:
+            return f"{file} is cut short ({file.stat().st_size} of {size} bytes)"
+    try:
+        torch.load(path / "common.pt", map_location="cpu", weights_only=False)
+    except Exception as e:
+        return f"{path / 'common.pt'} is unreadable ({type(e).__name__}: {e})"
+    return None
+
+
+def check_resumable(directory: str | Path) -> None:
+    """Before anything is built: ``latest`` names an intact checkpoint, or a ``ValueError`` names the damaged file
+    and the newest intact step to resume from instead."""
+    root = Path(directory)
+    newest = latest(root)
+    problem = damage(newest) if newest is not None else None
+    if problem is None:
+        return
+    intact = [p for p in sorted(root.glob("step_*"), reverse=True)
+              if p.is_dir() and not p.name.endswith(".tmp") and p != newest and damage(p) is None]
+    way_on = (f"the newest intact checkpoint is {intact[0]}: point {root / LATEST} at it "
+              f"(echo {intact[0].name} > {root / LATEST}) and --resume again" if intact else
+              "no other step dir there is intact: start afresh without --resume (--overwrite)")
+    raise ValueError(f"--resume: the checkpoint {newest} is damaged: {problem}; {way_on}")
+
+
 def _has_optimizer_state(optimizer) -> bool:
     return any(
         len(opt.optimizer.state[p])

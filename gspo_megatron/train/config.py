@@ -10,6 +10,8 @@ naming the field and the fix.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +36,9 @@ class ModelConfig:
     seen calculator calls)."""
     warm_start_lr: float = 3e-3
     megatron_checkpoint: str = ""
-    """Start from this Megatron dist checkpoint (tools/convert_hf_to_megatron.py) instead of hf_dir's weights."""
+    """Start from this Megatron dist checkpoint's weights instead of hf_dir's (hf_dir still gives the tokenizer and the
+    servers' start): a converted model (tools/convert_hf_to_megatron.py), or a training run's checkpoint.dir, its
+    step_N dir or latest (weights only: optimizer and data position start afresh). Any layout: resharded on load."""
     dtype: str = "float32"
     """Parameter dtype: float32 or bfloat16 (bf16 needs a GPU to be fast)."""
     grouped_gemm: bool | None = None
@@ -445,13 +449,24 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
     return value
 
 
+def unknown_names(unknown, known, title: str) -> str:
+    """'title ['optimiser'] (did you mean 'optimizer'?); known: [...]' for misspelt names."""
+    guesses = {name: difflib.get_close_matches(str(name), list(known), n=1, cutoff=0.6) for name in unknown}
+    hints = [(name, match[0]) for name, match in guesses.items() if match]
+    if len(unknown) == 1 and hints:
+        hint = f" (did you mean {hints[0][1]!r}?)"
+    else:
+        hint = f" (did you mean {', '.join(f'{m!r} for {n!r}' for n, m in hints)}?)" if hints else ""
+    return f"{title} {sorted(unknown)}{hint}; known: {sorted(known)}"
+
+
 def _build(cls, values: dict, where: str):
     if not isinstance(values, dict):
         raise ConfigError(f"{where}: expected a mapping of fields, got {values!r}")
     types = _field_types(cls)
     unknown = sorted(set(values) - set(types))
     if unknown:
-        raise ConfigError(f"{where}: unknown field(s) {unknown}; known: {sorted(types)}")
+        raise ConfigError(unknown_names(unknown, types, f"{where}: unknown field(s)" if where else "unknown section(s)"))
     kwargs = {}
     for name, annotation in types.items():
         if name not in values:
@@ -477,16 +492,45 @@ def _apply_override(tree: dict, override: str) -> None:
     node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
 
 
+# Fields naming files or directories. A relative path in a YAML file is relative to that file's folder (so a config
+# means the same from any working directory); on the command line (overrides), to the working directory.
+PATH_FIELDS = (("model", "hf_dir"), ("model", "megatron_checkpoint"), ("data", "prompts"), ("data", "eval_prompts"),
+               ("checkpoint", "dir"), ("logging", "dir"))
+
+
+def _read_yaml(file: Path) -> dict:
+    try:
+        tree = yaml.safe_load(file.read_text()) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+        where = f"{file}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(file)
+        problem = "; ".join(str(x) for x in (getattr(e, "context", None), getattr(e, "problem", None)) if x) or str(e)
+        raise ConfigError(f"{where}: not valid YAML: {problem}") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{file}: the top level must be a mapping of sections")
+    return tree
+
+
+def _relative_to(tree: dict, folder: Path) -> None:
+    for section, name in PATH_FIELDS:
+        node = tree.get(section)
+        value = node.get(name) if isinstance(node, dict) else None
+        if isinstance(value, str) and value and not os.path.isabs(os.path.expanduser(value)):
+            node[name] = os.path.normpath(os.path.join(folder, value))
+
+
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
-    """YAML file (or None for defaults) + dotted ``section.field=value`` overrides -> a typed Config."""
+    """YAML file (or None for defaults) + dotted ``section.field=value`` overrides -> a typed Config.
+
+    Relative paths in the YAML file (``PATH_FIELDS``) are relative to its folder; in overrides, to the working
+    directory."""
     tree: dict = {}
     if path is not None:
         file = Path(path)
         if not file.is_file():
             raise ConfigError(f"config file {path} does not exist")
-        tree = yaml.safe_load(file.read_text()) or {}
-        if not isinstance(tree, dict):
-            raise ConfigError(f"{path}: the top level must be a mapping of sections")
+        tree = _read_yaml(file)
+        _relative_to(tree, file.parent)
     for override in overrides:
         _apply_override(tree, override)
     return _build(Config, tree, "")

@@ -8,6 +8,7 @@ printed with those assumptions and per component.
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -178,3 +179,72 @@ def format_plan(cfg: Config, world_size: int, gpu_memory_gib: float = H100_GIB, 
     lines += memory_lines(cfg, estimate, world_size, gpu_memory_gib)
     return "\n".join(lines)
 
+
+
+def fits(cfg: Config, world_size: int, gpu_memory_gib: float = H100_GIB, impl: str = "te",
+         overhead: Overhead = Overhead()) -> bool:
+    from gspo_megatron.model.hf_config import read_hf_config as model_spec
+
+    estimate = estimate_memory(model_spec(read_hf_config(cfg)), cfg, world_size, padded_length(cfg), impl=impl,
+                               overhead=overhead)
+    return estimate.total_bytes <= gpu_memory_gib * GIB
+
+
+def _changed(cfg: Config, **fields) -> Config:
+    """A copy of ``cfg`` with ``section__field=value`` changes."""
+    out = copy.deepcopy(cfg)
+    for key, value in fields.items():
+        section, name = key.split("__")
+        setattr(getattr(out, section), name, value)
+    return out
+
+
+def fit_options(cfg: Config, world_size: int, gpu_memory_gib: float = H100_GIB, impl: str = "te",
+                overhead: Overhead = Overhead(), gpus_per_node: int = 0) -> list[str]:
+    """Single changes that make a layout that does not fit fit (each checked like the layout itself): recompute,
+    more expert/pipeline/tensor parallelism, a smaller micro batch or token budget, shorter responses, the
+    distributed optimizer, twice the nodes."""
+    from gspo_megatron.train.validate import validate
+
+    p, r = cfg.parallel, cfg.recompute
+    tries: list[tuple[str, Config, int]] = []
+    if r.granularity == "none":
+        tries.append(("recompute.granularity=selective recompute.modules=[moe]",
+                      _changed(cfg, recompute__granularity="selective", recompute__modules=["moe"]), world_size))
+    elif r.granularity == "selective" and "moe" not in r.modules:
+        modules = [*r.modules, "moe"]
+        tries.append((f"recompute.modules=[{', '.join(modules)}]", _changed(cfg, recompute__modules=modules),
+                      world_size))
+    if r.granularity != "full":
+        tries.append(("recompute.granularity=full", _changed(cfg, recompute__granularity="full",
+                                                             recompute__method="uniform", recompute__num_layers=1),
+                      world_size))
+    if not p.distributed_optimizer:
+        tries.append(("parallel.distributed_optimizer=true", _changed(cfg, parallel__distributed_optimizer=True),
+                      world_size))
+    for name in ("expert", "pipeline", "tensor"):
+        for factor in (2, 4):
+            value = getattr(p, name) * factor
+            tries.append((f"parallel.{name}={value}", _changed(cfg, **{f"parallel__{name}": value}), world_size))
+    if p.micro_batch_size > 1:
+        tries.append((f"parallel.micro_batch_size={p.micro_batch_size // 2}",
+                      _changed(cfg, parallel__micro_batch_size=p.micro_batch_size // 2), world_size))
+    if p.max_tokens_per_micro_batch:
+        tries.append((f"parallel.max_tokens_per_micro_batch={p.max_tokens_per_micro_batch // 2}",
+                      _changed(cfg, parallel__max_tokens_per_micro_batch=p.max_tokens_per_micro_batch // 2),
+                      world_size))
+    if cfg.rollout.max_new_tokens > 1 and not cfg.rollout.env:
+        tries.append((f"rollout.max_new_tokens={cfg.rollout.max_new_tokens // 2}",
+                      _changed(cfg, rollout__max_new_tokens=cfg.rollout.max_new_tokens // 2), world_size))
+    nodes = world_size // gpus_per_node if gpus_per_node else 0
+    tries.append((f"--nodes {nodes * 2}" if nodes else f"{world_size * 2} ranks", cfg, world_size * 2))
+    hf = read_hf_config(cfg)
+    found = []
+    for label, changed, world in tries:
+        try:
+            validate(changed, world, hf)
+            if fits(changed, world, gpu_memory_gib, impl, overhead):
+                found.append(label)
+        except (ConfigError, ValueError):
+            continue
+    return found

@@ -6,7 +6,7 @@ import math
 
 from gspo_megatron.algo import AGGREGATIONS, KL_ESTIMATORS
 from gspo_megatron.environment import transformer_engine_available
-from gspo_megatron.train.config import Config, ConfigError
+from gspo_megatron.train.config import Config, ConfigError, unknown_names
 from gspo_megatron.train.policy_step import ALGORITHMS
 from gspo_megatron.train.performance import check_performance
 from gspo_megatron.train.recompute import check_recompute
@@ -107,6 +107,27 @@ def validate_timeouts(cfg: Config) -> None:
             raise ConfigError(f"distributed.control_timeout_s={d.control_timeout_s:g} must exceed the rollout's "
                               f"limit (rollout.server_args.rollout_timeout_s={limit:g}): the other ranks wait that "
                               "long for rank 0's rollout; raise distributed.control_timeout_s")
+
+
+# SGLangConfig fields the trainer sets from other sections (rollout.urls, rollout.timeout_s, rollout.weight_sync, ...)
+TRAINER_SET_SERVER_FIELDS = ("model_path", "urls", "request_timeout_s", "weight_sync")
+
+
+def validate_server_args(cfg: Config) -> None:
+    """``rollout.server_args`` keys against ``SGLangConfig``'s fields (SGLang's own flags go in its ``extra_args``)."""
+    import dataclasses
+
+    from gspo_megatron.rollout.config import SGLangConfig
+
+    known = [f.name for f in dataclasses.fields(SGLangConfig) if f.name not in TRAINER_SET_SERVER_FIELDS]
+    unknown = [k for k in cfg.rollout.server_args if k not in known]
+    if unknown:
+        set_elsewhere = [k for k in unknown if k in TRAINER_SET_SERVER_FIELDS]
+        raise ConfigError(
+            (f"rollout.server_args: {set_elsewhere} come from other fields (rollout.urls, rollout.timeout_s, "
+             "rollout.weight_sync, model.hf_dir)" if set_elsewhere else unknown_names(
+                 unknown, known, "rollout.server_args: unknown key(s)"))
+            + "; SGLang's own command-line flags go in rollout.server_args.extra_args: ['--flag', 'value']")
 
 
 def validate_env(cfg: Config) -> None:
@@ -248,6 +269,13 @@ def validate(cfg: Config, world_size: int, hf: dict | None = None) -> None:
                               f"reduces over context-parallel ranks so far; set algo.{name}=0")
     if r.group_size < 2:
         raise ConfigError(f"rollout.group_size={r.group_size}: group advantages need at least 2 responses per prompt")
+    _positive(cfg.train.steps, "train.steps")
+    from gspo_megatron.train.policy import DTYPES
+
+    if cfg.model.dtype not in DTYPES:
+        raise ConfigError(unknown_names([cfg.model.dtype], DTYPES, "model.dtype: unknown dtype").replace(
+            "known:", "one of:"))
+    validate_server_args(cfg)
     for name in ("prompts_per_step", "max_new_tokens", "temperature", "max_sampling_rounds"):
         _positive(getattr(r, name), f"rollout.{name}")
     _positive(a.minibatches, "algo.minibatches")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 
@@ -175,3 +176,55 @@ def test_memory_scales_with_the_layout():
     experts = 48 * 128 * 3 * 2048 * 768
     assert one.worst.params == pytest.approx((experts / 8 + 1.51e9) * 2, rel=0.01)
     assert more.worst.params == pytest.approx((experts / 16 + 1.51e9) * 2, rel=0.01)
+
+
+@pytest.mark.parametrize("text, overrides, message", [
+    ("model:\n  hf_dir: [a\nrollout:\n  group_size: 4\n", [],
+     "{yaml}:3:8: not valid YAML: while parsing a flow sequence; expected ',' or ']', but got ':'"),
+    ("- a\n- b\n", [], "{yaml}: the top level must be a mapping of sections"),
+    ("optimiser:\n  lr: 1.0\n", [], "unknown section(s) ['optimiser'] (did you mean 'optimizer'?); known: ['algo'"),
+    ("", ["rollout.gruop_size=3"], "rollout: unknown field(s) ['gruop_size'] (did you mean 'group_size'?)"),
+    ("", ["rollout.gruop_size=3", "rollout.tmperature=1"],
+     "(did you mean 'group_size' for 'gruop_size', 'temperature' for 'tmperature'?)"),
+])
+def test_config_file_errors_are_sentences_with_did_you_mean(tmp_path, text, overrides, message):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as error:
+        load_config(path, overrides)
+    assert message.format(yaml=path) in str(error.value), str(error.value)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["train.steps=0"], "train.steps=0 must be > 0"),
+    (["train.steps=-5"], "train.steps=-5 must be > 0"),
+    (["model.dtype=bf16"], "model.dtype: unknown dtype ['bf16'] (did you mean 'bfloat16'?); one of: ['bfloat16', "
+                           "'float32']"),
+    (["rollout.server_args={max_total_token: 10}"],
+     "rollout.server_args: unknown key(s) ['max_total_token'] (did you mean 'max_total_tokens'?)"),
+    (["rollout.server_args={mem_fraction: 0.5}"], "SGLang's own command-line flags go in rollout.server_args.extra_args"),
+    (["rollout.server_args={urls: [a]}"], "rollout.server_args: ['urls'] come from other fields (rollout.urls"),
+])
+def test_values_refused_before_anything_starts(overrides, message):
+    with pytest.raises(ConfigError) as error:
+        validate(cfg(*overrides), 1, None)
+    assert message in str(error.value), str(error.value)
+
+
+def test_relative_paths_in_a_yaml_are_relative_to_its_folder(tmp_path, monkeypatch):
+    (tmp_path / "conf").mkdir()
+    path = tmp_path / "conf/c.yaml"
+    path.write_text("model:\n  hf_dir: ../models/m\ndata:\n  prompts: prompts.jsonl\n"
+                    f"checkpoint:\n  dir: {tmp_path}/abs/ck\nlogging:\n  dir: ~/runs/x\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    c = load_config(str(path), ["data.eval_prompts=eval.jsonl"])
+    assert c.model.hf_dir == str(tmp_path / "models/m") and c.data.prompts == str(tmp_path / "conf/prompts.jsonl")
+    assert c.checkpoint.dir == f"{tmp_path}/abs/ck" and c.logging.dir == "~/runs/x"  # absolute and ~ kept
+    assert c.data.eval_prompts == "eval.jsonl"  # the command line's: the working directory's
+    # the shipped examples mean the same from anywhere: their runs/ at the repository root, their shipped configs
+    root = Path(__file__).resolve().parents[2]
+    assert load_config(root / "examples/tiny_moe_cpu.yaml").logging.dir == str(root / "runs/tiny_moe_cpu")
+    assert load_config(root / "examples/qwen3_30b_a3b/train.yaml").model.hf_dir == str(
+        root / "examples/qwen3_30b_a3b/hf_config")

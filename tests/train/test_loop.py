@@ -73,7 +73,8 @@ def test_train_logs_plots_and_resumes_exactly(tmp_path):
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
     assert (resumed / "ck" / "latest").read_text() == "step_000002", "killed too late to test resume"
-    _train(resumed, 3, "--resume")
+    out = _train(resumed, 3, "--resume")
+    assert f"gspo-megatron train: resumed from {resumed / 'ck' / 'step_000002'} at step 2 of 3" in out.stdout, out.stdout
     assert (resumed / "ck" / "latest").read_text() == "step_000003"
 
     (a, b), = run_on_ranks(final_weights, 1, None, str(uninterrupted / "ck" / "step_000003"),
