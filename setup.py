@@ -24,6 +24,9 @@ setup(
         "transformers>=4.51",
         "matplotlib",
         "tqdm",
+        # data.prompts in parquet (verl's layout, most RL sets) and Hugging Face datasets saved to disk
+        "pyarrow",
+        "datasets",
     ],
     extras_require={
         # GPU-only: TransformerEngine needs CUDA torch and NCCL at build and import time.

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from gspo_megatron.parallel import control
 from gspo_megatron.train.config import Config, ConfigError
-from gspo_megatron.train.data import PromptStream, check_prompt_lengths, load_jsonl, task_prompts
+from gspo_megatron.train.data import PromptFormat, PromptStream, check_prompt_lengths, load_jsonl, task_prompts
 from gspo_megatron.train.policy_step import AlgoConfig
 
 # The GSPO paper's clip ranges, and its GRPO baseline's.
@@ -185,9 +185,10 @@ def load_prompts(cfg: Config, hf_dir: Path, quiet: bool = False):
         evals = task_prompts(d.task, tokenizer, 64, seed=d.seed + 1) if cfg.train.eval_every else []
         check_prompt_lengths(train + evals, limit, f"data.task={d.task!r}")
     else:
-        train, skipped = load_jsonl(d.prompts, tokenizer, d.skip_malformed, limit, drop_long)
-        evals, eval_skipped = load_jsonl(d.eval_prompts, tokenizer, d.skip_malformed, limit, drop_long) \
-            if d.eval_prompts else ([], {})
+        fmt = PromptFormat(d.prompt_key, d.label_key, d.system_prompt, d.chat_template_kwargs, d.apply_chat_template)
+        train, skipped = load_jsonl(d.prompts, tokenizer, d.skip_malformed, limit, drop_long, fmt)
+        evals, eval_skipped = load_jsonl(d.eval_prompts, tokenizer, d.skip_malformed, limit, drop_long, fmt,
+                                         "data.eval_prompts") if d.eval_prompts else ([], {})
         for name, counts in (("data.prompts", skipped), ("data.eval_prompts", eval_skipped)):
             if any(counts.values()) and not quiet and dist.get_rank() == 0:
                 print(f"{name}: skipped {counts['malformed']} malformed lines (data.skip_malformed=true) and "

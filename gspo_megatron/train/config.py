@@ -291,7 +291,20 @@ class OptimizerSection:
 @dataclass
 class DataConfig:
     prompts: str = ""
-    """JSONL of {"prompt": str, "answer": ...} or {"messages": [...], "answer": ...}."""
+    """JSONL of {"prompt": str, "answer": ...} or {"messages": [...], "answer": ...}; or parquet (*.parquet, verl's
+    layout: prompt as chat messages, reward_model.ground_truth), or a Hugging Face datasets dir (save_to_disk)."""
+    prompt_key: str = ""
+    """The records' prompt field (text, chat messages or token ids; dotted for nested). "": prompt_ids, messages or
+    prompt."""
+    label_key: str = ""
+    """The field passed to the reward as its label, as it is (dotted for nested). "": answer, label, tests or
+    reward_model.ground_truth."""
+    system_prompt: str = ""
+    """A system message put before every chat prompt (and a plain-text prompt then goes through the chat template)."""
+    apply_chat_template: bool = False
+    """Put plain-text prompts through the tokenizer's chat template as one user message (chat messages always are)."""
+    chat_template_kwargs: dict = field(default_factory=dict)
+    """Passed to the chat template, e.g. {enable_thinking: false} for Qwen3."""
     task: str = ""
     """A synthetic task shipped in the repo instead of a file (gspo_megatron.rollout.synthetic: reverse, copy, add,
     count, mul)."""

@@ -128,6 +128,28 @@ def validate_server_args(cfg: Config) -> None:
              "rollout.weight_sync, model.hf_dir)" if set_elsewhere else unknown_names(
                  unknown, known, "rollout.server_args: unknown key(s)"))
             + "; SGLang's own command-line flags go in rollout.server_args.extra_args: ['--flag', 'value']")
+    extra = cfg.rollout.server_args.get("extra_args") or ()
+    if extra and cfg.rollout.engine == "sglang" and not cfg.rollout.urls:
+        check_sglang_flags(list(extra))
+
+
+def check_sglang_flags(args: list[str]) -> None:
+    """``rollout.server_args.extra_args`` against ``sglang.launch_server``'s own parser (where SGLang imports)."""
+    import argparse
+    import importlib.util
+
+    if importlib.util.find_spec("sglang") is None:
+        return
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser(add_help=False)
+    ServerArgs.add_cli_args(parser)
+    _, unknown = parser.parse_known_args(["--model-path", "-", *map(str, args)])
+    flags = [a.split("=")[0] for a in unknown if a.startswith("-")]
+    if flags:
+        raise ConfigError(unknown_names(flags, [o for o in parser._option_string_actions if o.startswith("--")],
+                                        "rollout.server_args.extra_args: not flags of sglang.launch_server").split(
+                                            "; known:")[0])
 
 
 def validate_env(cfg: Config) -> None:

@@ -228,3 +228,14 @@ def test_relative_paths_in_a_yaml_are_relative_to_its_folder(tmp_path, monkeypat
     assert load_config(root / "examples/tiny_moe_cpu.yaml").logging.dir == str(root / "runs/tiny_moe_cpu")
     assert load_config(root / "examples/qwen3_30b_a3b/train.yaml").model.hf_dir == str(
         root / "examples/qwen3_30b_a3b/hf_config")
+
+
+def test_sglang_flags_in_extra_args_are_checked_against_sglang():
+    pytest.importorskip("sglang")
+    from gspo_megatron.train.validate import check_sglang_flags
+
+    check_sglang_flags(["--enable-return-routed-experts", "--mem-fraction-static", "0.5"])
+    with pytest.raises(ConfigError) as error:
+        check_sglang_flags(["--mem-fracton-static", "0.5"])
+    assert str(error.value) == ("rollout.server_args.extra_args: not flags of sglang.launch_server "
+                                "['--mem-fracton-static'] (did you mean '--mem-fraction-static'?)")

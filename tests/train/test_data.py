@@ -9,7 +9,9 @@ import json
 import pytest
 
 from gspo_megatron.rollout.synthetic import char_tokenizer
-from gspo_megatron.train.data import DataError, PromptStream, check_prompt_lengths, load_jsonl, task_prompts
+from gspo_megatron.train.data import (
+    DataError, PromptFormat, PromptStream, check_prompt_lengths, load_jsonl, task_prompts,
+)
 
 
 @pytest.fixture(scope="module")
@@ -101,3 +103,56 @@ def test_stream_epochs_and_resume(tokenizer):
     resumed = PromptStream(prompts, seed=3)
     resumed.load_state_dict(state)
     assert [p.text for p in resumed.next(6)] == [p.text for p in rest]
+
+
+THINKING = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+            "{% if enable_thinking is defined and not enable_thinking %}<nothink>{% endif %}<assistant>")
+
+
+def test_parquet_in_verls_layout_and_a_datasets_dir(tmp_path, tokenizer):
+    """verl's parquet (prompt: chat messages, reward_model.ground_truth) and the same rows as a datasets dir; the
+    label reaches the reward as it is; a bad row is named."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"data_source": "gsm", "prompt": [{"role": "user", "content": "ab"}],
+             "reward_model": {"style": "rule", "ground_truth": "7"}, "extra_info": {"index": i}} for i in range(3)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
+    prompts, _ = load_jsonl(tmp_path / "train.parquet", tokenizer)
+    assert [p.label for p in prompts] == ["7"] * 3
+    assert tokenizer.decode(prompts[0].ids) == "<|im_start|>ab<|im_end|><|im_start|>"
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "ds"))
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "dsd"))
+    for directory in ("ds", "dsd"):
+        from_disk, _ = load_jsonl(tmp_path / directory, tokenizer)
+        assert [(p.ids, p.label) for p in from_disk] == [(p.ids, p.label) for p in prompts]
+    with_meta, _ = load_jsonl(tmp_path / "train.parquet", tokenizer, fmt=PromptFormat(label_key="extra_info"))
+    assert [p.label for p in with_meta] == [{"index": 0}, {"index": 1}, {"index": 2}]
+    pq.write_table(pa.Table.from_pylist([{"prompt": "ab"}, {"prompt": ""}]), tmp_path / "bad.parquet")
+    with pytest.raises(DataError, match=r"bad.parquet: row 1: prompt must be a non-empty string"):
+        load_jsonl(tmp_path / "bad.parquet", tokenizer)
+    (tmp_path / "garbled.parquet").write_text("not parquet")
+    with pytest.raises(DataError, match=r"garbled.parquet: not a readable parquet file"):
+        load_jsonl(tmp_path / "garbled.parquet", tokenizer)
+
+
+def test_keys_system_prompt_and_chat_template_options(tmp_path, tokenizer):
+    """slime's --input-key / --label-key as data.prompt_key / label_key (dotted for nested), a system prompt and
+    chat-template keyword arguments (Qwen3's enable_thinking)."""
+    tok = char_tokenizer(128)
+    tok.chat_template = THINKING
+    path = write(tmp_path, [json.dumps({"question": "ab", "meta": {"gold": "ba"}})])
+    fmt = PromptFormat(prompt_key="question", label_key="meta.gold", system_prompt="S",
+                       chat_template_kwargs={"enable_thinking": False})
+    (prompt,), _ = load_jsonl(path, tok, fmt=fmt)
+    assert prompt.text == "<system>S<user>ab<nothink><assistant>" and prompt.label == "ba"
+    assert tok.decode(prompt.ids) == prompt.text
+    (plain,), _ = load_jsonl(path, tok, fmt=PromptFormat(prompt_key="question", label_key="meta.gold"))
+    assert plain.text == "ab"  # plain text stays plain unless a template is asked for
+    (templated,), _ = load_jsonl(path, tok, fmt=PromptFormat(prompt_key="question", apply_chat_template=True))
+    assert templated.text == "<user>ab<assistant>" and templated.label is None
+    with pytest.raises(DataError, match=r"p.jsonl:1: no 'meta.answer' \(data.label_key\)"):
+        load_jsonl(path, tok, fmt=PromptFormat(prompt_key="question", label_key="meta.answer"))
+    with pytest.raises(DataError, match=r"p.jsonl:1: no 'input' \(data.prompt_key\)"):
+        load_jsonl(path, tok, fmt=PromptFormat(prompt_key="input"))
