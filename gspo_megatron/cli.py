@@ -34,12 +34,13 @@ def _train(args) -> int:
     from gspo_megatron.train.data import DataError
 
     try:
-        preflight(cfg)  # prompt files and rewards, before the model is built
+        preflight(cfg, rank)  # prompt files, rewards, the model's tensors, attached servers: before the model is built
     except DataError as error:
         print(f"gspo-megatron train: DataError: {error}", file=sys.stderr)
         return 1
     from gspo_megatron.train import preemption
     from gspo_megatron.train.data import DataError
+    from gspo_megatron.rollout.errors import RolloutError
     from gspo_megatron.train.faults import NonFiniteError
     from gspo_megatron.train.loop import train
 
@@ -48,7 +49,8 @@ def _train(args) -> int:
     preemption.install()
     try:
         metrics = train(cfg, resume=args.resume)
-    except (DataError, NonFiniteError) as error:  # a prompt file's line, or the run's last steps: named in the message
+    except (DataError, NonFiniteError, RolloutError) as error:  # a prompt file's line, the run's last steps, the
+        # rollout server concerned: named in the message
         print(f"gspo-megatron train: {type(error).__name__}: {error}", file=sys.stderr)
         return 1
     if int(os.environ.get("RANK", "0")) == 0:
@@ -135,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from gspo_megatron.environment import quiet_start
+
+    quiet_start()  # one line of ours at start-up, not third-party warnings and progress bars
     parser = build_parser()
     # Overrides may also come after options (``plan cfg.yaml --nodes 2 parallel.expert=8``).
     args, extra = parser.parse_known_args(argv)

@@ -112,3 +112,36 @@ def note_fallbacks() -> None:
         where = "GPU" if torch.cuda.is_available() else "CPU"
         print(f"gspo-megatron: TransformerEngine is not installed, so on this {where} megatron-core runs its local "
               "layers (no context parallelism) and torch's optimizers and norms.", file=sys.stderr)
+
+
+# Third-party start-up noise that says nothing a user can act on: (message prefix, category). The first three are
+# megatron-core's on a machine without Apex / with its own deprecated default (note_fallbacks says the one useful
+# thing once); the last two are torch's checkpoint reader's on every resume (no commas or colons: they travel in
+# PYTHONWARNINGS).
+KNOWN_NOISE = (
+    ("Apex is not installed", "UserWarning"),
+    ("full scope is deprecated", "UserWarning"),
+    ("Please use DTensor instead and we are deprecating ShardedTensor", "FutureWarning"),
+    ("`load_state_dict` is deprecated and will be removed in future versions", "FutureWarning"),
+)
+
+
+def quiet_start() -> None:
+    """Silence ``KNOWN_NOISE`` and transformers' / huggingface_hub's progress bars (loading a tiny model's weights
+    draws one inside the training bar at every weight sync), here and in the processes this one starts (torchrun
+    ranks, ``run_on_ranks``, reward workers inherit the environment). A user's own ``PYTHONWARNINGS`` comes after
+    ours, so it can turn any of them back on."""
+    import builtins
+    import re
+    import warnings
+
+    theirs = os.environ.get("PYTHONWARNINGS", "")
+    ours = [f for f in (f"ignore:{message}:{category}" for message, category in KNOWN_NOISE) if f not in theirs]
+    os.environ["PYTHONWARNINGS"] = ",".join([*ours, *filter(None, [theirs])])
+    for message, category in KNOWN_NOISE:
+        warnings.filterwarnings("ignore", message=re.escape(message), category=getattr(builtins, category))
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()

@@ -133,3 +133,29 @@ def test_megatron_fallback_warnings_are_said_once():
                           "--nodes", "2", "--gpus-per-node", "8"], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert "Transformer Engine and Apex are not installed" not in out.stderr  # megatron's four copies: silenced
+
+
+def test_quiet_start_silences_the_known_noise_here_and_in_child_processes(monkeypatch):
+    import os
+    import subprocess
+    import sys
+    import warnings
+
+    from gspo_megatron.environment import quiet_start
+
+    monkeypatch.setenv("PYTHONWARNINGS", "error::ResourceWarning")  # a user's own filters stay, after ours (they win)
+    with warnings.catch_warnings():
+        quiet_start()
+        quiet_start()  # idempotent: no filter added twice
+        value = os.environ["PYTHONWARNINGS"]
+        assert value.endswith(",error::ResourceWarning") and value.count("Apex is not installed") == 1
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("default")
+            quiet_start()
+            warnings.warn("Apex is not installed. Falling back to Torch Norm", UserWarning)
+            warnings.warn("something else", UserWarning)
+        assert [str(w.message) for w in caught] == ["something else"]
+    child = subprocess.run([sys.executable, "-c", "import warnings; warnings.warn('full scope is deprecated. x'); "
+                            "warnings.warn('Please use DTensor instead and we are deprecating ShardedTensor', "
+                            "FutureWarning); warnings.warn('kept')"], capture_output=True, text=True)
+    assert child.stderr.strip() == "<string>:1: UserWarning: kept", child.stderr

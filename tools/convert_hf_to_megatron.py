@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from gspo_megatron.environment import quiet_start
 from gspo_megatron.model.atomic import exit_on_sigterm
 from gspo_megatron.model.errors import exit_status
 from gspo_megatron.parallel.groups import add_layout_arguments, layout_from_args
@@ -33,6 +34,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     exit_on_sigterm()
+    quiet_start()  # no third-party warnings or progress bars
 
     def convert():
         import torch

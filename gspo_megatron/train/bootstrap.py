@@ -41,10 +41,46 @@ def reward_function(cfg: Config, segments: bool = False):
     return RewardPool(spec, cfg.data.reward_workers, cfg.data.reward_timeout_s, builtin)
 
 
-def preflight(cfg: Config) -> None:
+def _accepts(url: str) -> bool:
+    import socket
+    from urllib.parse import urlparse
+
+    parsed = urlparse(url if "://" in url else f"http://{url}")
+    try:
+        with socket.create_connection((parsed.hostname, parsed.port or 80), timeout=5):
+            return True
+    except OSError:
+        return False
+
+
+def wait_for_urls(urls: list[str], wait_s: float, note_every_s: float = 15.0) -> None:
+    """Attached servers (rollout.urls) accept connections, waited for up to ``wait_s`` (rollout.attached_wait_s)
+    saying what is awaited every ``note_every_s``, else a ConfigError naming them."""
+    import time
+
+    start = time.monotonic()
+    next_note = start
+    while True:
+        pending = [url for url in urls if not _accepts(url)]
+        if not pending:
+            return
+        now = time.monotonic()
+        if now - start >= wait_s:
+            raise ConfigError(f"rollout.urls: {pending} refuse connections (waited {wait_s:g} s: "
+                              "rollout.attached_wait_s); start the servers (python -m gspo_megatron.rollout.serve) "
+                              "or correct the addresses")
+        if now >= next_note:
+            print(f"gspo-megatron train: waiting up to {wait_s - (now - start):.0f} s more for {pending} to accept "
+                  "connections", flush=True)
+            next_note = now + note_every_s
+        time.sleep(min(1.0, max(0.0, wait_s - (now - start))))
+
+
+def preflight(cfg: Config, rank: int = 0) -> None:
     """What can fail from the config and its files, checked before anything is built: the reward functions resolve,
-    and with an existing model directory every prompt line reads and tokenizes within rollout.max_prompt_tokens
-    (a DataError names the file and line). A model still to be built from model.tiny has no tokenizer yet."""
+    attached servers (rollout.urls, rank 0) accept connections, and with an existing model directory its safetensors
+    match its config.json and every prompt line reads and tokenizes within rollout.max_prompt_tokens (a DataError
+    names the file and line). A model still to be built from model.tiny has no tokenizer yet."""
     from gspo_megatron.rollout import rewards
     from gspo_megatron.rollout.user_code import load_named
 
@@ -55,6 +91,8 @@ def preflight(cfg: Config) -> None:
                 load_named(spec, builtin, f"data.{name}", "module:function", "callable")
             except ValueError as e:
                 raise ConfigError(str(e)) from None
+    if cfg.rollout.engine == "sglang" and cfg.rollout.urls and rank == 0:  # only rank 0 talks to the servers
+        wait_for_urls(list(cfg.rollout.urls), cfg.rollout.attached_wait_s)
     hf_dir = Path(cfg.model.hf_dir)
     if not (hf_dir / "config.json").is_file():
         return

@@ -114,3 +114,27 @@ def test_a_damaged_checkpoint_on_resume_names_the_file_and_the_last_intact_step(
     from gspo_megatron.train.checkpoint import check_resumable
 
     check_resumable(ck)  # the intact one passes
+
+
+def test_attached_servers_that_refuse_connections_are_named_before_the_model_is_built(model_dir, tmp_path, capsys):
+    import socket
+    import time
+
+    from gspo_megatron.train.bootstrap import wait_for_urls
+
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{closed.getsockname()[1]}"  # bound, not listening: refuses
+        args = ["train", EXAMPLE, f"model.hf_dir={model_dir}", f"logging.dir={tmp_path / 'run'}", "checkpoint.dir=",
+                f"rollout.urls=[{dead}]", "rollout.attached_wait_s=2"]
+        start = time.monotonic()
+        assert main(args) == 2
+        waited = time.monotonic() - start
+        out = capsys.readouterr()
+        assert f"rollout.urls: ['{dead}'] refuse connections (waited 2 s: rollout.attached_wait_s)" in out.err, out.err
+        assert f"waiting up to 2 s more for ['{dead}'] to accept connections" in out.out, out.out
+        assert 2 <= waited < 30 and not (tmp_path / "run").exists()
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        wait_for_urls([f"http://127.0.0.1:{server.getsockname()[1]}"], 0)  # accepts: no wait, no error

@@ -65,7 +65,8 @@ def test_a_training_checkpoint_converts_scores_serves_and_starts_a_new_run(unint
 
     # 1. the step dir -> HF at world 1 (the EP2 shards resharded by dist checkpointing)
     hf = tmp_path / "hf"
-    _run("tools/convert_megatron_to_hf.py", "--megatron-dir", str(newest), "--out", str(hf))
+    out = _run("tools/convert_megatron_to_hf.py", "--megatron-dir", str(newest), "--out", str(hf))
+    assert "Warning" not in out.stderr, out.stderr
 
     # 2. the real SGLang server serves the converted directory (fp32); its samples are the records scored below. It
     # starts while step 3 runs (its start-up is the slowest part).
@@ -77,10 +78,14 @@ def test_a_training_checkpoint_converts_scores_serves_and_starts_a_new_run(unint
         # 3. a new run from the checkpoint's weights (latest), at world 1, lr 0: its rollouts come from those weights
         # (the engine synced to them: rollout-vs-trainer gap ~1e-6); its own checkpoint is scored in step 5
         new_run = tmp_path / "new_run"
-        _run("-m", "gspo_megatron.cli", "train", "examples/tiny_moe_cpu.yaml", "train.steps=1", "train.eval_every=0",
-             f"model.hf_dir={model}", f"model.megatron_checkpoint={ck / 'latest'}", f"logging.dir={new_run}",
-             f"checkpoint.dir={new_run / 'ck'}", "logging.plot_every=0", "rollout.prompts_per_step=2",
-             "parallel.micro_batch_size=4", "rollout.engine=local", "data.reward_workers=0", "optimizer.lr=0")
+        out = _run("-m", "gspo_megatron.cli", "train", "examples/tiny_moe_cpu.yaml", "train.steps=1",
+                   "train.eval_every=0", f"model.hf_dir={model}", f"model.megatron_checkpoint={ck / 'latest'}",
+                   f"logging.dir={new_run}", f"checkpoint.dir={new_run / 'ck'}", "logging.plot_every=0",
+                   "rollout.prompts_per_step=2", "parallel.micro_batch_size=4", "rollout.engine=local",
+                   "data.reward_workers=0", "optimizer.lr=0")
+        # quiet: our one line and the progress bar, no third-party warnings or loading bars (a dist checkpoint read)
+        noise = [line for line in out.stderr.splitlines() if "Warning" in line or "Loading weights" in line]
+        assert not noise, noise
         metrics = json.loads((new_run / "metrics.jsonl").read_text().splitlines()[0])
         assert metrics["logprob_diff_max"] <= TOKEN_TOL, metrics["logprob_diff_max"]
 
