@@ -34,6 +34,8 @@ PACKAGES=(
   "triton==3.9.0"     # tests/ops/test_triton_backend.py runs the CUDA kernels under TRITON_INTERPRET=1 (xgrammar pulls the same)
   "matplotlib"        # the trainer's PNG plots
   "tqdm"              # the trainer's progress bar
+  "pyarrow"           # data.prompts in parquet
+  "datasets"          # data.prompts as a Hugging Face datasets dir (load_from_disk)
 )
 # sglang 0.5.23's dependencies that do not need CUDA (the list measured to serve on CPU). Not in it on purpose:
 # torch (CPU 2.13.0 above), torchvision (PyPI's breaks beside CPU torch 2.13: patches/sglang_cpu stands in), timm (below),

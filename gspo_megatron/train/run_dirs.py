@@ -75,6 +75,8 @@ def check_run_dirs(cfg: Config, resume: bool, overwrite: bool, rank: int = 0, re
     check_writable(cfg.logging.dir, "logging.dir")
     if cfg.checkpoint.dir:
         check_writable(cfg.checkpoint.dir, "checkpoint.dir")
+    if cfg.model.tiny and cfg.model.hf_dir and not (Path(cfg.model.hf_dir) / "config.json").is_file():
+        check_writable(Path(cfg.model.hf_dir).parent, "model.hf_dir")  # model.tiny is built there
     if restarted:
         return None
     if resume:

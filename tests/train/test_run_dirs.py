@@ -49,14 +49,17 @@ def test_a_used_run_dir_is_refused_before_anything_is_written(tmp_path, capsys, 
     assert _files(tmp_path) == before  # nothing written: no model built, no metrics appended
 
 
-@pytest.mark.parametrize("logging_dir,message", [
-    ("{tmp}/a_file/run", "cannot be created: {tmp}/a_file is a file, not a directory"),
-    ("/proc/gspo_run", "logging.dir='/proc/gspo_run' is not writable: cannot write in /proc"),
+@pytest.mark.parametrize("field,value,message", [
+    ("logging.dir", "{tmp}/a_file/run", "logging.dir='{tmp}/a_file/run' cannot be created: {tmp}/a_file is a file"),
+    ("logging.dir", "/proc/gspo_run", "logging.dir='/proc/gspo_run' is not writable: cannot write in /proc"),
+    ("checkpoint.dir", "/proc/gspo_ck", "checkpoint.dir='/proc/gspo_ck' is not writable: cannot write in /proc"),
+    ("model.hf_dir", "/proc/gspo/model", "model.hf_dir='/proc/gspo' is not writable: cannot write in /proc"),
 ])
-def test_an_output_dir_that_cannot_be_written_is_refused_before_the_model_is_built(tmp_path, capsys, logging_dir,
+def test_an_output_dir_that_cannot_be_written_is_refused_before_the_model_is_built(tmp_path, capsys, field, value,
                                                                                     message):
     (tmp_path / "a_file").write_text("")
-    args = _args(tmp_path)[:3] + [f"logging.dir={logging_dir.format(tmp=tmp_path)}", "checkpoint.dir="]
+    args = _args(tmp_path)[:3] + [f"logging.dir={tmp_path / 'run'}", "checkpoint.dir=",
+                                  f"{field}={value.format(tmp=tmp_path)}"]
     assert main(args) == 2
     assert message.format(tmp=tmp_path) in capsys.readouterr().err
     assert not (tmp_path / "model").exists()

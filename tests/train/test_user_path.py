@@ -47,15 +47,22 @@ def _transformers_logprobs(hf_dir, samples) -> list[torch.Tensor]:
     return out
 
 
+@pytest.fixture(scope="session")
+def sglang_installed():
+    """Skips (fails under CI=true) without SGLang, before the session's training run is paid for: session-scoped
+    fixtures are set up first, in argument order."""
+    from tests.rollout.helpers import require_sglang
+
+    require_sglang()
+
+
 @pytest.mark.megatron
-def test_a_training_checkpoint_converts_scores_serves_and_starts_a_new_run(uninterrupted_two_ranks, tmp_path):
+def test_a_training_checkpoint_converts_scores_serves_and_starts_a_new_run(sglang_installed, uninterrupted_two_ranks,
+                                                                           tmp_path):
     from gspo_megatron.model import checkpoint
     from gspo_megatron.rollout import SamplingParams, SGLangConfig, SGLangEngine, flatten
     from gspo_megatron.rollout import server as server_mod
 
-    from tests.rollout.helpers import require_sglang
-
-    require_sglang()
     run, model = uninterrupted_two_ranks
     ck = run / "ck"
     # checkpoint.dir, its latest and its newest step dir all mean the same checkpoint
