@@ -47,7 +47,8 @@ RUNS = {
 def command(name: str, seed: int, steps: int, out: Path, config: Path = BASE) -> list[str]:
     return [sys.executable, "-m", "gspo_megatron.cli", "train", str(config), *COMMON, *RUNS[name][1],
             f"train.steps={steps}", f"train.seed={seed}", f"data.seed={1234 + seed}",
-            f"model.hf_dir={out / f'model_seed{seed}'}", f"logging.dir={out / f'{name}_seed{seed}'}"]
+            f"model.hf_dir={out / f'model_seed{seed}'}", f"logging.dir={out / f'{name}_seed{seed}'}",
+            "--overwrite"]  # an unfinished run (no checkpoints: checkpoint.dir is empty) starts again from step 1
 
 
 def finished(run: Path, steps: int) -> bool:
