@@ -8,12 +8,12 @@ One chained test: each step feeds the next, and the training run is the session'
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
 import torch
 
+from tests import warm_cli
 from tests.train.torchrun_runs import ROOT, env
 
 # fp32 everywhere: trainer, transformers and SGLang agree to ~1e-6 per token (README); sums over <= 8 tokens
@@ -22,7 +22,7 @@ SUM_TOL = 1e-4
 
 
 def _run(*args, timeout=600):
-    out = subprocess.run([sys.executable, *args], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
+    out = warm_cli.run([sys.executable, *args], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, f"{args[:2]} failed:\n{out.stderr[-3000:]}"
     return out
 
