@@ -32,6 +32,8 @@ from .config import SGLangConfig
 from .errors import RolloutError, ServerStartError
 
 log = logging.getLogger(__name__)
+# Lines (lower case) of a server's log after which it never becomes healthy
+FATAL_LINES = ("address already in use",)
 
 _LIVE: set["ServerProcess"] = set()
 _LIVE_LOCK = threading.Lock()
@@ -156,19 +158,42 @@ class ServerProcess:
             how = "is gone (adopted from an earlier process: exit status unknown)"
         return f"{self.name} (pid {self.process.pid}, {self.url}) {how}; last lines of {self.log_path}:\n{self.log_tail()}"
 
-    def wait_ready(self, timeout: float) -> None:
-        """Until GET /health_generate answers 200 (a real one-token generation), or raise ServerStartError."""
+    def fatal_line(self) -> str | None:
+        """The first line of the log that says the server cannot start (``FATAL_LINES``), or None."""
+        try:
+            with open(self.log_path, errors="replace") as f:
+                for line in f:
+                    if any(pattern in line.lower() for pattern in FATAL_LINES):
+                        return line.strip()
+        except OSError:
+            return None
+        return None
+
+    def wait_ready(self, timeout: float, note_every_s: float = 15.0) -> None:
+        """Until GET /health_generate answers 200 (a real one-token generation), or raise ServerStartError: at once
+        when the server exits or its log shows a fatal line (a taken port: SGLang keeps running ~60 s after saying
+        so), else after ``timeout``. Says what it awaits every ``note_every_s``."""
         client = HttpClient(self.url, RetryPolicy(max_retries=0), timeout=10.0)
-        deadline = time.monotonic() + timeout
+        start = time.monotonic()
+        deadline, next_note = start + timeout, start + note_every_s
         while time.monotonic() < deadline:
             if not self.alive():
                 raise ServerStartError(f"SGLang server did not start: {self.describe_exit()}")
+            fatal = self.fatal_line()
+            if fatal is not None:
+                self.shutdown()
+                raise ServerStartError(f"{self.name} at {self.url} cannot start (shut down): {fatal!r} in "
+                                       f"{self.log_path}")
             try:
                 client.get("/health_generate")
                 log.info("%s: ready", self.name)
                 return
             except RolloutError:
                 time.sleep(1.0)
+            if time.monotonic() >= next_note:
+                log.warning("%s: waiting for %s/health_generate to answer (%.0f s of %.0f s; log %s)", self.name,
+                            self.url, time.monotonic() - start, timeout, self.log_path)
+                next_note += note_every_s
         self.shutdown()
         raise ServerStartError(f"{self.name} at {self.url} was not healthy after {timeout:.0f} s (shut down); "
                                f"last lines of {self.log_path}:\n{self.log_tail()}")

@@ -81,3 +81,32 @@ def test_the_watchdog_leaves_when_its_servers_are_gone(tmp_path):
         if watchdog.poll() is None:
             watchdog.kill()
         agent.kill()
+
+
+def test_a_start_that_cannot_succeed_stops_at_its_fatal_line_and_a_wait_says_what_it_awaits(tmp_path, caplog):
+    """A taken port (SGLang logs it, then lingers ~60 s): stopped at that line, named; a slow start says what is
+    awaited every note_every_s. Stand-in processes: no SGLang start-up to pay."""
+    import logging
+
+    import pytest
+
+    from gspo_megatron.parallel.launch import free_port
+    from gspo_megatron.rollout.errors import ServerStartError
+
+    taken = [sys.executable, "-c", "import time; print('ERROR: [Errno 98] error while attempting to bind on address "
+             "(127.0.0.1, 3): address already in use', flush=True); time.sleep(600)"]
+    server = ServerProcess(taken, {}, f"http://127.0.0.1:{free_port()}", tmp_path / "taken.log", name="server 0")
+    start = time.monotonic()
+    with pytest.raises(ServerStartError, match=r"server 0 at .* cannot start \(shut down\): 'ERROR: \[Errno 98\] "
+                                               r"error while .*address already in use' in .*taken.log"):
+        server.wait_ready(timeout=300)
+    assert time.monotonic() - start < 30 and not server.alive()
+    silent = ServerProcess(SLEEPER, {}, f"http://127.0.0.1:{free_port()}", tmp_path / "silent.log", name="server 1")
+    try:
+        with caplog.at_level(logging.WARNING, logger="gspo_megatron.rollout.server"):
+            with pytest.raises(ServerStartError, match="was not healthy after 4 s"):
+                silent.wait_ready(timeout=4, note_every_s=1)
+        notes = [r.getMessage() for r in caplog.records if "waiting for" in r.getMessage()]
+        assert len(notes) >= 2 and "server 1: waiting for http://127.0.0.1:" in notes[0], notes
+    finally:
+        silent.shutdown()
