@@ -111,6 +111,7 @@ def validate_timeouts(cfg: Config) -> None:
 
 # SGLangConfig fields the trainer sets from other sections (rollout.urls, rollout.timeout_s, rollout.weight_sync, ...)
 TRAINER_SET_SERVER_FIELDS = ("model_path", "urls", "request_timeout_s", "weight_sync")
+SGLANG_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")  # sglang.launch_server --dtype
 
 
 def validate_server_args(cfg: Config) -> None:
@@ -128,6 +129,10 @@ def validate_server_args(cfg: Config) -> None:
              "rollout.weight_sync, model.hf_dir)" if set_elsewhere else unknown_names(
                  unknown, known, "rollout.server_args: unknown key(s)"))
             + "; SGLang's own command-line flags go in rollout.server_args.extra_args: ['--flag', 'value']")
+    dtype = cfg.rollout.server_args.get("dtype")
+    if dtype is not None and dtype not in SGLANG_DTYPES:
+        raise ConfigError(unknown_names([dtype], SGLANG_DTYPES, "rollout.server_args.dtype: unknown dtype").replace(
+            "known:", "one of:"))
     extra = cfg.rollout.server_args.get("extra_args") or ()
     if extra and cfg.rollout.engine == "sglang" and not cfg.rollout.urls:
         check_sglang_flags(list(extra))

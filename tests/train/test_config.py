@@ -204,6 +204,8 @@ def test_config_file_errors_are_sentences_with_did_you_mean(tmp_path, text, over
      "rollout.server_args: unknown key(s) ['max_total_token'] (did you mean 'max_total_tokens'?)"),
     (["rollout.server_args={mem_fraction: 0.5}"], "SGLang's own command-line flags go in rollout.server_args.extra_args"),
     (["rollout.server_args={urls: [a]}"], "rollout.server_args: ['urls'] come from other fields (rollout.urls"),
+    (["rollout.server_args={dtype: bf16}"], "rollout.server_args.dtype: unknown dtype ['bf16'] (did you mean "
+                                            "'bfloat16'?); one of: ['auto', 'bfloat16', 'float'"),
 ])
 def test_values_refused_before_anything_starts(overrides, message):
     with pytest.raises(ConfigError) as error:
