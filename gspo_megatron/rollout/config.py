@@ -51,6 +51,17 @@ class WeightSyncConfig:
             raise ValueError(f"weight_sync.timeout_s={self.timeout_s} must be > 0")
 
 
+def _pipeline_size(args: tuple[str, ...]) -> int:
+    """The ``--pp-size`` / ``--pipeline-parallel-size`` in sglang.launch_server arguments (1 when absent)."""
+    names = ("--pp-size", "--pipeline-parallel-size")
+    for i, arg in enumerate(args):
+        name, _, value = str(arg).partition("=")
+        if name in names:
+            value = value or (args[i + 1] if i + 1 < len(args) else "1")
+            return int(value)
+    return 1
+
+
 @dataclass(frozen=True)
 class SGLangConfig:
     """An SGLang rollout engine: servers it launches and owns, or servers (or a router) it attaches to.
@@ -140,6 +151,12 @@ class SGLangConfig:
                      "health_timeout_s", "backoff_s", "backoff_max_s", "restart_window_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"sglang.{name}={getattr(self, name)} must be > 0")
+        pp = _pipeline_size(self.extra_args)
+        if pp > 1 and not self.urls:
+            raise ValueError(f"sglang.extra_args sets a pipeline-parallel size of {pp}: launched servers get tp_size "
+                             "GPUs each and join a distributed weight sync as tp_size ranks, so pp > 1 servers are "
+                             "not launched; start them yourself and attach them with sglang.urls and "
+                             "weight_sync.method=disk")
         if self.host not in ("127.0.0.1", "localhost", "::1") and not self.urls:
             raise ValueError(f"sglang.host={self.host!r}: launched servers listen on the loopback only")
 

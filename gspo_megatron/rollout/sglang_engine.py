@@ -482,12 +482,9 @@ class SGLangEngine:
                  stats.gb_per_s)
 
     def _server_ranks(self) -> list[int]:
-        """Ranks each worker brings to the weight-sync group: its tensor-parallel size."""
-        ranks = []
-        for url in self.worker_urls:
-            info = self._clients[url].get("/server_info", timeout=self.config.health_timeout_s * 4)
-            ranks.append(int(info.get("tp_size", 1)) * int(info.get("pp_size", 1) or 1))
-        return ranks
+        """Ranks each worker brings to the weight-sync group (``update_group_ranks``)."""
+        return [update_group_ranks(url, self._clients[url].get("/server_info", timeout=self.config.health_timeout_s * 4))
+                for url in self.worker_urls]
 
     def _disk_directory(self) -> Path:
         if self._disk_dir is None:
@@ -495,6 +492,20 @@ class SGLangEngine:
             self._disk_dir = Path(root) if root else Path(tempfile.mkdtemp(prefix="gspo_weights_"))
             self._disk_dir.mkdir(parents=True, exist_ok=True)
         return self._disk_dir
+
+
+def update_group_ranks(url: str, server_info: dict) -> int:
+    """The ranks a server (its ``/server_info``) takes in a weight-sync group: its ``tp_size``.
+
+    SGLang 0.5.23 joins each scheduler as ``rank_offset + tp_rank`` (``weight_updater.init_weights_update_group``),
+    the same ranks in every pipeline stage: a ``pp_size`` > 1 server's stages claim each rank twice and the group
+    never forms (it hangs until its time-out). Such a server is refused here, by name."""
+    pp = int(server_info.get("pp_size", 1) or 1)
+    if pp > 1:
+        raise WeightSyncError(f"{url} serves with pp_size={pp}: SGLang gives its pipeline stages the same weight-sync "
+                              "ranks (rank_offset + tp_rank in every stage), so a distributed update cannot form its "
+                              "group; serve with pp_size=1 or set weight_sync.method=disk", url=url)
+    return int(server_info.get("tp_size", 1) or 1)
 
 
 def routed_experts_shape(model_path: str) -> tuple[int, int]:

@@ -7,8 +7,8 @@ import torch
 
 from gspo_megatron.rollout import Sample, SamplingParams, SGLangConfig, WeightSyncConfig, logprob_mismatch
 from gspo_megatron.rollout import samples_to_batch
-from gspo_megatron.rollout.sglang_engine import parse_generate
-from gspo_megatron.rollout.errors import BadResponse
+from gspo_megatron.rollout.sglang_engine import parse_generate, update_group_ranks
+from gspo_megatron.rollout.errors import BadResponse, WeightSyncError
 
 
 def test_samples_to_batch_aligns_logprobs_with_labels():
@@ -66,6 +66,8 @@ def test_parse_generate_is_prompt_major_and_checked():
     (dict(concurrency=0), "sglang.concurrency=0 must be >= 1"),
     (dict(request_timeout_s=0), "sglang.request_timeout_s=0 must be > 0"),
     (dict(host="0.0.0.0"), "loopback only"),
+    (dict(extra_args=("--pp-size", "2")), "sglang.extra_args sets a pipeline-parallel size of 2"),
+    (dict(extra_args=("--pipeline-parallel-size=4",)), "sglang.extra_args sets a pipeline-parallel size of 4"),
 ])
 def test_config_errors_name_the_field(tmp_path, kwargs, match):
     base = dict(model_path=str(tmp_path), device="cpu")
@@ -92,6 +94,15 @@ def test_weight_sync_config_errors(kwargs, match):
 def test_sampling_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
+
+
+def test_update_group_ranks_count_as_sglang_does():
+    # SGLang 0.5.23: rank = rank_offset + tp_rank in every pipeline stage (weight_updater.init_weights_update_group)
+    assert update_group_ranks("u", {"tp_size": 4, "pp_size": 1}) == 4
+    assert update_group_ranks("u", {"tp_size": 2}) == 2
+    with pytest.raises(WeightSyncError, match="u serves with pp_size=2: .*weight_sync.method=disk"):
+        update_group_ranks("u", {"tp_size": 4, "pp_size": 2})
+    SGLangConfig(model_path="m", urls=("http://127.0.0.1:1",), extra_args=("--pp-size", "1"))  # pp 1: allowed
 
 
 def test_gpu_groups():
