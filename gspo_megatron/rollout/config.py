@@ -98,7 +98,9 @@ class SGLangConfig:
     extra_args: tuple[str, ...] = ()  # passed to sglang.launch_server verbatim
     log_dir: str | None = None  # server logs; None: a temporary directory
     startup_timeout_s: float = 300.0
-    request_timeout_s: float = 600.0  # one generate request; longer means the server is treated as hung
+    # A generate request gets this per KV cache of tokens in flight on its server (requests are sized and admitted
+    # to fit the server's cache, so one, unless one prompt's samples exceed it); longer means the server is hung.
+    request_timeout_s: float = 600.0
     rollout_timeout_s: float = 3600.0  # a whole generate() call
     max_retries: int = 3  # per request, for HTTP 5xx / 429 / refused connections
     backoff_s: float = 0.5  # first retry delay; doubles each retry up to backoff_max_s
@@ -115,7 +117,7 @@ class SGLangConfig:
     restart_window_s: float = 3600.0
     attached_wait_s: float = 120.0
     concurrency: int = 8  # generate requests in flight (over all servers)
-    prompts_per_request: int = 8
+    prompts_per_request: int = 8  # at most; fewer where their samples would not fit in one server's KV cache
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
 
     def __post_init__(self):

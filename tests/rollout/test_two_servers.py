@@ -1,4 +1,11 @@
-"""Two real SGLang servers on 127.0.0.1 (started once for this module) and the trainer's side of them.
+"""Two real SGLang servers on 127.0.0.1 (started once for this module, each with a KV cache of 1024 tokens) and the
+trainer's side of them.
+
+Rollout requests sized from the servers' capacity: one ``generate`` call of 8 prompts x 8 samples x (prompt + 40
+tokens, every response at full length) is ~2.9k tokens, about three of either server's KV caches. The engine
+reads each server's capacity from /server_info, splits the call into requests that fit one cache and keeps no more
+in flight on a server than its cache holds (peak <= capacity); every group comes back whole. One prompt whose 24
+samples alone exceed a cache is sent alone, with a time-out of two waves.
 
 The weight sync from two pipeline-stage senders (PP2 on 2 gloo ranks, ``rollout_phase.sync_weights``, the loop's
 own path) to two servers: each server takes one update call at a time and broadcasts on that call's group, so if
@@ -17,26 +24,31 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 
 import pytest
 
 from gspo_megatron.parallel.groups import Layout
 from gspo_megatron.parallel.launch import run_on_ranks
+from gspo_megatron.rollout import SamplingParams, SGLangEngine
 from gspo_megatron.rollout import server as server_mod
+from gspo_megatron.rollout.sglang_engine import request_tokens
 
 from .bridge_ranks import stage_senders_sync
 from .conftest import server_config
-from .helpers import TOLERANCE, require_sglang
+from .helpers import TOLERANCE, prompts, require_sglang
 from .proxy import FailingProxy
 
 SYNC_TIMEOUT_S = 90.0  # one bucket's call + broadcast; a deadlock between the stages fails after this
 HOLD_S = 5.0
+KV_TOKENS = 1024  # each server's KV cache: a third of the rollout call below
 
 
 @pytest.fixture(scope="module")
 def two_servers(tiny_model_dir, tmp_path_factory):
     require_sglang()
-    config = server_config(tiny_model_dir, tmp_path_factory.mktemp("two_servers_logs"), num_servers=2)
+    config = server_config(tiny_model_dir, tmp_path_factory.mktemp("two_servers_logs"), num_servers=2,
+                           max_total_tokens=KV_TOKENS, context_length=256)
     servers = server_mod.start_servers(config)
     try:
         server_mod.wait_all_ready(servers, config.startup_timeout_s)
@@ -88,3 +100,26 @@ def test_two_stage_senders_update_two_servers_in_one_order(two_servers, tiny_mod
         assert r["after"]["mismatch/token_max_abs"] <= TOLERANCE, (rank, r["after"])
         assert r["versions"] == ["pp2-two-servers"]
 
+
+def test_requests_are_sized_from_the_servers_kv_cache(two_servers):
+    config, urls = two_servers
+    sampling = SamplingParams(max_new_tokens=40, ignore_eos=True, seed=3)
+    batch = prompts(8, seed=5)
+    with SGLangEngine(replace(config, urls=tuple(urls), prompts_per_request=8, concurrency=8)) as engine:
+        capacity = engine.capacities
+        assert set(capacity) == set(urls) and all(0 < c <= KV_TOKENS for c in capacity.values()), capacity
+        call = request_tokens(batch, 8, sampling.max_new_tokens)
+        assert call > 2.5 * max(capacity.values()), (call, capacity)  # a cache holds a fraction of the call
+        start = time.monotonic()
+        groups = engine.generate(batch, n=8, sampling=sampling)
+        seconds = time.monotonic() - start
+        peak = engine.peak_tokens_in_flight
+        print(f"capacity {capacity}, call {call} tokens, peak in flight {peak}, {seconds:.1f} s")
+        assert [len(g.samples) for g in groups] == [8] * 8
+        assert all(len(s.response_ids) == 40 == len(s.logprobs) for g in groups for s in g.samples)
+        assert all(0 < peak[u] <= capacity[u] for u in urls), (peak, capacity)  # both servers used, never over
+        # one prompt whose 24 samples (24 x (prompt + 40)) exceed a cache: alone on a server, two waves' time-out
+        big = [list(range(3, 12))]
+        assert capacity[urls[0]] < request_tokens(big, 24, 40) <= 2 * min(capacity.values())
+        (group,) = engine.generate(big, n=24, sampling=sampling)
+        assert len(group.samples) == 24 and all(len(s.response_ids) == 40 for s in group.samples)
