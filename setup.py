@@ -30,7 +30,14 @@ setup(
     ],
     extras_require={
         # GPU-only: TransformerEngine needs CUDA torch and NCCL at build and import time.
-        "gpu": ["transformer-engine[pytorch]>=2.0", "triton"],
+        # TransformerEngine per megatron-core release (README "Megatron-Core versions"): 0.16.1 declares >=2.9,<2.12
+        # (its dev extra); 0.19.2 declares no bound, and its source knows TE releases up to 2.14 (features gated on
+        # is_te_min_version("2.14.0"), none later), so later ones are not admitted until they have run.
+        "gpu": [
+            "transformer-engine[pytorch]>=2.9,<2.12; python_version < '3.12'",
+            "transformer-engine[pytorch]>=2.9,<2.15; python_version >= '3.12'",
+            "triton",
+        ],
         # On GPUs: the normal install. On CPU use tools/install.sh (sglang --no-deps + patches/sglang_cpu).
         "sglang": ["sglang==0.5.23", "sglang-router==0.3.2"],
         # triton: the log-prob kernels' tests run them under its interpreter (TRITON_INTERPRET=1) on CPU tensors.

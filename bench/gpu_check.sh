@@ -11,7 +11,8 @@
 # backend in bf16 against float64 (tests/gpu/test_logprob_kernel.py) and, where TransformerEngine is installed, the
 # grouped-GEMM experts' step against SequentialMLP's and TE's fused permutation and RoPE against the unfused step. Then bench/logprob_gpu.py: the triton backend against naive
 # bf16 logits + log_softmax at T=8192, H=2048, V=151936 (time, peak memory, TFLOP/s against a GEMM peak measured
-# in the same run). What it printed goes into bench/RESULTS.md.
+# in the same run). What it printed goes into bench/RESULTS.md. Without TransformerEngine, megatron-core 0.16.1's
+# router needs patches/megatron_no_te on the GPU too: the model provider applies it to every build without TE.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 LOG_DIR="${OUT:-/tmp/gpu_check}"

@@ -29,7 +29,8 @@ What it changes, from broad to narrow:
      ``sequence_parallel`` so ``finalize_model_grads`` all-reduces their gradients across TP (TENorm does the
      same on GPU).
    - ``moe_utils.te_general_gemm`` (0.16.1 only): defined as ``None`` when TransformerEngine is absent
-     (a NameError in 0.16.1; 0.19 defines it itself).
+     (a NameError in 0.16.1; 0.19 defines it itself): ``patches.megatron_no_te``, which CUDA runs without TE
+     get from the model provider.
    - ``moe_utils.maybe_move_tensor_to_cpu`` (0.16.1, 0.19.2): honour ``as_numpy`` for CPU tensors, so split
      sizes reach ``all_to_all_single`` as a list, not a tensor.
    - ``tensor_parallel.mappings._gather_along_first_dim/_reduce_scatter_along_first_dim`` (0.16.1, 0.19.2)
@@ -390,10 +391,9 @@ def _patch_torch_norm() -> None:
 
 @_applies_to("0.16.1")  # 0.19 defines it as None itself
 def _define_te_general_gemm() -> None:
-    from megatron.core.transformer.moe import moe_utils
+    from patches import megatron_no_te  # the same mend on CUDA without TE; the model provider applies it there
 
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
+    megatron_no_te.apply()
 
 
 @_applies_to("0.16.1", "0.19.2")

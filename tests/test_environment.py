@@ -159,3 +159,54 @@ def test_quiet_start_silences_the_known_noise_here_and_in_child_processes(monkey
                             "warnings.warn('Please use DTensor instead and we are deprecating ShardedTensor', "
                             "FutureWarning); warnings.warn('kept')"], capture_output=True, text=True)
     assert child.stderr.strip() == "<string>:1: UserWarning: kept", child.stderr
+
+
+def _setup_kwargs() -> dict:
+    """What setup.py passes to setuptools.setup (run with setup() replaced, nothing installed)."""
+    import runpy
+
+    import setuptools
+
+    captured = {}
+    real = setuptools.setup
+    setuptools.setup = lambda **kwargs: captured.update(kwargs)
+    try:
+        runpy.run_path(str(ROOT / "setup.py"), run_name="__main__")
+    finally:
+        setuptools.setup = real
+    return captured
+
+
+def _te_specifier(python: str):
+    from packaging.requirements import Requirement
+
+    env = {"python_version": python, "extra": ""}
+    reqs = [Requirement(r) for r in _setup_kwargs()["extras_require"]["gpu"]]
+    (te,) = [r for r in reqs if r.name == "transformer-engine" and (r.marker is None or r.marker.evaluate(env))]
+    assert "pytorch" in te.extras
+    return te.specifier
+
+
+def test_transformer_engine_is_pinned_per_megatron_core_release():
+    # Python 3.11 installs megatron-core 0.16.1, which declares >=2.9,<2.12; 3.12 installs 0.19.2, whose source knows
+    # TE up to 2.14. pip's newest (2.20.2 when this was written) is admitted by neither.
+    for python, admitted, refused in [("3.11", ["2.9.0", "2.11.0"], ["2.8.0", "2.12.0", "2.20.2"]),
+                                      ("3.12", ["2.9.0", "2.14.1"], ["2.8.0", "2.15.0", "2.20.2"])]:
+        spec = _te_specifier(python)
+        assert all(spec.contains(v) for v in admitted), (python, str(spec))
+        assert not any(spec.contains(v) for v in refused), (python, str(spec))
+
+
+def test_our_pin_agrees_with_what_the_installed_megatron_core_declares():
+    from importlib.metadata import requires, version
+
+    from packaging.requirements import Requirement
+
+    declared = [Requirement(r) for r in requires("megatron-core") or []]
+    bounded = [r for r in declared if r.name == "transformer-engine" and str(r.specifier)]
+    ours = _te_specifier(f"{sys.version_info.major}.{sys.version_info.minor}")
+    if version("megatron-core") == "0.16.1":
+        assert bounded, "megatron-core 0.16.1 declares a transformer-engine range in its dev extra"
+    for requirement in bounded:  # 0.19.2 declares none
+        for candidate in ["2.8.0", "2.9.0", "2.10.0", "2.11.0", "2.12.0", "2.14.0", "2.20.2"]:
+            assert ours.contains(candidate) == requirement.specifier.contains(candidate, prereleases=True), candidate

@@ -1,6 +1,7 @@
 """examples/launch_cluster.sh, run as on a cluster, on one machine: a rollout node and two training nodes.
 
-The script's own command lines: ROLE=rollout starts the SGLang server (CPU backend, float32) and, at the same
+The command lines are the ones examples/slurm_cluster.sbatch would have srun start on each node (its DRY_RUN mode,
+the allocation's hosts all 127.0.0.1): ROLE=rollout starts the SGLang server (CPU backend, float32) and, at the same
 time, two training "nodes" (two torchrun agents, NNODES=2, two gloo ranks each, rendezvous at 127.0.0.1) wait until
 it generates, then train the tiny CPU example under TP=2 x EP=2 (data parallel across the nodes) for two steps
 attached to that server. Each step syncs the
@@ -29,6 +30,7 @@ from tests.rollout.helpers import require_sglang
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples/launch_cluster.sh"
+SBATCH = ROOT / "examples/slurm_cluster.sbatch"
 EXAMPLE = ROOT / "examples/tiny_moe_cpu.yaml"
 
 
@@ -58,22 +60,27 @@ def test_two_training_nodes_and_a_rollout_node(tmp_path):
     logs = {name: tmp_path / f"{name}.log" for name in ("rollout", "node0", "node1")}
     processes = {}
 
-    def start(name: str, args: list[str], **extra: str) -> None:
+    overrides = ["parallel.tensor=2", "parallel.expert=2", "train.steps=2", "train.eval_every=2",
+                 "rollout.prompts_per_step=4", "parallel.micro_batch_size=8", f"logging.dir={tmp_path / 'run'}",
+                 "checkpoint.dir=", "logging.plot_every=0"]
+    plan = subprocess.run(["bash", str(SBATCH), *overrides], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env=dict(env, DRY_RUN="1", HOSTS="127.0.0.1 127.0.0.1 127.0.0.1", TRAIN_NODES="2",
+                                   ROLLOUT_NODES="1", GPUS_PER_NODE="2", SERVER_TP="1", SERVER_PORT=str(server_port),
+                                   MASTER_PORT=str(master_port), DEVICE="cpu", DTYPE="float32", CONFIG=str(EXAMPLE),
+                                   SERVER_ARGS="--max-total-tokens 8192 --sleep-on-idle --random-seed 0"))
+    assert plan.returncode == 0, plan.stderr
+    lines = [line.split("\t", 1)[1] for line in plan.stdout.splitlines()]
+    assert len(lines) == 3 and "ROLE=rollout" in lines[0], plan.stdout
+
+    def start(name: str, line: str) -> None:
         with open(logs[name], "wb") as log:
-            processes[name] = subprocess.Popen(["bash", str(SCRIPT), *args], cwd=ROOT, env=dict(env, **extra),
-                                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            processes[name] = subprocess.Popen(["bash", "-c", line], cwd=ROOT, env=env, stdout=log,
+                                               stderr=subprocess.STDOUT, start_new_session=True)
 
     try:
-        start("rollout", ["--max-total-tokens", "8192", "--sleep-on-idle", "--random-seed", "0"], ROLE="rollout",
-              DEVICE="cpu", DTYPE="float32", SERVER_TP="1", SERVER_PORT=str(server_port))
-        overrides = ["parallel.tensor=2", "parallel.expert=2", "train.steps=2", "train.eval_every=2",
-                     "rollout.prompts_per_step=4", "parallel.micro_batch_size=8", f"logging.dir={tmp_path / 'run'}",
-                     "checkpoint.dir=", "logging.plot_every=0"]
-        # Both nodes start while the server loads: rank 0 waits for it to answer (as on a cluster).
-        for node in (0, 1):
-            start(f"node{node}", overrides, CONFIG=str(EXAMPLE), NNODES="2", NODE_RANK=str(node), GPUS_PER_NODE="2",
-                  MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port),
-                  ROLLOUT_URLS=f"http://127.0.0.1:{server_port}")
+        # The server and both nodes start at once: rank 0 waits for the server to answer (as on a cluster).
+        for name, line in zip(("rollout", "node0", "node1"), lines):
+            start(name, line)
         deadline = time.monotonic() + 600
         for node in ("node0", "node1"):
             try:
@@ -93,6 +100,27 @@ def test_two_training_nodes_and_a_rollout_node(tmp_path):
     finally:
         for process in processes.values():
             _stop(process)
+
+
+def test_slurm_script_plans_each_node(tmp_path):
+    """The sbatch script's DRY_RUN: trainers first (the first is the rendezvous), then the rollout nodes, whose URLs
+    every trainer gets; node ranks in order; config overrides to the trainers, SERVER_ARGS to the servers; too small
+    an allocation is refused naming the node counts."""
+    env = dict(os.environ, DRY_RUN="1", HOSTS="t0 t1 r0 r1", TRAIN_NODES="2", ROLLOUT_NODES="2", VENV="/v",
+               HF_DIR="/m", CONFIG="c.yaml", NET_IF="ib0", SERVER_PORT="31000", SERVER_ARGS="--ep-size 8")
+    out = subprocess.run(["bash", str(SBATCH), "train.steps=2"], capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    plan = [line.split("\t") for line in out.stdout.splitlines()]
+    assert [host for host, _ in plan] == ["r0", "r1", "t0", "t1"]
+    for host, line in plan[:2]:
+        assert "ROLE=rollout" in line and "SERVER_TP=8" in line and line.endswith("launch_cluster.sh --ep-size 8")
+    for rank, (host, line) in enumerate(plan[2:]):
+        assert f"NODE_RANK={rank} " in line and "NNODES=2 " in line and "MASTER_ADDR=t0 " in line, line
+        assert "ROLLOUT_URLS=http://r0:31000\\,http://r1:31000 " in line and "NET_IF=ib0 " in line, line
+        assert line.endswith("launch_cluster.sh train.steps=2"), line
+    out = subprocess.run(["bash", str(SBATCH)], capture_output=True, text=True, env=dict(env, HOSTS="t0 t1 r0"),
+                         timeout=60)
+    assert out.returncode == 2 and "need 4 nodes, the allocation has 3: sbatch --nodes=4" in out.stderr
 
 
 def test_script_names_what_is_missing_and_refuses_colocation(tmp_path):

@@ -183,6 +183,15 @@ def _check_groups_match(layout: Layout) -> None:
                          "call parallel.groups.init_model_parallel(layout) with the same layout first")
 
 
+def megatron_patches(use_te: bool, cuda: bool) -> list:
+    """The named patches (modules with ``apply()``) a model build needs: ``megatron_cpu`` without CUDA, and
+    ``megatron_no_te`` whenever TransformerEngine is not used, on a GPU too (megatron-core 0.16.1's router reads an
+    undefined ``te_general_gemm`` without TE)."""
+    from patches import megatron_cpu, megatron_no_te
+
+    return ([] if cuda else [megatron_cpu]) + ([] if use_te else [megatron_no_te])
+
+
 def build_gpt_model(spec: ModelSpec, layout: Layout = Layout(), dtype: torch.dtype = torch.float32,
                     padded_vocab_size: int | None = None, use_te: bool | None = None, init: bool = False,
                     grouped_gemm: bool | None = None, **config_overrides):
@@ -201,6 +210,8 @@ def build_gpt_model(spec: ModelSpec, layout: Layout = Layout(), dtype: torch.dty
     use_te = environment.transformer_engine_available() if use_te is None else use_te
     if not use_te:
         environment.note_fallbacks()
+    for patch in megatron_patches(use_te, cuda=torch.cuda.is_available()):
+        patch.apply()
     check_layout(spec, layout, dist.get_world_size(), padded_vocab_size=vocab, transformer_engine=use_te)
     _check_groups_match(layout)
     grouped_gemm = use_te if grouped_gemm is None else grouped_gemm

@@ -51,6 +51,17 @@ class WeightSyncConfig:
             raise ValueError(f"weight_sync.timeout_s={self.timeout_s} must be > 0")
 
 
+def _pipeline_size(args: tuple[str, ...]) -> int:
+    """The ``--pp-size`` / ``--pipeline-parallel-size`` in sglang.launch_server arguments (1 when absent)."""
+    names = ("--pp-size", "--pipeline-parallel-size")
+    for i, arg in enumerate(args):
+        name, _, value = str(arg).partition("=")
+        if name in names:
+            value = value or (args[i + 1] if i + 1 < len(args) else "1")
+            return int(value)
+    return 1
+
+
 @dataclass(frozen=True)
 class SGLangConfig:
     """An SGLang rollout engine: servers it launches and owns, or servers (or a router) it attaches to.
@@ -87,7 +98,9 @@ class SGLangConfig:
     extra_args: tuple[str, ...] = ()  # passed to sglang.launch_server verbatim
     log_dir: str | None = None  # server logs; None: a temporary directory
     startup_timeout_s: float = 300.0
-    request_timeout_s: float = 600.0  # one generate request; longer means the server is treated as hung
+    # A generate request gets this per KV cache of tokens in flight on its server (requests are sized and admitted
+    # to fit the server's cache, so one, unless one prompt's samples exceed it); longer means the server is hung.
+    request_timeout_s: float = 600.0
     rollout_timeout_s: float = 3600.0  # a whole generate() call
     max_retries: int = 3  # per request, for HTTP 5xx / 429 / refused connections
     backoff_s: float = 0.5  # first retry delay; doubles each retry up to backoff_max_s
@@ -104,7 +117,7 @@ class SGLangConfig:
     restart_window_s: float = 3600.0
     attached_wait_s: float = 120.0
     concurrency: int = 8  # generate requests in flight (over all servers)
-    prompts_per_request: int = 8
+    prompts_per_request: int = 8  # at most; fewer where their samples would not fit in one server's KV cache
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
 
     def __post_init__(self):
@@ -140,6 +153,12 @@ class SGLangConfig:
                      "health_timeout_s", "backoff_s", "backoff_max_s", "restart_window_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"sglang.{name}={getattr(self, name)} must be > 0")
+        pp = _pipeline_size(self.extra_args)
+        if pp > 1 and not self.urls:
+            raise ValueError(f"sglang.extra_args sets a pipeline-parallel size of {pp}: launched servers get tp_size "
+                             "GPUs each and join a distributed weight sync as tp_size ranks, so pp > 1 servers are "
+                             "not launched; start them yourself and attach them with sglang.urls and "
+                             "weight_sync.method=disk")
         if self.host not in ("127.0.0.1", "localhost", "::1") and not self.urls:
             raise ValueError(f"sglang.host={self.host!r}: launched servers listen on the loopback only")
 

@@ -5,11 +5,15 @@
         ...update the policy...
         engine.update_weights(export_hf_weights(model), version="step-1")   # checks the served version
 
-Prompts are split into requests of ``prompts_per_request`` prompts (each asks for n samples: SGLang answers
-prompt-major) spread over the servers, or sent to the router, ``concurrency`` at a time. While they run, the
-engine watches its own server processes (a dead one fails the rollout at once, with its log tail) and probes
-every server's /health (a hung one fails it after ``health_failures`` missed probes); a request that takes longer
-than ``request_timeout_s`` or a rollout longer than ``rollout_timeout_s`` fails too. A failure aborts the other
+Prompts are split into requests of at most ``prompts_per_request`` prompts (each asks for n samples: SGLang answers
+prompt-major) whose tokens fit in one server's KV cache (``max_total_num_tokens``, read from /server_info: every
+sample at its prompt plus ``max_new_tokens``), spread over the servers (or sent to the router), ``concurrency``
+at a time and only as many on a server as its cache holds (``TokenBudget``): a request is one wave of decoding, not
+several queued behind each other. While they run, the engine watches its own server processes (a dead one fails
+the rollout at once, with its log tail) and probes every server's /health (a hung one fails it after
+``health_failures`` missed probes); a request that takes longer than ``request_timeout_s`` per KV cache of tokens in
+flight on its server (one, unless a single prompt's samples exceed the cache) or a rollout longer than
+``rollout_timeout_s`` fails too. A failure aborts the other
 requests on the servers still alive and raises: there is never a partial batch.
 
 Fault tolerance: a launched server found dead (before a call or during one) or hung (missed probes, a request past
@@ -95,6 +99,7 @@ class SGLangEngine:
         self.restarts_total, self.seconds_lost = 0, 0.0
         self.on_relaunch = None  # called after a server was relaunched (a new process): e.g. to record it
         self._routed_shape = routed_experts_shape(self.model_path) if config.return_routed_experts else None
+        self._budget = TokenBudget(self._capacities())
 
     def _wait_healthy(self, url: str) -> None:
         """GET /health_generate until 200. A server still starting answers 503: wait for it up to
@@ -147,8 +152,8 @@ class SGLangEngine:
         A server that fails meanwhile is restarted (or, attached, waited for) and the unanswered requests resent."""
         prompts = check_prompts(prompts, n)
         self.ensure_servers()
-        k = self.config.prompts_per_request
-        chunks = [(start, prompts[start:start + k]) for start in range(0, len(prompts), k)]
+        chunks = request_chunks(prompts, n, sampling.max_new_tokens, self.config.prompts_per_request,
+                                self._budget.smallest)
         results: dict[int, list[Sample]] = {}
         deadline = time.monotonic() + self.config.rollout_timeout_s
         while len(results) < len(chunks):
@@ -165,9 +170,8 @@ class SGLangEngine:
         pool = ThreadPoolExecutor(max_workers=min(self.config.concurrency, len(chunks)), thread_name_prefix="rollout")
         cancelled = threading.Event()  # set on failure: requests still in flight stop retrying
         try:
-            futures = {pool.submit(self._generate_chunk, self.generate_urls[i % len(self.generate_urls)], start,
-                                   chunk, n, sampling, cancelled): start
-                       for i, (start, chunk) in enumerate(chunks)}
+            futures = {pool.submit(self._generate_chunk, start, chunk, n, sampling, cancelled): start
+                       for start, chunk in chunks}
             self._watch(futures, results, deadline)
         except BaseException:
             cancelled.set()
@@ -221,13 +225,47 @@ class SGLangEngine:
             except RolloutError:
                 pass
 
-    def _generate_chunk(self, url: str, start: int, prompts: list[list[int]], n: int, sampling: SamplingParams,
+    def _generate_chunk(self, start: int, prompts: list[list[int]], n: int, sampling: SamplingParams,
                         cancelled: threading.Event) -> list[Sample]:
+        """One /generate request, sent to the server with the most room once its tokens fit there (``TokenBudget``);
+        its time-out is ``request_timeout_s`` per KV cache of tokens in flight there with it."""
         body = {"input_ids": prompts, "sampling_params": sampling.to_sglang(n), "return_logprob": True}
         if self._routed_shape is not None:
             body["return_routed_experts"] = True
-        answer = self._clients[url].post("/generate", body, cancelled=cancelled)
+        tokens = request_tokens(prompts, n, sampling.max_new_tokens)
+        url, waves = self._budget.acquire(tokens, cancelled)
+        try:
+            answer = self._clients[url].post("/generate", body, timeout=self.config.request_timeout_s * waves,
+                                             cancelled=cancelled)
+        finally:
+            self._budget.release(url, tokens)
         return parse_generate(answer, prompts, n, start, url, self._routed_shape)
+
+    def _capacities(self) -> dict[str, int | None]:
+        """KV-cache tokens of each generate URL (a router's: its workers' sum); None where a server does not say."""
+        workers = {}
+        for url in self.worker_urls:
+            try:
+                info = self._clients[url].get("/server_info", timeout=self.config.health_timeout_s * 4)
+            except RolloutError as e:
+                log.warning("%s: no /server_info (%s): its requests are not sized to its KV cache", url, e)
+                info = {}
+            workers[url] = server_capacity(info)
+        if self.generate_urls == self.worker_urls:
+            return workers
+        known = [c for c in workers.values() if c is not None]
+        total = sum(known) if len(known) == len(workers) else None
+        return {url: total for url in self.generate_urls}
+
+    @property
+    def capacities(self) -> dict[str, int | None]:
+        """Each generate URL's KV-cache tokens, as its server reported them (``server_capacity``)."""
+        return dict(self._budget.capacity)
+
+    @property
+    def peak_tokens_in_flight(self) -> dict[str, int]:
+        """The most worst-case tokens each generate URL has had in flight at once since this engine started."""
+        return dict(self._budget.peak)
 
     def pause_generation(self) -> None:
         """Hold every request in flight on every worker (SGLang's ``/pause_generation``, retract mode: running
@@ -482,12 +520,9 @@ class SGLangEngine:
                  stats.gb_per_s)
 
     def _server_ranks(self) -> list[int]:
-        """Ranks each worker brings to the weight-sync group: its tensor-parallel size."""
-        ranks = []
-        for url in self.worker_urls:
-            info = self._clients[url].get("/server_info", timeout=self.config.health_timeout_s * 4)
-            ranks.append(int(info.get("tp_size", 1)) * int(info.get("pp_size", 1) or 1))
-        return ranks
+        """Ranks each worker brings to the weight-sync group (``update_group_ranks``)."""
+        return [update_group_ranks(url, self._clients[url].get("/server_info", timeout=self.config.health_timeout_s * 4))
+                for url in self.worker_urls]
 
     def _disk_directory(self) -> Path:
         if self._disk_dir is None:
@@ -495,6 +530,96 @@ class SGLangEngine:
             self._disk_dir = Path(root) if root else Path(tempfile.mkdtemp(prefix="gspo_weights_"))
             self._disk_dir.mkdir(parents=True, exist_ok=True)
         return self._disk_dir
+
+
+def server_capacity(server_info: dict) -> int | None:
+    """The tokens an SGLang server's KV cache holds, from its ``/server_info`` (0.5.23): the sum of every
+    data-parallel scheduler's ``internal_states[i].memory_usage.token_capacity``, else ``max_total_num_tokens``
+    (its first scheduler's); None when it reports neither."""
+    states = server_info.get("internal_states") or []
+    per_dp = [(s.get("memory_usage") or {}).get("token_capacity") for s in states if isinstance(s, dict)]
+    if per_dp and all(isinstance(c, int) and c > 0 for c in per_dp):
+        return sum(per_dp)
+    total = server_info.get("max_total_num_tokens")
+    return int(total) if isinstance(total, int) and total > 0 else None
+
+
+def request_tokens(prompts: Sequence[Sequence[int]], n: int, max_new_tokens: int) -> int:
+    """The KV-cache tokens a /generate request may hold at its end: each of its n samples per prompt holds the
+    prompt and up to ``max_new_tokens`` (worst case: no prefix shared, every response at full length)."""
+    return sum(n * (len(p) + max_new_tokens) for p in prompts)
+
+
+def request_chunks(prompts: list, n: int, max_new_tokens: int, most: int, capacity: int | None) -> list:
+    """``prompts`` as (start, chunk) requests of at most ``most`` consecutive prompts whose ``request_tokens`` fit in
+    ``capacity`` (one server's KV cache; None: unknown, count only), so that a request is one wave of decoding, not
+    several; a prompt that alone exceeds it is a request of its own."""
+    chunks, start = [], 0
+    while start < len(prompts):
+        end = start + 1
+        while (end < len(prompts) and end - start < most and
+               (capacity is None or request_tokens(prompts[start:end + 1], n, max_new_tokens) <= capacity)):
+            end += 1
+        chunks.append((start, prompts[start:end]))
+        start = end
+    return chunks
+
+
+class TokenBudget:
+    """Worst-case KV-cache tokens in flight per generate URL, shared by every rollout of the engine (multi-turn
+    trajectories call ``generate`` from many threads). A request is sent to the URL with the fewest tokens in flight
+    where it fits beside them (or alone, if it is larger than the whole cache), else waits for room; it gets
+    ``waves`` = ceil(tokens in flight there with it / capacity) as its time-out multiple: the decoding waves the
+    server needs for what it holds. URLs of unknown capacity take every request at once, with one wave."""
+
+    def __init__(self, capacity: dict[str, int | None]):
+        self.capacity = capacity
+        self.in_flight = dict.fromkeys(capacity, 0)
+        self.peak = dict.fromkeys(capacity, 0)
+        self._room = threading.Condition()
+
+    @property
+    def smallest(self) -> int | None:
+        known = [c for c in self.capacity.values() if c is not None]
+        return min(known) if len(known) == len(self.capacity) else None
+
+    def _fits(self, url: str, tokens: int) -> bool:
+        capacity = self.capacity[url]
+        return capacity is None or self.in_flight[url] == 0 or self.in_flight[url] + tokens <= capacity
+
+    def acquire(self, tokens: int, cancelled: threading.Event) -> tuple[str, int]:
+        """(url, waves) for a request of ``tokens``, once it fits somewhere; ``cancelled`` stops the wait."""
+        with self._room:
+            while True:
+                room = [u for u in self.capacity if self._fits(u, tokens)]
+                if room:
+                    url = min(room, key=lambda u: self.in_flight[u])
+                    self.in_flight[url] += tokens
+                    self.peak[url] = max(self.peak[url], self.in_flight[url])
+                    capacity = self.capacity[url]
+                    return url, 1 if capacity is None else max(1, -(-self.in_flight[url] // capacity))
+                if cancelled.is_set():
+                    raise RequestFailed("the rollout failed elsewhere: a request waiting for KV-cache room is dropped")
+                self._room.wait(timeout=0.1)
+
+    def release(self, url: str, tokens: int) -> None:
+        with self._room:
+            self.in_flight[url] -= tokens
+            self._room.notify_all()
+
+
+def update_group_ranks(url: str, server_info: dict) -> int:
+    """The ranks a server (its ``/server_info``) takes in a weight-sync group: its ``tp_size``.
+
+    SGLang 0.5.23 joins each scheduler as ``rank_offset + tp_rank`` (``weight_updater.init_weights_update_group``),
+    the same ranks in every pipeline stage: a ``pp_size`` > 1 server's stages claim each rank twice and the group
+    never forms (it hangs until its time-out). Such a server is refused here, by name."""
+    pp = int(server_info.get("pp_size", 1) or 1)
+    if pp > 1:
+        raise WeightSyncError(f"{url} serves with pp_size={pp}: SGLang gives its pipeline stages the same weight-sync "
+                              "ranks (rank_offset + tp_rank in every stage), so a distributed update cannot form its "
+                              "group; serve with pp_size=1 or set weight_sync.method=disk", url=url)
+    return int(server_info.get("tp_size", 1) or 1)
 
 
 def routed_experts_shape(model_path: str) -> tuple[int, int]:

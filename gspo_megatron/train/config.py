@@ -189,7 +189,10 @@ class RolloutConfig:
     server_args: dict = field(default_factory=dict)
     """Extra sglang.launch_server arguments for servers we launch."""
     timeout_s: float = 300.0
-    """A rollout request that takes longer counts as a hung server (restarted if launched, waited for if attached)."""
+    """A rollout request that takes longer per KV cache of tokens in flight on its server counts as a hung server
+    (restarted if launched, waited for if attached). Requests are sized and admitted to fit each server's KV cache
+    (its max_total_num_tokens, counting every sample at its prompt plus max_new_tokens), so that is one cache's
+    worth of decoding, unless one prompt's samples alone exceed the cache."""
     max_server_restarts: int = 3
     """A launched server that dies or hangs is restarted at the current weights and its requests resent, at most this
     many times per restart_window_s (then TooManyRestarts naming it); 0: the failure stops the run."""

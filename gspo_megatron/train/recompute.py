@@ -14,18 +14,21 @@ from gspo_megatron.train.config import Config, ConfigError
 
 GRANULARITIES = ("selective", "full", "none")
 METHODS = ("uniform", "block")
-MODULES = ("core_attn", "moe", "mlp", "layernorm")
+MODULES = ("core_attn", "moe", "mlp", "layernorm", "moe_act")
 # Modules megatron-core 0.16.1 knows that the models this package builds cannot use, and why.
 _UNUSABLE = {
-    "moe_act": "it needs grouped-GEMM experts, and the policy's experts are a SequentialMLP (moe_grouped_gemm=False)",
     "mla_up_proj": "no supported model family has multi-latent attention",
     "shared_experts": "no supported model family has shared experts",
 }
 
 
-def check_recompute(cfg: Config, hf: dict | None = None) -> None:
-    """Raise ConfigError naming the ``recompute.*`` field that megatron would reject or that cannot work here."""
+def check_recompute(cfg: Config, hf: dict | None = None, transformer_engine: bool | None = None) -> None:
+    """Raise ConfigError naming the ``recompute.*`` field that megatron would reject or that cannot work here.
+
+    ``transformer_engine``: whether TE imports (None: find out); it decides the default of ``model.grouped_gemm``.
+    """
     r = cfg.recompute
+    te = _transformer_engine() if transformer_engine is None else transformer_engine
     if r.granularity not in GRANULARITIES:
         raise ConfigError(f"recompute.granularity={r.granularity!r} is not one of {GRANULARITIES}")
     if r.granularity == "selective":
@@ -37,7 +40,15 @@ def check_recompute(cfg: Config, hf: dict | None = None) -> None:
                 raise ConfigError(f"recompute.modules: {module!r} cannot be used: {_UNUSABLE[module]}")
             if module not in MODULES:
                 raise ConfigError(f"recompute.modules: {module!r} is not one of {MODULES}")
-        if "layernorm" in r.modules and not _transformer_engine():
+        # megatron-core (0.16.1, 0.19.2) refuses moe_act without moe_grouped_gemm: the experts must be TEGroupedMLP.
+        grouped = te if cfg.model.grouped_gemm is None else cfg.model.grouped_gemm
+        if "moe_act" in r.modules and not grouped:
+            why = "model.grouped_gemm=false" if cfg.model.grouped_gemm is False else \
+                "model.grouped_gemm=null and TransformerEngine does not import here"
+            raise ConfigError(f"recompute.modules: 'moe_act' needs grouped-GEMM experts (megatron's TEGroupedMLP, "
+                              f"moe_grouped_gemm=True), but {why}, so the experts are a SequentialMLP: remove "
+                              "'moe_act' (or recompute 'moe'), or use TransformerEngine with grouped experts")
+        if "layernorm" in r.modules and not te:
             raise ConfigError("recompute.modules: 'layernorm' needs TransformerEngine (megatron-core's "
                               "CheckpointWithoutOutput reads TE's FP8 state); remove it or install the gpu extra")
     if r.granularity == "full":

@@ -5,7 +5,7 @@ scores them and broadcasts the samples and rewards; every rank then builds the s
 ``rollout.filter_zero_variance_groups`` (DAPO's dynamic sampling) rank 0 drops groups without reward variance and
 samples more prompts, for at most ``rollout.max_sampling_rounds`` rounds.
 Weight sync is collective: to SGLang servers each pipeline stage's first rank sends its stage, gathered onto it
-from its replica's shards; for the local engine (or disk sync) every stage's tensors reach rank 0.
+from its replica's shards, one stage after another; for the local engine (or disk sync) every stage's tensors reach rank 0.
 Whenever the other ranks wait for rank 0's work alone (the engine's start, a rollout, an eval, the servers'
 side of a weight sync) they wait in the control group (``parallel.control``: gloo, with
 ``distributed.control_timeout_s``), never in an NCCL collective whose watchdog would abort a long rollout.
@@ -440,7 +440,8 @@ def sync_weights(policy, engine, version: int) -> dict:
     """Send the policy's weights to the engine as ``version`` (collective over all ranks).
 
     To SGLang servers by distributed broadcast: one sender per pipeline stage (its first rank:
-    ``Bridge.export_to_sender``), each in its own group with the servers; only the ranks holding shards of a sender's
+    ``Bridge.export_to_sender``), each in its own group with the servers, the stages one after another (every server
+    then receives the buckets in the same order); only the ranks holding shards of a sender's
     replica gather (to it), the other data-parallel replicas wait. Rank 0 opens the update before any sender sends
     and closes it after the last, then checks the served version. Otherwise (the local engine, disk sync) every
     stage's tensors reach rank 0 (``pipeline_gathered``), which hands them to the engine. The ranks wait for rank
@@ -498,6 +499,8 @@ def _sync_from_stage_senders(policy, engine, version, target) -> dict | None:
     from gspo_megatron.rollout import SyncStats
     from gspo_megatron.rollout.weight_sync import consume
 
+    from megatron.core import parallel_state as ps
+
     rank0 = dist.get_rank() == 0
     start = time.perf_counter()
     sender, problem = None, None
@@ -513,16 +516,25 @@ def _sync_from_stage_senders(policy, engine, version, target) -> dict | None:
         problem = f"rank {dist.get_rank()}: {type(e).__name__}: {e}"
     control.barrier()  # the update is open on every server before any sender sends
     begun = time.perf_counter()
-    exported = policy.bridge.export_to_sender(policy.model)
     sent = None
-    if sender is not None and problem is None:
-        try:
-            stats = sender.send_buckets(exported, target.config)
-            sent = (stats.seconds, stats.num_tensors, stats.num_bytes, stats.num_buckets, stats.phases)
-        except (RolloutError, RuntimeError, OSError) as e:
-            problem = f"rank {dist.get_rank()}: {type(e).__name__}: {e}"
-    consume(exported)  # this rank's shards go to its sender (or, in another replica, nothing to do); after a
-    # failed send, the rest of the export, in step with the replica's other ranks
+    # Stage by stage, so that every server receives the buckets in one order: a server takes one update call at a
+    # time and broadcasts on that call's group, so two stages sending at once could be taken in opposite orders by
+    # two servers, each then waiting in one stage's broadcast for the other (until weight_sync.timeout_s).
+    stages, my_stage = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
+    failed = False  # some rank failed in an earlier stage: the update is sent again anyway, later stages skip it
+    for stage in range(stages):
+        if stage == my_stage:
+            exported = policy.bridge.export_to_sender(policy.model)
+            if sender is not None and problem is None and not failed:
+                try:
+                    stats = sender.send_buckets(exported, target.config)
+                    sent = (stats.seconds, stats.num_tensors, stats.num_bytes, stats.num_buckets, stats.phases)
+                except (RolloutError, RuntimeError, OSError) as e:
+                    problem = f"rank {dist.get_rank()}: {type(e).__name__}: {e}"
+            consume(exported)  # this rank's shards go to its sender (or, in another replica, nothing to do);
+            # after a failed (or skipped) send, the rest of the export, in step with the replica's other ranks
+        if stage + 1 < stages:  # the next stage starts when this one is done
+            failed = any(control.all_gather(problem is not None))
     reports = control.all_gather((sent, problem))
     parts = [p for p, _ in reports if p is not None]
     problems = [q for _, q in reports if q is not None]

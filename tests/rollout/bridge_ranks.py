@@ -114,9 +114,11 @@ def bridge_sync(model_dir: str, server_url: str, version: str) -> dict:
     return out
 
 
-def stage_senders_sync(model_dir: str, server_url: str, version: str) -> dict:
+def stage_senders_sync(model_dir: str, server_url: str | list[str], version: str, sync: dict | None = None) -> dict:
     """The loop's policy (``build_policy``) under this launch's layout: log-probs against SGLang's before, after
-    the weights move (stale) and after ``rollout_phase.sync_weights``; rank 0 returns the sync's metrics."""
+    the weights move (stale) and after ``rollout_phase.sync_weights``; rank 0 returns the sync's metrics.
+    ``server_url``: one server or several; ``sync``: ``WeightSyncConfig`` fields."""
+    from gspo_megatron.rollout import WeightSyncConfig
     import zlib
 
     from gspo_megatron.rollout import SGLangConfig, SGLangEngine
@@ -131,7 +133,10 @@ def stage_senders_sync(model_dir: str, server_url: str, version: str) -> dict:
                              f"parallel.pipeline={ps.get_pipeline_model_parallel_world_size()}",
                              f"parallel.expert={ps.get_expert_model_parallel_world_size()}"])
     policy = build_policy(cfg, model_dir)
-    engine = SGLangEngine(SGLangConfig(urls=(server_url,), device="cpu", request_timeout_s=120)) if rank == 0 else None
+    urls = (server_url,) if isinstance(server_url, str) else tuple(server_url)
+    config = SGLangConfig(urls=urls, device="cpu", request_timeout_s=120, weight_sync=WeightSyncConfig(**(sync or {})),
+                          prompts_per_request=8 if len(urls) == 1 else 1)  # several servers: each gets prompts
+    engine = SGLangEngine(config) if rank == 0 else None
     out = {}
     try:
         _, batch = _rollout(engine, seed=30)

@@ -1,5 +1,6 @@
 """A loopback HTTP proxy in front of a real SGLang server that fails the first requests to chosen paths with a
-given status: how the tests make a real server's answers look transiently (or permanently) broken."""
+given status: how the tests make a real server's answers look transiently (or permanently) broken. ``on_request``
+(path, body bytes), called before a request is forwarded, lets a test record the requests or hold one back."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 class FailingProxy:
     def __init__(self, upstream: str, fail_paths: tuple[str, ...] = ("/generate",), failures: int = 2,
-                 status: int = 503, port: int = 0):
+                 status: int = 503, port: int = 0, on_request=None):
         self.upstream = upstream.rstrip("/")
+        self.on_request = on_request
         self.fail_paths, self.failures, self.status = fail_paths, failures, status
         self.failed = 0  # requests answered with ``status``
         self.forwarded = 0
@@ -38,6 +40,8 @@ class FailingProxy:
                     self.end_headers()
                     self.wfile.write(payload)
                     return
+                if proxy.on_request is not None:
+                    proxy.on_request(self.path, body)
                 request = urllib.request.Request(proxy.upstream + self.path, data=body, method=method,
                                                  headers={"Content-Type": "application/json"})
                 try:

@@ -7,8 +7,9 @@ import torch
 
 from gspo_megatron.rollout import Sample, SamplingParams, SGLangConfig, WeightSyncConfig, logprob_mismatch
 from gspo_megatron.rollout import samples_to_batch
-from gspo_megatron.rollout.sglang_engine import parse_generate
-from gspo_megatron.rollout.errors import BadResponse
+from gspo_megatron.rollout.sglang_engine import (TokenBudget, parse_generate, request_chunks, request_tokens,
+                                                 server_capacity, update_group_ranks)
+from gspo_megatron.rollout.errors import BadResponse, RequestFailed, WeightSyncError
 
 
 def test_samples_to_batch_aligns_logprobs_with_labels():
@@ -66,6 +67,8 @@ def test_parse_generate_is_prompt_major_and_checked():
     (dict(concurrency=0), "sglang.concurrency=0 must be >= 1"),
     (dict(request_timeout_s=0), "sglang.request_timeout_s=0 must be > 0"),
     (dict(host="0.0.0.0"), "loopback only"),
+    (dict(extra_args=("--pp-size", "2")), "sglang.extra_args sets a pipeline-parallel size of 2"),
+    (dict(extra_args=("--pipeline-parallel-size=4",)), "sglang.extra_args sets a pipeline-parallel size of 4"),
 ])
 def test_config_errors_name_the_field(tmp_path, kwargs, match):
     base = dict(model_path=str(tmp_path), device="cpu")
@@ -92,6 +95,15 @@ def test_weight_sync_config_errors(kwargs, match):
 def test_sampling_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
+
+
+def test_update_group_ranks_count_as_sglang_does():
+    # SGLang 0.5.23: rank = rank_offset + tp_rank in every pipeline stage (weight_updater.init_weights_update_group)
+    assert update_group_ranks("u", {"tp_size": 4, "pp_size": 1}) == 4
+    assert update_group_ranks("u", {"tp_size": 2}) == 2
+    with pytest.raises(WeightSyncError, match="u serves with pp_size=2: .*weight_sync.method=disk"):
+        update_group_ranks("u", {"tp_size": 4, "pp_size": 2})
+    SGLangConfig(model_path="m", urls=("http://127.0.0.1:1",), extra_args=("--pp-size", "1"))  # pp 1: allowed
 
 
 def test_gpu_groups():
@@ -121,3 +133,46 @@ def test_launched_servers_do_not_inherit_the_trainers_torchrun_env(monkeypatch, 
     env = server_env(SGLangConfig(model_path=str(tmp_path), device="cpu", cpu_threads=1), [])
     assert not {"RANK", "WORLD_SIZE", "MASTER_PORT", "LOCAL_RANK"} & env.keys()
     assert env["GSPO_UNRELATED"] == "kept" and env["OMP_NUM_THREADS"] == "1"
+
+
+def test_server_capacity_from_server_info():
+    # SGLang 0.5.23's /server_info: max_total_num_tokens (the first scheduler's) and, per data-parallel scheduler,
+    # internal_states[i].memory_usage.token_capacity
+    assert server_capacity({"max_total_num_tokens": 1024}) == 1024
+    dp2 = {"max_total_num_tokens": 500, "internal_states": [{"memory_usage": {"token_capacity": 500}}] * 2}
+    assert server_capacity(dp2) == 1000
+    assert server_capacity({}) is None
+
+
+def test_requests_are_sized_to_the_kv_cache():
+    prompts = [[1] * 10, [1] * 20, [1] * 10, [1] * 60]
+    assert request_tokens(prompts[:2], n=4, max_new_tokens=30) == 4 * 40 + 4 * 50
+    # 4 samples x (prompt + 30): 160, 200, 160, 360 tokens; a cache of 400 holds the first two, then one each
+    chunks = request_chunks(prompts, n=4, max_new_tokens=30, most=8, capacity=400)
+    assert [(start, len(chunk)) for start, chunk in chunks] == [(0, 2), (2, 1), (3, 1)]
+    assert [len(c) for _, c in request_chunks(prompts, 4, 30, most=3, capacity=None)] == [3, 1]  # unknown: count
+    assert [len(c) for _, c in request_chunks(prompts, 4, 30, most=8, capacity=100)] == [1, 1, 1, 1]  # each too big
+
+
+def test_token_budget_admits_what_fits_and_times_out_per_wave():
+    import threading
+
+    budget = TokenBudget({"a": 1000, "b": 1000})
+    never = threading.Event()
+    assert budget.acquire(600, never) == ("a", 1)
+    assert budget.acquire(600, never) == ("b", 1)  # the emptier server
+    assert budget.acquire(300, never) == ("a", 1)  # 900 <= 1000
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(budget.acquire(500, never)))
+    waiter.start()
+    waiter.join(0.5)
+    assert waiter.is_alive() and not got  # fits nowhere: waits
+    budget.release("b", 600)
+    waiter.join(5)
+    assert got == [("b", 1)] and budget.peak == {"a": 900, "b": 600}
+    # a request larger than the whole cache goes alone, its time-out covering its waves
+    assert TokenBudget({"a": 1000}).acquire(2500, never) == ("a", 3)
+    cancelled = threading.Event()
+    cancelled.set()
+    with pytest.raises(RequestFailed, match="waiting for KV-cache room"):
+        budget.acquire(2000, cancelled)

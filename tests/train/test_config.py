@@ -73,7 +73,7 @@ def test_bad_fields_are_named(overrides, message):
         (["recompute.granularity=partial"], 1, None, r"recompute.granularity='partial' is not one of"),
         (["recompute.granularity=selective", "recompute.modules=[]"], 1, None, r"recompute.modules is empty with recompute.granularity=selective"),
         (["recompute.granularity=selective", "recompute.modules=[attention]"], 1, None, r"recompute.modules: 'attention' is not one of"),
-        (["recompute.granularity=selective", "recompute.modules=[moe_act]"], 1, None, r"recompute.modules: 'moe_act' cannot be used: it needs grouped-GEMM"),
+        (["recompute.granularity=selective", "recompute.modules=[moe_act]"], 1, None, r"recompute.modules: 'moe_act' needs grouped-GEMM experts .*model.grouped_gemm=null and TransformerEngine does not import"),
         (["recompute.granularity=full", "recompute.method=chunks"], 1, None, r"recompute.method='chunks' is not one of"),
         (["recompute.granularity=full", "recompute.num_layers=25", "parallel.pipeline=2"], 2, QWEN3_30B_A3B,
          r"recompute.num_layers=25 must be in 1..24 \(layers per pipeline stage\)"),

@@ -113,3 +113,35 @@ def test_recompute_equals_no_recompute_world1(moe_then_dense_dir):
 def test_recompute_equals_no_recompute_tp2(moe_then_dense_dir):
     layout = Layout(tensor=2, sequence_parallel=True)
     _check(run_on_ranks(run_cases, 2, layout, moe_then_dense_dir, ["parallel.tensor=2"]))
+
+
+@pytest.mark.parametrize("grouped_gemm, te, refused", [
+    ("true", True, None),  # TEGroupedMLP: megatron recomputes the activation
+    ("null", True, None),  # grouped wherever TE imports
+    ("false", True, "model.grouped_gemm=false"),  # SequentialMLP: megatron refuses moe_act
+    ("null", False, "model.grouped_gemm=null and TransformerEngine does not import"),
+])
+def test_moe_act_is_refused_exactly_where_megatron_refuses_it(grouped_gemm, te, refused):
+    from gspo_megatron.train.config import ConfigError
+    from gspo_megatron.train.recompute import check_recompute
+
+    cfg = load_config(None, ["recompute.granularity=selective", "recompute.modules=[core_attn,moe_act]",
+                             f"model.grouped_gemm={grouped_gemm}"])
+    if refused is None:
+        check_recompute(cfg, transformer_engine=te)
+        assert transformer_config_fields(cfg)["recompute_modules"] == ["core_attn", "moe_act"]
+    else:
+        with pytest.raises(ConfigError, match=rf"recompute.modules: 'moe_act' needs grouped-GEMM .*{refused}"):
+            check_recompute(cfg, transformer_engine=te)
+
+
+@pytest.mark.megatron
+def test_megatron_accepts_moe_act_with_grouped_experts_and_refuses_it_without():
+    # The rule above is megatron's own (TransformerConfig.__post_init__, 0.16.1 and 0.19.2).
+    from megatron.core.transformer import TransformerConfig
+
+    common = dict(num_layers=1, hidden_size=8, num_attention_heads=2, num_moe_experts=2, moe_router_topk=2,
+                  recompute_granularity="selective", recompute_modules=["moe_act"])
+    TransformerConfig(**common, moe_grouped_gemm=True)
+    with pytest.raises(ValueError, match="moe_act in recompute_modules is only supported with moe_grouped_gemm"):
+        TransformerConfig(**common, moe_grouped_gemm=False)
