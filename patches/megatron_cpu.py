@@ -30,6 +30,8 @@ What it changes, from broad to narrow:
      same on GPU).
    - ``moe_utils.te_general_gemm`` (0.16.1 only): defined as ``None`` when TransformerEngine is absent
      (a NameError in 0.16.1; 0.19 defines it itself).
+   - ``multi_latent_attention.HAVE_TE`` (0.16.1 only): the TE extension's own flag (MLA sets it True whenever the
+     extension imports, which it does without TE, and then calls ``isinstance`` with a MagicMock class).
    - ``moe_utils.maybe_move_tensor_to_cpu`` (0.16.1, 0.19.2): honour ``as_numpy`` for CPU tensors, so split
      sizes reach ``all_to_all_single`` as a list, not a tensor.
    - ``tensor_parallel.mappings._gather_along_first_dim/_reduce_scatter_along_first_dim`` (0.16.1, 0.19.2)
@@ -394,6 +396,17 @@ def _define_te_general_gemm() -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+
+@_applies_to("0.16.1")  # 0.19 takes HAVE_TE from the TE extension, which is False without TE
+def _mla_without_te() -> None:
+    """0.16.1's multi_latent_attention sets ``HAVE_TE = True`` whenever megatron's TE extension module imports, which
+    it does without TE (its classes then derive from a MagicMock), and calls ``isinstance(linear_proj, TELinear)``
+    with that mock: take the extension's own ``HAVE_TE`` instead."""
+    from megatron.core.extensions import transformer_engine
+    from megatron.core.transformer import multi_latent_attention
+
+    multi_latent_attention.HAVE_TE = transformer_engine.HAVE_TE
 
 
 @_applies_to("0.16.1", "0.19.2")

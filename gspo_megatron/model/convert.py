@@ -17,6 +17,7 @@ Both run in one process (world of one) or under torchrun (``parallel.groups.init
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -27,11 +28,11 @@ import torch.distributed as dist
 
 from gspo_megatron.parallel.groups import Layout
 
-from . import checkpoint, hf_files
+from . import checkpoint, fp8, hf_files
 from .atomic import atomic_output_dir, check_output_dir
 from .bridge import Bridge
 from .errors import MappingError, listing
-from .hf_config import read_hf_config, spec_differences
+from .hf_config import load_config_json, read_hf_config, spec_differences
 from .layout_check import check_layout
 from .mapping import is_ignored
 from .process_groups import ensure_model_parallel
@@ -56,8 +57,9 @@ def _log(message: str) -> None:
 
 
 def model_dtype(dtypes: dict[str, torch.dtype]) -> torch.dtype:
-    """The dtype to build the Megatron model in: the HF tensors' one, or the widest if they differ."""
-    kinds = set(dtypes.values())
+    """The dtype to build the Megatron model in: the HF tensors' one, or the widest if they differ. The sigmoid
+    router's fp32 ``e_score_correction_bias`` in a bf16 checkpoint does not count: megatron keeps it fp32 anyway."""
+    kinds = {d for n, d in dtypes.items() if not n.endswith(".e_score_correction_bias")} or set(dtypes.values())
     unknown = [d for d in kinds if d not in _WIDTH]
     if unknown:
         names = [n for n, d in dtypes.items() if d in unknown]
@@ -72,7 +74,7 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, layout: Layout = Layout(
     started = time.perf_counter()
     hf_dir, out = Path(hf_dir), Path(out).absolute()
     spec = read_hf_config(hf_dir)
-    source = hf_files.SafetensorsDir(hf_dir)
+    source = hf_files.open_hf_dir(hf_dir)  # FP8 block-scaled weights dequantized on read (model.fp8)
     bridge = Bridge(spec)
     bridge.check_hf_tensors(source.shapes())
     dtypes = {n: d for n, d in source.dtypes().items() if not is_ignored(n)}
@@ -154,6 +156,9 @@ def megatron_to_hf(megatron_dir: str | Path, out: str | Path, hf_config_dir: str
                                    + listing("extra", written - expected))
             hf_files.finalize_shards(tmp, shards)
             hf_files.copy_hf_metadata(config_dir, tmp)
+            config = load_config_json(tmp)
+            if fp8.block_size(config):  # the weights were dequantized on load; the export is not FP8
+                (tmp / "config.json").write_text(json.dumps(fp8.dequantized_config(config), indent=2))
     _log(f"{megatron_dir} -> {out}: {len(bridge.hf_tensor_shapes())} HF tensors, "
          f"{time.perf_counter() - started:.1f} s")
     return out
