@@ -4,8 +4,9 @@ megatron-core builds MLA's core attention with separate key and value head sizes
 ``v_channels`` = v head dim). Only TransformerEngine's attention takes them: the local ``DotProductAttention`` (0.16
 and 0.19) has no such arguments. ``LocalMLAAttention`` is that core attention written out for the local spec
 (CPU, tests): softmax(q k^T * softmax_scale + mask) v in fp32, per head, causal unless a mask is given (megatron's
-convention: True where masked, [b, 1, sq, sk], as the packed-sequence path passes). ``mla_local_spec`` puts it
-into a decoder block spec. Shapes: q, k [s, b, heads/TP, nope + rope], v [s, b, heads/TP, v]; out [s, b, heads/TP * v].
+convention: True where masked, [b, 1, sq, sk], as the packed-sequence path passes). ``mla_spec`` puts it into a
+decoder block spec built with the local spec, and drops the q latent norm where there is no q LoRA (0.19 refuses a
+norm it would not use; 0.16 builds none). Shapes: q, k [s, b, heads/TP, nope + rope], v [s, b, heads/TP, v]; out [s, b, heads/TP * v].
 """
 
 from __future__ import annotations
@@ -37,11 +38,17 @@ class LocalMLAAttention(MegatronModule):
         return context.reshape(context.shape[0], context.shape[1], -1)
 
 
-def mla_local_spec(block):
-    """``block`` (a decoder block spec built with the local spec) with ``LocalMLAAttention`` in its MLA layers."""
+def mla_spec(block, local: bool, q_lora: bool):
+    """``block`` with ``LocalMLAAttention`` in its MLA layers (``local``: built with megatron's local spec) and
+    without a q latent norm unless ``q_lora``."""
+    from megatron.core.transformer.identity_op import IdentityOp
+
     def with_core(layer):
         attention = layer.submodules.self_attention
-        submodules = dataclasses.replace(attention.submodules, core_attention=LocalMLAAttention)
+        changes = {"core_attention": LocalMLAAttention} if local else {}
+        if not q_lora:
+            changes["q_layernorm"] = IdentityOp
+        submodules = dataclasses.replace(attention.submodules, **changes)
         attention = dataclasses.replace(attention, submodules=submodules)
         return dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, self_attention=attention))
 

@@ -209,10 +209,10 @@ def decoder_block_spec(config, use_te: bool):
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm")
     if not use_te:
         block = dataclasses.replace(block, layer_specs=[_moe_norm_keeps_its_name(s) for s in block.layer_specs])
-        if config.multi_latent_attention:
-            from .mla import mla_local_spec
+    if config.multi_latent_attention:
+        from .mla import mla_spec
 
-            block = mla_local_spec(block)
+        block = mla_spec(block, local=not use_te, q_lora=config.q_lora_rank is not None)
     if config.moe_grouped_gemm:
         _check_grouped_experts(block)
     return block

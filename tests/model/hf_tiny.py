@@ -119,12 +119,34 @@ def save_variant(variant: str, directory: Path, seed: int = 0) -> Path:
     model = build_hf_model(variant, seed)
     model_dir = directory / variant
     model.save_pretrained(model_dir)
+    if variant in WITH_MTP_TENSORS:
+        add_mtp_tensors(model_dir, model.config, seed)
     build_tokenizer(model.config.vocab_size).save_pretrained(model_dir)
     tokens = input_tokens(model.config.vocab_size)
     with torch.no_grad():
         logits = model(tokens).logits
     torch.save({"tokens": tokens, "logits": logits}, directory / f"{variant}.reference.pt")
     return model_dir
+
+
+# Variants whose checkpoint holds the MTP layer its config declares (transformers builds none: written here, as
+# DeepSeek-V3's release stores it, layer num_hidden_layers); glm4_moe declares one and holds none, like a re-save.
+WITH_MTP_TENSORS = ("deepseek_v3",)
+
+
+def add_mtp_tensors(model_dir: Path, config, seed: int) -> None:
+    """Append a few tensors of MTP layer ``num_hidden_layers`` (its projection, norms, router bias) to the checkpoint."""
+    from safetensors.torch import load_file, save_file
+
+    g = torch.Generator().manual_seed(1000 + seed)
+    hidden, layer = config.hidden_size, f"model.layers.{config.num_hidden_layers}"
+    tensors = load_file(model_dir / "model.safetensors")
+    tensors.update({f"{layer}.eh_proj.weight": torch.randn(hidden, 2 * hidden, generator=g),
+                    f"{layer}.enorm.weight": torch.randn(hidden, generator=g),
+                    f"{layer}.hnorm.weight": torch.randn(hidden, generator=g),
+                    f"{layer}.shared_head.norm.weight": torch.randn(hidden, generator=g),
+                    f"{layer}.mlp.gate.e_score_correction_bias": torch.randn(config.n_routed_experts, generator=g)})
+    save_file(tensors, model_dir / "model.safetensors", metadata={"format": "pt"})
 
 
 def save_bf16_copy(source: Path, target: Path) -> Path:
