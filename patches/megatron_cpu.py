@@ -39,6 +39,8 @@ What it changes, from broad to narrow:
    - ``tensor_parallel.mappings._gather_along_first_dim/_reduce_scatter_along_first_dim`` (0.16.1, 0.19.2)
      with uneven split sizes (TP x EP with the alltoall dispatcher): gloo rejects per-rank chunks of
      different sizes, so the chunks are padded to the largest one.
+   - ``MLASelfAttention.get_query_key_value_tensors`` (0.16.1, 0.19.2): under the local spec's column-parallel down
+     projections, the shared rope key's gradient is summed over TP ranks (megatron forgets to).
    - Optimizer constructors and ``clip_grad_by_total_norm_fp32`` (0.16.1, 0.19.2), which test
      ``param.type()`` against ``"torch.cuda.*Tensor"`` strings, are recompiled from their source with the CPU
      type names.
@@ -519,6 +521,24 @@ def _recompile(owner, name: str, replacements: dict[str, str]) -> None:
     elif isinstance(raw, staticmethod):
         new_func = staticmethod(new_func)
     setattr(owner, name, new_func)
+
+
+@_applies_to("0.16.1", "0.19.2")
+def _patch_mla_rope_key_grad() -> None:
+    """MLA with megatron's local spec under TP (its down projections column-parallel, then gathered): the shared
+    rope key ``k_pos_emb`` is cut from the gathered down projection and used by every rank's heads, but nothing sums
+    its gradient over the TP ranks, so each rank's slice of ``linear_kv_down_proj`` (and everything before it) gets
+    only its own heads' share (tests/train/test_family_steps.py: grad norm 2.70 vs 2.83 at TP2). TE's duplicated down
+    projection takes the other branch (a sequence-parallel gather, whose backward sums). Insert the missing identity
+    with an all-reduce backward (megatron's ``copy_to_tensor_model_parallel_region``) on that branch."""
+    from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    mla.copy_to_tensor_model_parallel_region = copy_to_tensor_model_parallel_region
+    branch = ("        if self.config.sequence_parallel:\n"  # as _recompile sees it: dedented by one level
+              "            # kv_compressed:[s / TP, b, kv_lora_rank]\n")
+    _recompile(mla.MLASelfAttention, "get_query_key_value_tensors",
+               {branch: "        k_pos_emb = copy_to_tensor_model_parallel_region(k_pos_emb)\n" + branch})
 
 
 @_applies_to("0.16.1", "0.19.2")

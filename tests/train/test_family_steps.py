@@ -4,7 +4,8 @@ first layer on stage 0) and TP2 x EP2 (expert-TP 1).
 The policy is built as the trainer builds it (``provider.build_gpt_model`` + the bridge, from the HF files). One step
 of SGD (lr 1, no momentum history: the update is exactly -grad) on 8 sequences (split over data-parallel ranks, micro
 batches of 2); the updated weights are exported through the bridge as full HF tensors, so every gradient is compared
-in HF terms across layouts: loss (1e-5 relative), gradient norm (1e-5 relative), every updated tensor (2e-6 absolute
+in HF terms across layouts: loss (1e-6 absolute: GSPO's loss with zero-mean advantages is ~1e-4, a difference of
+fp32 log-ratios of sequences whose log-probs are ~5), gradient norm (1e-5 relative), every updated tensor (2e-6 absolute
 on weights of ~0.1-1 and steps of ~1e-2). The frozen expert bias is exported bit-identical to the file.
 """
 
@@ -20,7 +21,7 @@ from tests.model.conftest import hf_models  # noqa: F401  (the tiny HF models, s
 
 FAMILIES = ("glm4_moe", "deepseek_v3")
 SEQUENCES, SEQ, MICRO = 8, 12, 2
-RTOL, ATOL = 1e-5, 2e-6
+RTOL, ATOL, LOSS_ATOL = 1e-5, 2e-6, 1e-6
 LAYOUTS = {"tp2": Layout(tensor=2, sequence_parallel=True), "ep2": Layout(expert=2), "pp2": Layout(pipeline=2),
            "tp2_ep2": Layout(tensor=2, expert=2, expert_tensor=1, sequence_parallel=True)}
 
@@ -115,7 +116,7 @@ def test_update_step_equals_world1(family, kind, results, hf_models):
     exported = {}
     for rank, r in enumerate(per_rank):
         r = r[(family, kind)]
-        assert abs(r["loss"] - expected["loss"]) <= RTOL * abs(expected["loss"]), (rank, r["loss"], expected["loss"])
+        assert abs(r["loss"] - expected["loss"]) <= LOSS_ATOL, (rank, r["loss"], expected["loss"])
         assert abs(r["grad_norm"] - expected["grad_norm"]) <= RTOL * expected["grad_norm"], (rank, r["grad_norm"])
         exported.update(r["exported"])
     assert set(exported) == set(expected["exported"])
