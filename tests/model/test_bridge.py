@@ -6,7 +6,9 @@ bridge, run the forward through Megatron's schedule and compare the (TP-gathered
 (two data-parallel replicas, weights from an in-memory dict), TP=2 (+ sequence parallel for MoE), PP=2,
 EP=2 and TP=2 x EP=2 with expert-TP=1 (MoE). On every rank the bridge's export reproduces each HF tensor
 bit for bit, and the stages' exports together are the whole checkpoint. A control loads q/k/v in a plain
-(not per-group) layout and must *fail* the tolerance, so the comparison can tell layouts apart.
+(not per-group) layout and must *fail* the tolerance, so the comparison can tell layouts apart (not for the
+multi-latent-attention variants, which have no fused q/k/v; their MTP tensors are carried by conversion, not the
+bridge). For GLM-4.5 a transformers-only check shows its group limit and expert bias change the experts chosen.
 The weight-sync export (``export_to_sender``) yields the same tensors bit for bit on each pipeline stage's first
 rank only, through gathers (never all-gathers) that only the ranks holding the sender's shards join.
 (Cases: ``rank_checks.bridge_cases``.)
