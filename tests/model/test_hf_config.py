@@ -200,3 +200,22 @@ def test_deepseek_v3_and_kimi_k2_hub_configs():
 def test_unsupported_deepseek_configs_name_the_field(change, field):
     with pytest.raises(UnsupportedModel, match=re.escape(field)):
         read_hf_config({**DEEPSEEK_V3, **change})
+
+
+def test_plan_parameter_counts_equal_the_checkpoints(hf_models):
+    """``train.memory.model_parameters`` (what ``plan`` sizes weights and optimizer state from) counts exactly the
+    tensors the mapping reads, for every family (MLA, shared experts, router bias included; MTP layers not built)."""
+    import math
+
+    from gspo_megatron.model import mapping
+    from gspo_megatron.train.memory import model_parameters
+
+    for name, path in hf_models.items():
+        spec = read_hf_config(path)
+        assert model_parameters(spec)[0] == sum(math.prod(s) for s in mapping.hf_tensor_shapes(spec).values()), name
+    # The model cards: DeepSeek-V3 671B total, 37B active; GLM-4.5 355B with its MTP layer (~2.5B), 32B active
+    # without the embedding and output layer (1.55B)
+    total, active = model_parameters(read_hf_config(DEEPSEEK_V3))
+    assert 670e9 < total < 672e9 and 37e9 < active < 38e9
+    total, active = model_parameters(read_hf_config(GLM_4_5))
+    assert 352e9 < total < 355e9 and 32e9 < active - 2 * 151552 * 5120 < 32.5e9
