@@ -1,6 +1,8 @@
 """The tiny GLM-4.5 model (``tests/model/hf_tiny.py``: sigmoid router with nonzero expert biases and a group limit,
 shared expert, qkv bias, qk-norm, partial rotary) served by a real SGLang server on CPU (fp32): its per-token
-log-probs equal the trainer-side model's (transformers, through the fused log-prob op) within ``TOLERANCE``.
+log-probs equal the trainer-side model's (transformers, through the fused log-prob op) within ``TOLERANCE``, before
+and after a distributed weight sync of a trained model whose expert bias was moved too (a sync that dropped the bias
+would leave SGLang routing differently from the trainer: the stale check shows the moved bias alone is visible).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from tests.model import hf_tiny
 
 from .conftest import server_config
 from .helpers import TOLERANCE, fused_logprobs, prompts, require_sglang
+from .test_weight_sync import _mismatch, _rollout, _train_step
 
 
 @pytest.fixture(scope="module")
@@ -44,3 +47,26 @@ def test_sglang_serves_glm_with_the_trainers_logprobs(glm):
     metrics = logprob_mismatch(ours, batch["rollout_logprobs"], batch["loss_mask"])
     assert metrics["mismatch/token_max_abs"] <= TOLERANCE, metrics
     print("GLM train/inference mismatch:", metrics)
+
+
+def test_glm_weight_sync_carries_the_expert_bias(glm):
+    from transformers import AutoModelForCausalLM
+
+    from gspo_megatron.rollout import hf_weights
+
+    engine, model_dir = glm
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    _, batch = _rollout(engine, seed=10)
+    assert _mismatch(model, batch)["mismatch/token_max_abs"] <= TOLERANCE
+    bias = model.model.layers[1].mlp.gate.e_score_correction_bias
+    moved_bias = bias + 0.5 * torch.randn(bias.shape, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        bias.copy_(moved_bias)
+    assert _mismatch(model, batch)["mismatch/token_max_abs"] > 10 * TOLERANCE, "the moved bias changes no route"
+    _train_step(model, batch)
+    stats = engine.update_weights(hf_weights.checkpoint_tensors(model), "glm-step-1", method="distributed")
+    assert stats.weight_version == "glm-step-1"
+    _, batch = _rollout(engine, seed=11)
+    after = _mismatch(model, batch)
+    print("GLM mismatch after the sync:", after)
+    assert after["mismatch/token_max_abs"] <= TOLERANCE, after
