@@ -121,7 +121,7 @@ def load_policy(model_dir: str | Path, layout, dtype=None):
     from gspo_megatron.model.bridge import Bridge
     from gspo_megatron.model.convert import model_dtype
     from gspo_megatron.model.hf_config import read_hf_config
-    from gspo_megatron.model.hf_files import SafetensorsDir
+    from gspo_megatron.model.hf_files import open_hf_dir
     from gspo_megatron.model.mapping import is_ignored
     from gspo_megatron.model.provider import build_gpt_model
 
@@ -134,7 +134,7 @@ def load_policy(model_dir: str | Path, layout, dtype=None):
         checkpoint.load_weights(model, model_dir)
         return model, info.spec, info.padded_vocab_size
     spec = read_hf_config(model_dir)
-    source = SafetensorsDir(model_dir)
+    source = open_hf_dir(model_dir)  # FP8 block-scaled weights dequantized on read
     bridge = Bridge(spec)
     dtype = dtype or model_dtype({n: d for n, d in source.dtypes().items() if not is_ignored(n)})
     model = build_gpt_model(spec, layout, dtype=dtype, padded_vocab_size=bridge.padded_vocab_size)

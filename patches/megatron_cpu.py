@@ -31,11 +31,17 @@ What it changes, from broad to narrow:
    - ``moe_utils.te_general_gemm`` (0.16.1 only): defined as ``None`` when TransformerEngine is absent
      (a NameError in 0.16.1; 0.19 defines it itself): ``patches.megatron_no_te``, which CUDA runs without TE
      get from the model provider.
+   - ``multi_latent_attention.HAVE_TE`` (0.16.1 only): the TE extension's own flag (MLA sets it True whenever the
+     extension imports, which it does without TE, and then calls ``isinstance`` with a MagicMock class).
+   - ``mla_qk_norm_config.QKNormConfigResolver`` (0.19.2 only, without TE): MLA without q LoRA keeps the spec's
+     plain ``linear_q_proj`` (0.19 asks for a fused norm+linear there, which only TE has, though no norm is fused).
    - ``moe_utils.maybe_move_tensor_to_cpu`` (0.16.1, 0.19.2): honour ``as_numpy`` for CPU tensors, so split
      sizes reach ``all_to_all_single`` as a list, not a tensor.
    - ``tensor_parallel.mappings._gather_along_first_dim/_reduce_scatter_along_first_dim`` (0.16.1, 0.19.2)
      with uneven split sizes (TP x EP with the alltoall dispatcher): gloo rejects per-rank chunks of
      different sizes, so the chunks are padded to the largest one.
+   - ``MLASelfAttention.get_query_key_value_tensors`` (0.16.1, 0.19.2): under the local spec's column-parallel down
+     projections, the shared rope key's gradient is summed over TP ranks (megatron forgets to).
    - Optimizer constructors and ``clip_grad_by_total_norm_fp32`` (0.16.1, 0.19.2), which test
      ``param.type()`` against ``"torch.cuda.*Tensor"`` strings, are recompiled from their source with the CPU
      type names.
@@ -396,6 +402,40 @@ def _define_te_general_gemm() -> None:
     megatron_no_te.apply()
 
 
+@_applies_to("0.16.1")  # 0.19 takes HAVE_TE from the TE extension, which is False without TE
+def _mla_without_te() -> None:
+    """0.16.1's multi_latent_attention sets ``HAVE_TE = True`` whenever megatron's TE extension module imports, which
+    it does without TE (its classes then derive from a MagicMock), and calls ``isinstance(linear_proj, TELinear)``
+    with that mock: take the extension's own ``HAVE_TE`` instead."""
+    from megatron.core.extensions import transformer_engine
+    from megatron.core.transformer import multi_latent_attention
+
+    multi_latent_attention.HAVE_TE = transformer_engine.HAVE_TE
+
+
+@_applies_to("0.19.2")
+def _mla_q_proj_without_te() -> None:
+    """0.19.2's ``QKNormConfigResolver`` insists, under ``qk_layernorm`` and without q LoRA (Moonlight, DeepSeek-V2-Lite),
+    that ``linear_q_proj`` be the backend's fused norm+linear, which does not exist without TE (the local backend has
+    none; the default TE backend gives a MagicMock). There is no q latent norm to fuse there: without TE, keep the
+    spec's plain column-parallel ``linear_q_proj``."""
+    from megatron.core.extensions import transformer_engine
+    from megatron.core.transformer import mla_qk_norm_config
+
+    resolver = mla_qk_norm_config.QKNormConfigResolver
+    original = resolver._mla_fused_linear_or_default
+    if getattr(original, "_gspo_cpu_patch", False) or transformer_engine.HAVE_TE:
+        return
+
+    def _mla_fused_linear_or_default(self, module_spec, module_name):
+        if module_name == "linear_q_proj" and module_spec is not None and not self._is_fused_norm_linear(module_spec):
+            return module_spec
+        return original(self, module_spec, module_name)
+
+    _mla_fused_linear_or_default._gspo_cpu_patch = True
+    resolver._mla_fused_linear_or_default = _mla_fused_linear_or_default
+
+
 @_applies_to("0.16.1", "0.19.2")
 def _patch_moe_split_sizes() -> None:
     from megatron.core.transformer.moe import moe_utils
@@ -481,6 +521,24 @@ def _recompile(owner, name: str, replacements: dict[str, str]) -> None:
     elif isinstance(raw, staticmethod):
         new_func = staticmethod(new_func)
     setattr(owner, name, new_func)
+
+
+@_applies_to("0.16.1", "0.19.2")
+def _patch_mla_rope_key_grad() -> None:
+    """MLA with megatron's local spec under TP (its down projections column-parallel, then gathered): the shared
+    rope key ``k_pos_emb`` is cut from the gathered down projection and used by every rank's heads, but nothing sums
+    its gradient over the TP ranks, so each rank's slice of ``linear_kv_down_proj`` (and everything before it) gets
+    only its own heads' share (tests/train/test_family_steps.py: grad norm 2.70 vs 2.83 at TP2). TE's duplicated down
+    projection takes the other branch (a sequence-parallel gather, whose backward sums). Insert the missing identity
+    with an all-reduce backward (megatron's ``copy_to_tensor_model_parallel_region``) on that branch."""
+    from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    mla.copy_to_tensor_model_parallel_region = copy_to_tensor_model_parallel_region
+    branch = ("        if self.config.sequence_parallel:\n"  # as _recompile sees it: dedented by one level
+              "            # kv_compressed:[s / TP, b, kv_lora_rank]\n")
+    _recompile(mla.MLASelfAttention, "get_query_key_value_tensors",
+               {branch: "        k_pos_emb = copy_to_tensor_model_parallel_region(k_pos_emb)\n" + branch})
 
 
 @_applies_to("0.16.1", "0.19.2")

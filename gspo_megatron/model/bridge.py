@@ -58,7 +58,7 @@ class Placement:
 
     rule: mapping.Rule
     megatron_name: str  # the parameter's name in this rank's model
-    param: torch.nn.Parameter
+    param: torch.Tensor  # a parameter, or the sigmoid router's expert_bias buffer
     hf_names: tuple[str, ...]  # global HF names of this rank's parameter
     layer: int | None = None  # global layer index
     local_expert: int | None = None
@@ -93,7 +93,8 @@ class Bridge:
     def check_hf_tensors(self, shapes: dict[str, tuple[int, ...]]) -> None:
         """Raise ``MappingError`` naming missing, unexpected and mis-shaped tensors (all of them at once)."""
         expected = self.hf_tensor_shapes()
-        present = {k: tuple(v) for k, v in shapes.items() if not mapping.is_ignored(k)}
+        present = {k: tuple(v) for k, v in shapes.items()
+                   if not mapping.is_ignored(k) and mapping.mtp_layer_of(self.spec, k) is None}
         problems = []
         missing = set(expected) - set(present)
         unexpected = set(present) - set(expected)
@@ -116,6 +117,8 @@ class Bridge:
         """Every parameter of this rank's model with its rule, in export order. Checks the table covers all."""
         gpt = unwrap(model)
         params = dict(gpt.named_parameters())
+        # The sigmoid router's expert bias is a buffer (megatron updates it outside the optimizer, if at all).
+        params.update((name, buffer) for name, buffer in gpt.named_buffers() if name.endswith(".router.expert_bias"))
         out: list[Placement] = []
 
         def names(rule: mapping.Rule, **where) -> list[str]:
@@ -186,7 +189,8 @@ class Bridge:
             rule = placement.rule
             parts = []
             for name in placement.hf_names:
-                index, pad = sharding.local_index(rule.split, shapes[name], tp.size, tp.rank, self.padded_vocab_size)
+                split = sharding.resolve(rule.split, placement.param)
+                index, pad = sharding.local_index(split, shapes[name], tp.size, tp.rank, self.padded_vocab_size)
                 parts.append(sharding.pad_rows(source.read(name, index), pad))
             local = sharding.join(rule.join, parts, self._heads_per_group, self.spec.head_dim)
             if tuple(local.shape) != tuple(placement.param.shape):
@@ -207,7 +211,8 @@ class Bridge:
                 continue
             tp = self._tp(placement, groups)
             parts = sharding.unjoin(rule.join, placement.param.detach(), self._heads_per_group, self.spec.head_dim)
-            parts = [sharding.gather(p, rule.split, tp.group, tp.size) for p in parts]
+            split = sharding.resolve(rule.split, placement.param)
+            parts = [sharding.gather(p, split, tp.group, tp.size) for p in parts]
             if rule.split == mapping.VOCAB:
                 parts = [p[: self.spec.vocab_size] for p in parts]
             if rule.scope == mapping.EXPERT and ep.size > 1:
@@ -234,7 +239,8 @@ class Bridge:
                 continue
             tp = self._tp(placement, groups)
             parts = sharding.unjoin(rule.join, placement.param.detach(), self._heads_per_group, self.spec.head_dim)
-            parts = [sharding.gather_to_first(p, rule.split, tp.group, tp.size) for p in parts]
+            split = sharding.resolve(rule.split, placement.param)
+            parts = [sharding.gather_to_first(p, split, tp.group, tp.size) for p in parts]
             if tp.rank != 0:
                 continue  # this rank's shards are on their way to its TP group's first rank
             if rule.split == mapping.VOCAB:

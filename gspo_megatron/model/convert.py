@@ -12,11 +12,18 @@ temporary directory renamed at the end (``atomic.atomic_output_dir``). Dtypes ar
 parameters take the HF tensors' dtype (the widest, if they differ, with the others recorded so the way back
 restores each), so HF -> Megatron -> HF is bit for bit.
 
+Multi-token-prediction layers (DeepSeek-V3 / GLM-4.5 ``num_nextn_predict_layers``, stored as decoder layers after
+the last: ``mapping.mtp_layer_of``) are not part of the policy and never trained: ``hf_to_megatron`` copies them
+beside the checkpoint (``mtp/``, safetensors) and ``megatron_to_hf`` writes them back unchanged (an FP8 checkpoint's
+dequantized, as all its weights), so an exported checkpoint still serves SGLang's NEXTN speculative decoding.
+A checkpoint without them (every transformers re-save) converts too.
+
 Both run in one process (world of one) or under torchrun (``parallel.groups.init_distributed``).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -27,16 +34,17 @@ import torch.distributed as dist
 
 from gspo_megatron.parallel.groups import Layout
 
-from . import checkpoint, hf_files
+from . import checkpoint, fp8, hf_files
 from .atomic import atomic_output_dir, check_output_dir
 from .bridge import Bridge
 from .errors import MappingError, listing
-from .hf_config import read_hf_config, spec_differences
+from .hf_config import load_config_json, read_hf_config, spec_differences
 from .layout_check import check_layout
-from .mapping import is_ignored
+from .mapping import is_ignored, mtp_layer_of
 from .process_groups import ensure_model_parallel
 from .provider import build_gpt_model
 
+MTP_DIR = "mtp"  # beside the torch_dist files: the HF checkpoint's MTP layers, unchanged
 _WIDTH = {torch.float64: 3, torch.float32: 2, torch.bfloat16: 1, torch.float16: 1}
 
 
@@ -56,8 +64,9 @@ def _log(message: str) -> None:
 
 
 def model_dtype(dtypes: dict[str, torch.dtype]) -> torch.dtype:
-    """The dtype to build the Megatron model in: the HF tensors' one, or the widest if they differ."""
-    kinds = set(dtypes.values())
+    """The dtype to build the Megatron model in: the HF tensors' one, or the widest if they differ. The sigmoid
+    router's fp32 ``e_score_correction_bias`` in a bf16 checkpoint does not count: megatron keeps it fp32 anyway."""
+    kinds = {d for n, d in dtypes.items() if not n.endswith(".e_score_correction_bias")} or set(dtypes.values())
     unknown = [d for d in kinds if d not in _WIDTH]
     if unknown:
         names = [n for n, d in dtypes.items() if d in unknown]
@@ -72,10 +81,11 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, layout: Layout = Layout(
     started = time.perf_counter()
     hf_dir, out = Path(hf_dir), Path(out).absolute()
     spec = read_hf_config(hf_dir)
-    source = hf_files.SafetensorsDir(hf_dir)
+    source = hf_files.open_hf_dir(hf_dir)  # FP8 block-scaled weights dequantized on read (model.fp8)
     bridge = Bridge(spec)
     bridge.check_hf_tensors(source.shapes())
-    dtypes = {n: d for n, d in source.dtypes().items() if not is_ignored(n)}
+    mtp = [n for n in source.shapes() if mtp_layer_of(spec, n) is not None]
+    dtypes = {n: d for n, d in source.dtypes().items() if not is_ignored(n) and n not in mtp}
     build_dtype = dtype or model_dtype(dtypes)
     check_layout(spec, layout, _world_size(), padded_vocab_size=bridge.padded_vocab_size)
     check_output_dir(out)
@@ -91,6 +101,9 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, layout: Layout = Layout(
                 saved_layout=checkpoint.layout_dict(layout))
             checkpoint.write_info(tmp, info)
             hf_files.copy_hf_metadata(hf_dir, tmp / checkpoint.HF_DIR)
+            if mtp:  # tensor by tensor into shards: never the whole MTP layer in memory at once
+                (tmp / MTP_DIR).mkdir()
+                hf_files.write_safetensors(((n, source.read(n)) for n in mtp), tmp / MTP_DIR)
     _log(f"{hf_dir} -> {out}: {len(dtypes)} HF tensors, {source.total_bytes() / 1e9:.3f} GB, "
          f"{time.perf_counter() - started:.1f} s")
     return out
@@ -133,6 +146,10 @@ def megatron_to_hf(megatron_dir: str | Path, out: str | Path, hf_config_dir: str
                                       max_shard_bytes=max_shard_bytes)
         writes = _is_stage_writer()
         default_dtype = checkpoint.torch_dtype(info.dtype)
+        mtp = hf_files.SafetensorsDir(megatron_dir / MTP_DIR) if (megatron_dir / MTP_DIR).is_dir() else None
+        if mtp is not None and _rank() == 0:  # rank 0 writes stage 0's shards
+            for name in mtp.shapes():
+                writer.add(name, mtp.read(name))
         for name, tensor in bridge.export_hf_weights(model):
             if writes:
                 # Back to each tensor's HF dtype: megatron keeps some parameters wider than params_dtype
@@ -147,13 +164,16 @@ def megatron_to_hf(megatron_dir: str | Path, out: str | Path, hf_config_dir: str
         if _rank() == 0:
             shards = sorted((s for rank_shards in every_rank for s in rank_shards), key=lambda s: _stage_order(s[0]))
             written = {name for _, names, _ in shards for name in names}
-            expected = set(bridge.hf_tensor_shapes())
+            expected = set(bridge.hf_tensor_shapes()) | set(mtp.shapes() if mtp is not None else ())
             if written != expected:
                 raise MappingError("export wrote a different tensor set than the mapping: "
                                    + listing("missing", expected - written) + "; "
                                    + listing("extra", written - expected))
             hf_files.finalize_shards(tmp, shards)
             hf_files.copy_hf_metadata(config_dir, tmp)
+            config = load_config_json(tmp)
+            if fp8.block_size(config):  # the weights were dequantized on load; the export is not FP8
+                (tmp / "config.json").write_text(json.dumps(fp8.dequantized_config(config), indent=2))
     _log(f"{megatron_dir} -> {out}: {len(bridge.hf_tensor_shapes())} HF tensors, "
          f"{time.perf_counter() - started:.1f} s")
     return out

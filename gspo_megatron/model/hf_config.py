@@ -1,7 +1,8 @@
 """A Hugging Face ``config.json`` -> ``ModelSpec``: the numbers the Megatron model and the bridge need.
 
-Supported families are a table (``FAMILIES``): what differs between Qwen3-MoE, Qwen3, Qwen2 and Llama is
-data (q/k norm, qkv bias, MoE), not code paths. Config values that would need a feature the Megatron policy
+Supported families are a table (``FAMILIES``): what differs between Qwen3-MoE, Qwen3, Qwen2, Llama and
+GLM-4.5 is data (q/k norm, qkv bias, MoE, the router, partial rotary), not code paths; DeepSeek-V3's
+multi-latent attention is a second attention (``Family.attention``) with its own fields. Config values that would need a feature the Megatron policy
 does not map (sliding-window attention, biases on every linear, YaRN RoPE, ...) raise ``UnsupportedModel``
 naming the field. The raw JSON is read, not a ``transformers`` config object, so conversion does not
 depend on the installed ``transformers`` knowing the model.
@@ -29,14 +30,23 @@ class Family:
 
     model_type: str
     architecture: str  # the *ForCausalLM class named in config.json "architectures"
-    qk_norm: bool  # RMSNorm over head_dim on q and k (Qwen3)
-    qkv_bias: bool  # biases on q/k/v projections only (Qwen2)
+    # RMSNorm over head_dim on q and k (Qwen3): True / False, or the config key that says (GLM-4.5 use_qk_norm)
+    qk_norm: bool | str
+    qkv_bias: bool | str  # biases on q/k/v projections only (Qwen2), or the config key that says
     moe: bool  # routed experts in (some) layers
+    # "softmax": Qwen3-MoE's softmax top-k. "sigmoid": DeepSeek-V3 / GLM-4.5's sigmoid scores, top-k chosen on
+    # scores + e_score_correction_bias within the best topk_group of n_group groups, weights renormalised and
+    # scaled by routed_scaling_factor; shared experts; the first first_k_dense_replace layers dense.
+    router: str = "softmax"
+    partial_rotary: bool = False  # partial_rotary_factor (RoPE on the first part of each head) is read
+    # "gqa": grouped-query attention. "mla": DeepSeek's multi-latent attention (q / kv LoRA projections, a rope
+    # part of each head shared by the keys, YaRN RoPE), megatron-core's MLATransformerConfig.
+    attention: str = "gqa"
     # config fields that must hold these values (anything else needs a Megatron feature we do not map)
     requires: dict[str, Any] = field(default_factory=dict)
 
 
-_COMMON_REQUIRES = {"hidden_act": "silu", "use_sliding_window": False, "partial_rotary_factor": 1.0}
+_COMMON_REQUIRES = {"hidden_act": "silu", "use_sliding_window": False}
 
 FAMILIES: dict[str, Family] = {
     f.model_type: f
@@ -48,8 +58,16 @@ FAMILIES: dict[str, Family] = {
         Family("qwen2", "Qwen2ForCausalLM", qk_norm=False, qkv_bias=True, moe=False),
         Family("llama", "LlamaForCausalLM", qk_norm=False, qkv_bias=False, moe=False,
                requires={"attention_bias": False, "mlp_bias": False}),
+        Family("glm4_moe", "Glm4MoeForCausalLM", qk_norm="use_qk_norm", qkv_bias="attention_bias", moe=True,
+               router="sigmoid", partial_rotary=True, requires={"topk_method": "noaux_tc"}),
+        # rope_interleave: megatron's MLA de-interleaves the rope dims, as DeepSeek's checkpoints need.
+        Family("deepseek_v3", "DeepseekV3ForCausalLM", qk_norm=False, qkv_bias=False, moe=True, router="sigmoid",
+               attention="mla", requires={"attention_bias": False, "topk_method": "noaux_tc", "moe_layer_freq": 1,
+                                          "scoring_func": "sigmoid", "rope_interleave": True}),
     )
 }
+# model types read as another family: Kimi-K2 is the DeepSeek-V3 architecture (transformers has no config class for it)
+ALIASES = {"kimi_k2": "deepseek_v3"}
 
 # Llama-3.1 style frequency scaling as megatron-core implements it (its constants are fixed).
 _LLAMA3_ROPE_CONSTANTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -74,11 +92,31 @@ class ModelSpec:
     qk_norm: bool
     qkv_bias: bool
     rope_scaling_factor: float | None = None  # Llama-3.1 style scaling, None for plain RoPE
+    rotary_percent: float = 1.0  # the share of each head RoPE rotates (GLM-4.5 partial_rotary_factor 0.5)
     num_experts: int = 0
     moe_ffn_hidden_size: int = 0
     moe_topk: int = 0
     norm_topk_prob: bool = False
     moe_layers: tuple[bool, ...] = ()  # per layer: True where the MLP is routed experts
+    moe_router: str = "softmax"  # Family.router
+    moe_shared_ffn_hidden_size: int = 0  # n_shared_experts * moe_intermediate_size, always-on experts
+    moe_router_groups: int = 1  # n_group: experts in this many groups ...
+    moe_router_group_topk: int = 1  # topk_group: ... of which the best this many are chosen from
+    moe_scaling_factor: float = 1.0  # routed_scaling_factor on the routing weights
+    mtp_layers: int = 0  # num_nextn_predict_layers: not part of the policy (see mapping.mtp_layer_of)
+    # Multi-latent attention (attention == "mla"; head_dim is then qk_nope_head_dim + qk_rope_head_dim).
+    attention: str = "gqa"
+    q_lora_rank: int = 0  # 0: no q LoRA (one q_proj, as in Moonlight)
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    # YaRN RoPE (rope_type "yarn"): the factor, None for none, and its constants
+    yarn_factor: float | None = None
+    yarn_original_max_position_embeddings: int = 0
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_mscale: float = 1.0
+    yarn_mscale_all_dim: float = 0.0
     dtype: str = "float32"  # the config's weight dtype (informational: tensors carry their own)
 
     @property
@@ -105,7 +143,14 @@ class ModelSpec:
             "head_dim": self.head_dim,
             "ffn": self.ffn_hidden_size,
             "moe_ffn": self.moe_ffn_hidden_size,
+            "shared_ffn": self.moe_shared_ffn_hidden_size,
             "experts": self.num_experts,
+            # multi-latent attention
+            "q_lora": self.q_lora_rank,
+            "kv_lora": self.kv_lora_rank,
+            "kv_down": self.kv_lora_rank + self.qk_rope_head_dim,  # the kv latent and the shared rope key
+            "kv_up": self.num_attention_heads * (self.head_dim - self.qk_rope_head_dim + self.v_head_dim),
+            "o_in": self.num_attention_heads * self.v_head_dim,
         }
 
     def to_dict(self) -> dict:
@@ -137,11 +182,11 @@ def load_config_json(path: str | Path) -> dict:
 
 def family_of(config: dict) -> Family:
     model_type = config.get("model_type")
-    family = FAMILIES.get(model_type)
+    family = FAMILIES.get(ALIASES.get(model_type, model_type))
     if family is None:
         raise UnsupportedModel(
             f"model_type={model_type!r} (architectures={config.get('architectures')}) is not supported; "
-            f"supported model types: {', '.join(sorted(FAMILIES))}"
+            f"supported model types: {', '.join(sorted([*FAMILIES, *ALIASES]))}"
         )
     architectures = config.get("architectures") or [family.architecture]
     if family.architecture not in architectures:
@@ -163,6 +208,36 @@ def _check_requires(config: dict, family: Family) -> None:
     if any(t != "full_attention" for t in layer_types):
         raise UnsupportedModel(f"layer_types={layer_types} in config.json: only full attention is supported "
                                "(sliding-window layers are not mapped)")
+
+
+_YARN_FIELDS = {"factor": "yarn_factor", "original_max_position_embeddings": "yarn_original_max_position_embeddings",
+                "beta_fast": "yarn_beta_fast", "beta_slow": "yarn_beta_slow", "mscale": "yarn_mscale",
+                "mscale_all_dim": "yarn_mscale_all_dim"}
+
+
+def _rope_fields(config: dict, family: Family) -> dict:
+    """ModelSpec's RoPE fields: theta, Llama-3 scaling, or (multi-latent attention only) YaRN."""
+    merged = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
+    if (merged.get("rope_type") or merged.get("type")) != "yarn" or family.attention != "mla":
+        theta, scaling = _rope(config)
+        return dict(rope_theta=theta, rope_scaling_factor=scaling)
+    unknown = set(merged) - set(_YARN_FIELDS) - {"rope_type", "type", "rope_theta", "attention_factor", "truncate"}
+    if unknown or merged.get("attention_factor") is not None or merged.get("truncate", True) is not True:
+        raise UnsupportedModel(f"rope_parameters={merged}: megatron-core's YaRN takes factor, "
+                               "original_max_position_embeddings, beta_fast, beta_slow, mscale and mscale_all_dim only")
+    fields = {ours: float(merged[theirs]) for theirs, ours in _YARN_FIELDS.items() if merged.get(theirs) is not None}
+    fields["yarn_original_max_position_embeddings"] = int(merged.get("original_max_position_embeddings")
+                                                          or config.get("max_position_embeddings") or 4096)
+    theta = float(merged.get("rope_theta", config.get("rope_theta", 10000.0)))
+    return dict(rope_theta=theta, **fields)
+
+
+def _mla_fields(config: dict) -> dict:
+    """Multi-latent attention's dims (DeepSeek-V3: q LoRA 1536 or none, kv LoRA 512, nope 128, rope 64, v 128)."""
+    nope, rope = _int(config, "qk_nope_head_dim"), _int(config, "qk_rope_head_dim")
+    return dict(attention="mla", q_lora_rank=int(config.get("q_lora_rank") or 0),
+                kv_lora_rank=_int(config, "kv_lora_rank"), qk_rope_head_dim=rope,
+                v_head_dim=_int(config, "v_head_dim"), head_dim=nope + rope)
 
 
 def _rope(config: dict) -> tuple[float, float | None]:
@@ -187,10 +262,51 @@ def _rope(config: dict) -> tuple[float, float | None]:
     raise UnsupportedModel(f"rope_parameters.rope_type={rope_type!r} is not supported (supported: default, llama3)")
 
 
+def _rotary_percent(config: dict, family: Family) -> float:
+    """partial_rotary_factor: top level in released GLM configs, inside rope_parameters in transformers-5 saves."""
+    top, inner = config.get("partial_rotary_factor"), (config.get("rope_parameters") or {}).get("partial_rotary_factor")
+    if top is not None and inner is not None and float(top) != float(inner):
+        raise UnsupportedModel(f"partial_rotary_factor={top} but rope_parameters.partial_rotary_factor={inner}")
+    value = float(inner if inner is not None else top if top is not None else 1.0)
+    if value != 1.0 and not family.partial_rotary:
+        raise UnsupportedModel(f"partial_rotary_factor={value!r} in config.json is not supported for "
+                               f"{family.model_type} (only 1.0): the Megatron policy does not map it")
+    return value
+
+
+def _flag(config: dict, value: bool | str) -> bool:
+    """A Family flag: fixed, or read from the config key it names (absent: False)."""
+    return bool(config.get(value, False)) if isinstance(value, str) else value
+
+
+def _sigmoid_router(config: dict, topk: int, num_experts: int) -> dict:
+    """DeepSeek-V3 / GLM-4.5 routing as megatron-core's sigmoid router with expert bias, or refuse by field."""
+    if not config.get("norm_topk_prob", False) or topk == 1:
+        raise UnsupportedModel(f"norm_topk_prob={config.get('norm_topk_prob')} with num_experts_per_tok={topk} is not "
+                               "supported for a sigmoid router: megatron-core renormalises the top-k sigmoid scores "
+                               "exactly when top-k > 1")
+    groups, group_topk = int(config.get("n_group") or 1), int(config.get("topk_group") or 1)
+    if groups > 1:
+        if num_experts % groups or topk % group_topk or topk // group_topk != 2:
+            # HF ranks groups by the sum of their best 2 scores; megatron by the best topk / topk_group.
+            raise UnsupportedModel(f"n_group={groups}, topk_group={group_topk} with num_experts_per_tok={topk}: "
+                                   "megatron-core ranks a group by its best num_experts_per_tok / topk_group scores, "
+                                   "the HF models by their best 2; only configs where the two agree are supported")
+    elif group_topk != 1:
+        raise UnsupportedModel(f"topk_group={group_topk} with n_group={groups}: one group has only itself to choose")
+    shared = int(config.get("n_shared_experts") or 0)
+    return dict(moe_router="sigmoid", moe_router_groups=groups, moe_router_group_topk=group_topk,
+                moe_scaling_factor=float(config.get("routed_scaling_factor") or 1.0),
+                moe_shared_ffn_hidden_size=shared * _int(config, "moe_intermediate_size"))
+
+
 def _moe_layers(config: dict, num_layers: int, num_experts: int) -> tuple[bool, ...]:
-    """Qwen3-MoE's rule: layer i is MoE unless listed in mlp_only_layers, every decoder_sparse_step-th layer."""
+    """Qwen3-MoE's rule: layer i is MoE unless listed in mlp_only_layers, every decoder_sparse_step-th layer.
+    DeepSeek-V3 / GLM-4.5's: the first first_k_dense_replace layers are dense, every later one MoE."""
     if not num_experts:
         return tuple(False for _ in range(num_layers))
+    if "first_k_dense_replace" in config:
+        return tuple(i >= int(config["first_k_dense_replace"] or 0) for i in range(num_layers))
     mlp_only = set(config.get("mlp_only_layers") or [])
     step = int(config.get("decoder_sparse_step") or 1)
     return tuple(i not in mlp_only and (i + 1) % step == 0 for i in range(num_layers))
@@ -213,18 +329,20 @@ def read_hf_config(config: dict | str | Path) -> ModelSpec:
     hidden = _int(config, "hidden_size")
     num_layers = _int(config, "num_hidden_layers")
     head_dim = config.get("head_dim") or hidden // heads
-    theta, scaling = _rope(config)
+    attention = dict(head_dim=int(head_dim)) if family.attention == "gqa" else _mla_fields(config)
     num_experts = 0
     moe = {}
     if family.moe:
-        # transformers 5 writes num_local_experts, the Qwen3-MoE hub configs num_experts.
-        num_experts = _int(config, "num_experts", config.get("num_local_experts"))
+        # transformers 5 writes num_local_experts, the Qwen3-MoE hub configs num_experts, DeepSeek / GLM n_routed_experts.
+        num_experts = _int(config, "num_experts", config.get("num_local_experts", config.get("n_routed_experts")))
         topk = _int(config, "num_experts_per_tok")
         norm_topk = bool(config.get("norm_topk_prob", False))
-        if topk == 1 and norm_topk:
+        if family.router == "sigmoid":
+            moe = _sigmoid_router(config, topk, num_experts)
+        elif topk == 1 and norm_topk:
             raise UnsupportedModel("num_experts_per_tok=1 with norm_topk_prob=true is not supported: megatron-core "
                                    "needs a softmax before top-1 selection, which does not renormalise to 1")
-        moe = dict(num_experts=num_experts, moe_ffn_hidden_size=_int(config, "moe_intermediate_size"),
+        moe.update(num_experts=num_experts, moe_ffn_hidden_size=_int(config, "moe_intermediate_size"),
                    moe_topk=topk, norm_topk_prob=norm_topk)
     return ModelSpec(
         family=family.model_type,
@@ -233,16 +351,18 @@ def read_hf_config(config: dict | str | Path) -> ModelSpec:
         num_layers=num_layers,
         num_attention_heads=heads,
         num_key_value_heads=int(config.get("num_key_value_heads") or heads),
-        head_dim=int(head_dim),
         ffn_hidden_size=_int(config, "intermediate_size"),
         norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-        rope_theta=theta,
-        rope_scaling_factor=scaling,
+        **_rope_fields(config, family),
+        **attention,
         max_position_embeddings=int(config.get("max_position_embeddings") or 4096),
         # Every supported family defaults to untied embeddings (transformers' PretrainedConfig would say True).
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-        qk_norm=family.qk_norm,
-        qkv_bias=family.qkv_bias,
+        qk_norm=_flag(config, family.qk_norm),
+        qkv_bias=_flag(config, family.qkv_bias),
+        rotary_percent=_rotary_percent(config, family),
+        # hub configs say num_nextn_predict_layers, transformers' DeepseekV3Config num_mtp_layers
+        mtp_layers=int(config.get("num_nextn_predict_layers") or config.get("num_mtp_layers") or 0),
         moe_layers=_moe_layers(config, num_layers, num_experts),
         dtype=str(config.get("dtype") or config.get("torch_dtype") or "float32"),
         **moe,

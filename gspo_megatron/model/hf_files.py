@@ -102,13 +102,23 @@ class SafetensorsDir(TensorSource):
         return sum(_numel(s) * _itemsize(self._dtypes[n]) for n, s in self._shapes.items())
 
 
+def open_hf_dir(directory: str | Path) -> TensorSource:
+    """An HF directory's tensors as the model uses them: block-scaled FP8 weights dequantized on read (``fp8``)."""
+    from . import fp8
+
+    source = SafetensorsDir(directory)
+    config_file = Path(directory) / "config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    return fp8.BlockFp8Source(source, config) if fp8.block_size(config) else source
+
+
 def open_hf_tensors(source) -> TensorSource:
     """A directory path, a {name: tensor} mapping or a TensorSource -> TensorSource."""
     if isinstance(source, TensorSource):
         return source
     if isinstance(source, Mapping):
         return DictSource(source)
-    return SafetensorsDir(source)
+    return open_hf_dir(source)
 
 
 def _numel(shape) -> int:

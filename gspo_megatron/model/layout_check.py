@@ -50,6 +50,11 @@ def check_layout(spec: ModelSpec, layout: Layout, world_size: int | None = None,
     _divides(problems, "num_attention_heads", spec.num_attention_heads, "tensor_model_parallel_size", tp)
     # Megatron splits whole query groups over TP ranks (it does not replicate KV heads).
     _divides(problems, "num_key_value_heads", spec.num_key_value_heads, "tensor_model_parallel_size", tp)
+    if spec.attention == "mla":  # megatron's local spec splits the down projections over TP, then gathers
+        if spec.q_lora_rank:
+            _divides(problems, "q_lora_rank", spec.q_lora_rank, "tensor_model_parallel_size", tp)
+        _divides(problems, "kv_lora_rank + qk_rope_head_dim", spec.kv_lora_rank + spec.qk_rope_head_dim,
+                 "tensor_model_parallel_size", tp)
     if spec.has_dense_layers:
         _divides(problems, "intermediate_size", spec.ffn_hidden_size, "tensor_model_parallel_size", tp)
     vocab = padded_vocab_size or spec.padded_vocab_size()
@@ -59,6 +64,8 @@ def check_layout(spec: ModelSpec, layout: Layout, world_size: int | None = None,
     if spec.is_moe:
         _divides(problems, "num_experts", spec.num_experts, "expert_model_parallel_size", ep)
         _divides(problems, "moe_intermediate_size", spec.moe_ffn_hidden_size, "expert_tensor_parallel_size", etp)
+        _divides(problems, "n_shared_experts * moe_intermediate_size", spec.moe_shared_ffn_hidden_size,
+                 "tensor_model_parallel_size", tp)
         if tp > 1 and not layout.sequence_parallel:
             problems.append(f"sequence_parallel=False with tensor_model_parallel_size={tp} on a MoE model: "
                             "megatron-core requires sequence parallelism for MoE under TP; set sequence_parallel=True")

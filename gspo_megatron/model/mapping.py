@@ -12,6 +12,9 @@ it (``join``), and how the joined tensor is split over tensor-parallel ranks (``
                     so a rank holds [q_r|k_r|v_r per local group] or [gate_r; up_r], as megatron-core does
           "row"     dim 1 over TP (RowParallelLinear)
           "vocab"   dim 0 over TP after padding the vocabulary rows to ``padded_vocab_size`` with zeros
+          "down"    MLA's q / kv down projections: "column" where megatron's layer is column-parallel (the local
+                    spec: it gathers the output), "none" where it is TE's duplicated ``TELinear``; the bridge reads
+                    which from the parameter's ``tensor_model_parallel`` attribute
 
 Scopes say where a rule applies: once per model (``model``, on the first or last pipeline stage), per
 decoder layer (``layer``), per layer with a dense MLP (``dense``) or routed experts (``moe``), or per expert
@@ -32,6 +35,7 @@ Conversion, SGLang weight sync and the local engine all use these tables through
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 
@@ -39,7 +43,7 @@ from .errors import UnsupportedModel
 from .hf_config import ModelSpec
 
 COPY, QKV, GLU = "copy", "qkv", "glu"
-NONE, COLUMN, ROW, VOCAB = "none", "column", "row", "vocab"
+NONE, COLUMN, ROW, VOCAB, DOWN = "none", "column", "row", "vocab", "down"
 MODEL, LAYER, DENSE, MOE, EXPERT = "model", "layer", "dense", "moe", "expert"
 FIRST, LAST = "first", "last"
 
@@ -62,7 +66,8 @@ class Rule:
     stage: str | None = None  # model scope: the pipeline stage holding it
     te_name: str | None = None
     grouped: str | None = None  # expert rules: the name under TEGroupedMLP
-    when: str | None = None  # "tied" / "untied": only for models with (un)tied embeddings
+    # only for some models: "tied" / "untied" embeddings, "qkv_bias" / "qk_norm" where the config turns them on
+    when: str | None = None
     # The last pipeline stage's copy of a tied embedding: filled on load where the model has it, never exported
     # (the first stage exports the embedding once).
     tied_copy: bool = False
@@ -125,11 +130,51 @@ MOE_MLP = (
          grouped=f"{_GE}.linear_fc2.weight{{expert}}"),
 )
 
+# DeepSeek's multi-latent attention (megatron's MLASelfAttention). HF keeps each head's q rows as [nope; rope] and
+# kv_b_proj's as [k nope; v], as megatron does; the rope dims are stored interleaved and megatron's MLA rope reads
+# them so. TE fuses the q / kv latent norms into the up projections.
+_A, _HA = f"{_M}.self_attention", f"{_L}.self_attn"
+MLA_ATTENTION = (
+    Rule(f"{_M}.input_layernorm.weight", (P(f"{_L}.input_layernorm.weight", "hidden"),)),
+    Rule(f"{_A}.linear_q_down_proj.weight", (P(f"{_HA}.q_a_proj.weight", "q_lora", "hidden"),), split=DOWN,
+         when="q_lora"),
+    Rule(f"{_A}.q_layernorm.weight", (P(f"{_HA}.q_a_layernorm.weight", "q_lora"),), when="q_lora",
+         te_name=f"{_A}.linear_q_up_proj.layer_norm_weight"),
+    Rule(f"{_A}.linear_q_up_proj.weight", (P(f"{_HA}.q_b_proj.weight", "q", "q_lora"),), split=COLUMN, when="q_lora"),
+    Rule(f"{_A}.linear_q_proj.weight", (P(f"{_HA}.q_proj.weight", "q", "hidden"),), split=COLUMN, when="no_q_lora"),
+    Rule(f"{_A}.linear_kv_down_proj.weight", (P(f"{_HA}.kv_a_proj_with_mqa.weight", "kv_down", "hidden"),),
+         split=DOWN),
+    Rule(f"{_A}.kv_layernorm.weight", (P(f"{_HA}.kv_a_layernorm.weight", "kv_lora"),),
+         te_name=f"{_A}.linear_kv_up_proj.layer_norm_weight"),
+    Rule(f"{_A}.linear_kv_up_proj.weight", (P(f"{_HA}.kv_b_proj.weight", "kv_up", "kv_lora"),), split=COLUMN),
+    Rule(f"{_A}.linear_proj.weight", (P(f"{_HA}.o_proj.weight", "hidden", "o_in"),), split=ROW),
+)
+
+# DeepSeek-V3 / GLM-4.5 MoE layers: the routing bias (megatron's router.expert_bias, a float32 buffer the router
+# routes with) and the shared experts (split over TP like a dense MLP, not over expert ranks).
+_HS = f"{_L}.mlp.shared_experts"
+SIGMOID_MOE_MLP = MOE_MLP + (
+    Rule(f"{_M}.mlp.router.expert_bias", (P(f"{_L}.mlp.gate.e_score_correction_bias", "experts"),), scope=MOE),
+    Rule(f"{_M}.mlp.shared_experts.linear_fc1.weight",
+         (P(f"{_HS}.gate_proj.weight", "shared_ffn", "hidden"), P(f"{_HS}.up_proj.weight", "shared_ffn", "hidden")),
+         join=GLU, split=COLUMN, scope=MOE),
+    Rule(f"{_M}.mlp.shared_experts.linear_fc2.weight", (P(f"{_HS}.down_proj.weight", "hidden", "shared_ffn"),),
+         split=ROW, scope=MOE),
+)
+
+
+def _when(condition: str, rules: tuple[Rule, ...]) -> tuple[Rule, ...]:
+    return tuple(dataclasses.replace(rule, when=condition) for rule in rules)
+
+
 ARCHITECTURES: dict[str, tuple[Rule, ...]] = {
     "qwen3_moe": EMBEDDING + ATTENTION + QK_NORM + DENSE_MLP + MOE_MLP + OUTPUT,
     "qwen3": EMBEDDING + ATTENTION + QK_NORM + DENSE_MLP + OUTPUT,
     "qwen2": EMBEDDING + ATTENTION + QKV_BIAS + DENSE_MLP + OUTPUT,
     "llama": EMBEDDING + ATTENTION + DENSE_MLP + OUTPUT,
+    "glm4_moe": (EMBEDDING + ATTENTION + _when("qkv_bias", QKV_BIAS) + _when("qk_norm", QK_NORM) + DENSE_MLP
+                 + SIGMOID_MOE_MLP + OUTPUT),
+    "deepseek_v3": EMBEDDING + MLA_ATTENTION + DENSE_MLP + SIGMOID_MOE_MLP + OUTPUT,
 }
 
 # HF tensors that hold no weights (old checkpoints saved RoPE tables): accepted and dropped.
@@ -141,8 +186,10 @@ def rules_for(spec: ModelSpec) -> tuple[Rule, ...]:
     table = ARCHITECTURES.get(spec.family)
     if table is None:
         raise UnsupportedModel(f"no tensor mapping for family {spec.family!r}; mapped: {', '.join(ARCHITECTURES)}")
-    tied = "tied" if spec.tie_embeddings else "untied"
-    return tuple(rule for rule in table if rule.when in (None, tied))
+    conditions = {None, "tied" if spec.tie_embeddings else "untied"}
+    conditions |= {name for name in ("qkv_bias", "qk_norm") if getattr(spec, name)}
+    conditions.add("q_lora" if spec.q_lora_rank else "no_q_lora")
+    return tuple(rule for rule in table if rule.when in conditions)
 
 
 def layers_in_scope(spec: ModelSpec, scope: str) -> list[int]:
@@ -178,3 +225,19 @@ def hf_tensor_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
 
 def is_ignored(name: str) -> bool:
     return any(pattern.search(name) for pattern in IGNORED_HF_TENSORS)
+
+
+_LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def mtp_layer_of(spec: ModelSpec, name: str) -> int | None:
+    """The MTP layer an HF tensor belongs to (0-based), else None.
+
+    DeepSeek-V3 and GLM-4.5 store their ``num_nextn_predict_layers`` multi-token-prediction layers as decoder layers
+    after the last one (``model.layers.{num_hidden_layers + i}.*``). The policy does not build them: they are
+    carried through conversion unchanged (never trained), and a checkpoint may lack them (transformers re-saves)."""
+    match = _LAYER_NAME.match(name)
+    if not match or not spec.mtp_layers:
+        return None
+    index = int(match.group(1)) - spec.num_layers
+    return index if 0 <= index < spec.mtp_layers else None

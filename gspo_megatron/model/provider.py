@@ -10,6 +10,15 @@ up (``parallel.groups.init_model_parallel(layout)``). What each family means in 
   top-k logits (``moe_router_pre_softmax=False``); without renormalisation it is softmax -> top-k
   (``moe_router_pre_softmax=True``). Which layers are MoE (``mlp_only_layers`` / ``decoder_sparse_step``)
   is ``moe_layer_freq`` as a 0/1 list, through megatron's decoder block spec.
+- DeepSeek-V3 / GLM-4.5 routing (``spec.moe_router == "sigmoid"``): megatron's sigmoid router with
+  ``moe_router_enable_expert_bias`` (HF's ``e_score_correction_bias`` is the router's ``expert_bias`` buffer:
+  added to the scores to choose experts, not to the weights), ``moe_router_num_groups`` / ``moe_router_group_topk``
+  (n_group / topk_group), ``moe_router_topk_scaling_factor`` (routed_scaling_factor), shared experts
+  (``moe_shared_expert_intermediate_size``, no gate). The bias is frozen unless ``update_expert_bias``
+  (``freeze_expert_bias``). GLM-4.5's partial rotary is ``rotary_percent``.
+- DeepSeek-V3's multi-latent attention (``spec.attention == "mla"``): megatron's ``MLATransformerConfig`` (q LoRA
+  rank or none, kv LoRA rank, nope / rope / v head dims, ``qk_layernorm`` for the two latent norms, YaRN as
+  ``rope_type="yarn"`` whose mscale_all_dim also sets the softmax scale); the attention builds its own RoPE.
 - Experts: with TransformerEngine, megatron's ``TEGroupedMLP`` (``moe_grouped_gemm=True``): each layer's local
   experts run as one grouped GEMM per projection. Without TE, a ``SequentialMLP`` (a Python loop over the local
   experts, with a host sync for the split sizes). The mapping names both layouts, and their dist-checkpoint keys
@@ -64,7 +73,7 @@ def transformer_config(spec: ModelSpec, layout: Layout, dtype: torch.dtype = tor
     (``build_gpt_model`` decides it and checks that megatron can build it).
     """
     from megatron.core.distributed import finalize_model_grads
-    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
     tp = layout.tensor
     moe = {}
@@ -81,6 +90,17 @@ def transformer_config(spec: ModelSpec, layout: Layout, dtype: torch.dtype = tor
             moe_router_load_balancing_type="none",
             moe_aux_loss_coeff=0.0,
         )
+        if spec.moe_router == "sigmoid":
+            grouped = spec.moe_router_groups > 1
+            moe.update(
+                moe_router_score_function="sigmoid",
+                moe_router_pre_softmax=False,
+                moe_router_enable_expert_bias=True,
+                moe_router_num_groups=spec.moe_router_groups if grouped else None,
+                moe_router_group_topk=spec.moe_router_group_topk if grouped else None,
+                moe_router_topk_scaling_factor=spec.moe_scaling_factor,
+                moe_shared_expert_intermediate_size=spec.moe_shared_ffn_hidden_size or None,
+            )
     kwargs = dict(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
@@ -111,10 +131,53 @@ def transformer_config(spec: ModelSpec, layout: Layout, dtype: torch.dtype = tor
         calculate_per_token_loss=True,
         **moe,
     )
+    config_class = TransformerConfig
+    if spec.attention == "mla":
+        config_class = MLATransformerConfig
+        kwargs.update(_mla_fields(spec))
     kwargs.update(overrides)
-    config = TransformerConfig(**kwargs)
+    config = config_class(**kwargs)
     config.finalize_model_grads_func = finalize_model_grads
     return config
+
+
+def _mla_fields(spec: ModelSpec) -> dict:
+    yarn = spec.yarn_factor is not None
+    return dict(
+        multi_latent_attention=True,
+        q_lora_rank=spec.q_lora_rank or None,
+        kv_lora_rank=spec.kv_lora_rank,
+        qk_head_dim=spec.head_dim - spec.qk_rope_head_dim,
+        qk_pos_emb_head_dim=spec.qk_rope_head_dim,
+        v_head_dim=spec.v_head_dim,
+        qk_layernorm=True,  # the q and kv latent RMSNorms
+        rope_type="yarn" if yarn else "rope",
+        rotary_base=spec.rope_theta,
+        rotary_scaling_factor=spec.yarn_factor if yarn else 1.0,
+        original_max_position_embeddings=spec.yarn_original_max_position_embeddings or spec.max_position_embeddings,
+        beta_fast=spec.yarn_beta_fast,
+        beta_slow=spec.yarn_beta_slow,
+        mscale=spec.yarn_mscale,
+        mscale_all_dim=spec.yarn_mscale_all_dim,
+    )
+
+
+def freeze_expert_bias(model) -> None:
+    """Keep the sigmoid routers' ``expert_bias`` as loaded: RL's default.
+
+    megatron-core's aux-loss-free balancing counts each router's tokens in every forward with grad and, in
+    ``finalize_model_grads``, moves the bias by ``moe_router_bias_update_rate`` towards balance (both gated by
+    ``moe_router_enable_expert_bias``). In RL that moves the routing the rollout engine was given away from the
+    trainer's with no loss behind it, so by default neither happens: the routers still route with the bias (they
+    registered it at build), but stop counting, and ``finalize_model_grads`` (which reads the model config's flag)
+    skips the update. ``update_expert_bias=True`` keeps megatron's behaviour; weight sync carries the bias either way.
+    """
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    for module in model.modules():
+        if isinstance(module, TopKRouter) and module.expert_bias is not None:
+            module.enable_expert_bias = False
+            module.config.moe_router_enable_expert_bias = False
 
 
 def _builds(spec):
@@ -146,6 +209,10 @@ def decoder_block_spec(config, use_te: bool):
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm")
     if not use_te:
         block = dataclasses.replace(block, layer_specs=[_moe_norm_keeps_its_name(s) for s in block.layer_specs])
+    if config.multi_latent_attention:
+        from .mla import mla_spec
+
+        block = mla_spec(block, local=not use_te, q_lora=config.q_lora_rank is not None)
     if config.moe_grouped_gemm:
         _check_grouped_experts(block)
     return block
@@ -194,12 +261,14 @@ def megatron_patches(use_te: bool, cuda: bool) -> list:
 
 def build_gpt_model(spec: ModelSpec, layout: Layout = Layout(), dtype: torch.dtype = torch.float32,
                     padded_vocab_size: int | None = None, use_te: bool | None = None, init: bool = False,
-                    grouped_gemm: bool | None = None, **config_overrides):
+                    grouped_gemm: bool | None = None, update_expert_bias: bool = False, **config_overrides):
     """This rank's ``GPTModel`` for ``spec`` under ``layout`` (Megatron's groups must already match it).
 
     ``padded_vocab_size`` defaults to ``spec.padded_vocab_size()``; a checkpoint records the value it was
     converted with. ``use_te`` defaults to whether TransformerEngine imports; ``grouped_gemm`` (MoE experts as
     TEGroupedMLP) to ``use_te``. ``grouped_gemm=True`` where megatron cannot build TEGroupedMLP is an error.
+    ``update_expert_bias``: let megatron update sigmoid routers' expert bias from load statistics (default: frozen,
+    ``freeze_expert_bias``).
     """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -226,6 +295,7 @@ def build_gpt_model(spec: ModelSpec, layout: Layout = Layout(), dtype: torch.dty
         post_process=ps.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=spec.tie_embeddings,
         position_embedding_type="rope",
+        rotary_percent=spec.rotary_percent,
         rotary_base=spec.rope_theta,
         rope_scaling=spec.rope_scaling_factor is not None,
         rope_scaling_factor=spec.rope_scaling_factor or 8.0,
@@ -233,6 +303,8 @@ def build_gpt_model(spec: ModelSpec, layout: Layout = Layout(), dtype: torch.dty
     # megatron creates the MoE routers' weights on the CPU ("TODO: Add support for GPU initialization") and moves
     # them in their first forward, after the optimizer copied them: every parameter goes to the device now.
     model.to(environment.device())
+    if not update_expert_bias:
+        freeze_expert_bias(model)
     # The real vocabulary: log-probs (hidden_output / the fused op) must leave the padding rows out.
     model.unpadded_vocab_size = spec.vocab_size
     return model

@@ -10,7 +10,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .mapping import COLUMN, COPY, GLU, NONE, QKV, ROW, VOCAB
+from .mapping import COLUMN, COPY, DOWN, GLU, NONE, QKV, ROW, VOCAB
+
+
+def resolve(split: str, param: torch.Tensor) -> str:
+    """A rule's split for this parameter: ``down`` is ``column`` where megatron made the layer tensor-parallel."""
+    if split != DOWN:
+        return split
+    return COLUMN if getattr(param, "tensor_model_parallel", False) else NONE
 
 
 def split_dim(split: str) -> int | None:

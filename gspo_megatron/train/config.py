@@ -45,6 +45,11 @@ class ModelConfig:
     """MoE experts as one grouped GEMM per projection (megatron's TEGroupedMLP) instead of a Python loop over the
     local experts (SequentialMLP). null: on where TransformerEngine imports; true without TE is an error.
     Checkpoints load into either layout."""
+    update_expert_bias: bool = False
+    """DeepSeek-V3 / GLM-4.5 sigmoid routers: let megatron move each router's expert bias (HF
+    ``e_score_correction_bias``) towards balanced expert load after every step (aux-loss-free balancing). Off by
+    default: the bias stays as loaded, so the rollout engine routes as the trainer does (``provider.freeze_expert_bias``);
+    on or off, weight sync and conversion carry the bias the trainer routes with."""
 
 
 @dataclass

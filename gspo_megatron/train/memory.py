@@ -285,17 +285,41 @@ def micro_batches_per_step(cfg: Config, world_size: int) -> int:
     return max(1, per_minibatch // (dp * sequences))
 
 
-def model_parameters(spec: ModelSpec) -> tuple[int, int]:
-    """(total, active per token) parameters of the model, unpadded vocabulary."""
+def _attention_parameters(spec: ModelSpec) -> tuple[int, int]:
+    """(split over TP, replicated) parameters of one layer's attention and its two norms (input, pre-MLP).
+
+    GQA: q/k/v/o projections (+ qkv biases) split, q/k norms replicated. Multi-latent attention (DeepSeek-V3): the
+    q / kv up projections and the output projection split; the down projections and the latent norms replicated (TE's
+    duplicated linears; megatron's local spec splits the down projections, then gathers them)."""
     h, d = spec.hidden_size, spec.head_dim
+    norms = 2 * h
+    if spec.attention == "mla":
+        heads, rope, kv_lora, q_lora = spec.num_attention_heads, spec.qk_rope_head_dim, spec.kv_lora_rank, spec.q_lora_rank
+        q = heads * d
+        split = (q_lora * q if q_lora else h * q) + kv_lora * heads * (d - rope + spec.v_head_dim) \
+            + heads * spec.v_head_dim * h
+        replicated = norms + (h * q_lora + q_lora if q_lora else 0) + h * (kv_lora + rope) + kv_lora
+        return split, replicated
     q, kv = spec.num_attention_heads * d, spec.num_key_value_heads * d
-    attention = h * q + 2 * h * kv + q * h + (q + 2 * kv if spec.qkv_bias else 0) + 2 * h + (2 * d if spec.qk_norm else 0)
+    split = h * q + 2 * h * kv + q * h + (q + 2 * kv if spec.qkv_bias else 0)
+    return split, norms + (2 * d if spec.qk_norm else 0)
+
+
+def _moe_replicated(spec: ModelSpec) -> int:
+    """The router (and the sigmoid router's expert bias) of one MoE layer."""
+    return spec.num_experts * spec.hidden_size + (spec.num_experts if spec.moe_router == "sigmoid" else 0)
+
+
+def model_parameters(spec: ModelSpec) -> tuple[int, int]:
+    """(total, active per token) parameters of the model, unpadded vocabulary (MTP layers not counted: never built)."""
+    h = spec.hidden_size
+    attention = sum(_attention_parameters(spec))
     total = active = spec.num_layers * attention + spec.vocab_size * h * (1 if spec.tie_embeddings else 2) + h
     for layer in range(spec.num_layers):
         if spec.is_moe_layer(layer):
-            expert = 3 * h * spec.moe_ffn_hidden_size
-            total += spec.num_experts * (expert + h)
-            active += spec.moe_topk * expert + spec.num_experts * h
+            expert, shared = 3 * h * spec.moe_ffn_hidden_size, 3 * h * spec.moe_shared_ffn_hidden_size
+            total += spec.num_experts * expert + shared + _moe_replicated(spec)
+            active += spec.moe_topk * expert + shared + _moe_replicated(spec)
         else:
             total += 3 * h * spec.ffn_hidden_size
             active += 3 * h * spec.ffn_hidden_size
@@ -307,17 +331,18 @@ def parameter_counts(spec: ModelSpec, cfg: Config, stage: int) -> tuple[float, f
     p = cfg.parallel
     t, pp = p.tensor, p.pipeline
     etp = p.expert_tensor or t
-    h, d = spec.hidden_size, spec.head_dim
-    q, kv = spec.num_attention_heads * d, spec.num_key_value_heads * d
+    h = spec.hidden_size
     per_stage = spec.num_layers // pp
     layers = range(stage * per_stage, (stage + 1) * per_stage)
     vocab = spec.padded_vocab_size()
     split = replicated = experts = 0.0
+    attention_split, attention_replicated = _attention_parameters(spec)
     for layer in layers:
-        split += h * q + 2 * h * kv + q * h + (q + 2 * kv if spec.qkv_bias else 0)
-        replicated += h + (2 * d if spec.qk_norm else 0) + h  # input norm, q/k norms, pre-MLP norm
+        split += attention_split
+        replicated += attention_replicated
         if spec.is_moe_layer(layer):
-            replicated += spec.num_experts * h  # router
+            replicated += _moe_replicated(spec)
+            split += 3 * h * spec.moe_shared_ffn_hidden_size  # shared experts: split over TP like a dense MLP
             experts += spec.num_experts * 3 * h * spec.moe_ffn_hidden_size / (p.expert * etp)
         else:
             split += 3 * h * spec.ffn_hidden_size

@@ -3,7 +3,8 @@
 Each variant exercises something the bridge must get right: GQA with head_dim != hidden / heads, q/k norm,
 qkv bias, tied and untied embeddings, a vocabulary that Megatron pads (100 -> 128 rows), Qwen3-MoE with
 ``mlp_only_layers`` and with ``decoder_sparse_step``, renormalised and plain top-k routing, Llama-3 RoPE
-scaling. Weights are drawn at unit-ish scale (not transformers' 0.02) so logits and routing are far from
+scaling, GLM-4.5 (a dense first layer, sigmoid routing with nonzero expert biases and a group limit, shared
+experts, qkv bias, qk-norm, partial rotary). Weights are drawn at unit-ish scale (not transformers' 0.02) so logits and routing are far from
 degenerate; norms are perturbed away from 1. A word-level tokenizer is built offline with ``tokenizers``
 so the directories carry tokenizer files like a real checkpoint.
 """
@@ -36,8 +37,36 @@ VARIANTS: dict[str, tuple[str, dict]] = {
                                   rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                                    "original_max_position_embeddings": 8192})),
+    # dense layer 0, MoE layer 1: 8 experts in 4 groups, the best 2 groups, top-4 of their experts (the limit
+    # changes the choice: test_group_limit_changes_the_choice), sigmoid + bias, scale 2.5, one shared expert,
+    # qkv bias, qk-norm, RoPE on half of each head; the config declares an MTP layer the checkpoint lacks.
+    "glm4_moe": ("Glm4MoeConfig", dict(_COMMON, vocab_size=100, head_dim=16, n_routed_experts=8, num_experts_per_tok=4,
+                                       n_group=4, topk_group=2, n_shared_experts=1, moe_intermediate_size=16,
+                                       first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                                       use_qk_norm=True, attention_bias=True, partial_rotary_factor=0.5,
+                                       num_nextn_predict_layers=1, tie_word_embeddings=False)),
+    # DeepSeek-V3: multi-latent attention with q LoRA (q 24, kv 16, nope 8, rope 8, v 12), YaRN with mscale (the
+    # softmax scale too), the same sigmoid router as GLM (8 experts, 4 groups, best 2, top-4), two shared experts.
+    "deepseek_v3": ("DeepseekV3Config", dict(_COMMON, num_key_value_heads=4, vocab_size=128, n_routed_experts=8,
+                                             num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=2,
+                                             moe_intermediate_size=16, first_k_dense_replace=1,
+                                             routed_scaling_factor=2.5, q_lora_rank=24, kv_lora_rank=16,
+                                             qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12,
+                                             rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                              "original_max_position_embeddings": 16,
+                                                              "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.8,
+                                                              "mscale_all_dim": 1.0},
+                                             tie_word_embeddings=False)),
+    # Moonlight's shape: no q LoRA (one q_proj), plain RoPE, no group limit, padded vocabulary.
+    "moonlight": ("DeepseekV3Config", dict(_COMMON, num_key_value_heads=4, vocab_size=100, n_routed_experts=4,
+                                           num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1,
+                                           moe_intermediate_size=16, first_k_dense_replace=1,
+                                           routed_scaling_factor=2.0, q_lora_rank=None, kv_lora_rank=16,
+                                           qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+                                           tie_word_embeddings=False)),
 }
-MOE_VARIANTS = [name for name, (cls, _) in VARIANTS.items() if cls.startswith("Qwen3Moe")]
+MOE_VARIANTS = [name for name, (cls, _) in VARIANTS.items() if "Moe" in cls or cls.startswith("DeepseekV3")]
+MLA_VARIANTS = [name for name, (cls, _) in VARIANTS.items() if cls.startswith("DeepseekV3")]  # no fused q/k/v
 UNPADDED_VARIANTS = [name for name, (_, kw) in VARIANTS.items() if kw["vocab_size"] % 128 == 0]
 
 
@@ -52,6 +81,9 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
             param.copy_(0.1 * noise)
         else:
             param.copy_(noise / math.sqrt(param.shape[-1]))
+    for name, buffer in sorted(model.named_buffers()):
+        if name.endswith("e_score_correction_bias"):  # the sigmoid router's bias: on the scale of score gaps
+            buffer.copy_(0.1 * torch.randn(buffer.shape, generator=g))
 
 
 def build_tokenizer(vocab_size: int):
@@ -87,12 +119,34 @@ def save_variant(variant: str, directory: Path, seed: int = 0) -> Path:
     model = build_hf_model(variant, seed)
     model_dir = directory / variant
     model.save_pretrained(model_dir)
+    if variant in WITH_MTP_TENSORS:
+        add_mtp_tensors(model_dir, model.config, seed)
     build_tokenizer(model.config.vocab_size).save_pretrained(model_dir)
     tokens = input_tokens(model.config.vocab_size)
     with torch.no_grad():
         logits = model(tokens).logits
     torch.save({"tokens": tokens, "logits": logits}, directory / f"{variant}.reference.pt")
     return model_dir
+
+
+# Variants whose checkpoint holds the MTP layer its config declares (transformers builds none: written here, as
+# DeepSeek-V3's release stores it, layer num_hidden_layers); glm4_moe declares one and holds none, like a re-save.
+WITH_MTP_TENSORS = ("deepseek_v3",)
+
+
+def add_mtp_tensors(model_dir: Path, config, seed: int) -> None:
+    """Append a few tensors of MTP layer ``num_hidden_layers`` (its projection, norms, router bias) to the checkpoint."""
+    from safetensors.torch import load_file, save_file
+
+    g = torch.Generator().manual_seed(1000 + seed)
+    hidden, layer = config.hidden_size, f"model.layers.{config.num_hidden_layers}"
+    tensors = load_file(model_dir / "model.safetensors")
+    tensors.update({f"{layer}.eh_proj.weight": torch.randn(hidden, 2 * hidden, generator=g),
+                    f"{layer}.enorm.weight": torch.randn(hidden, generator=g),
+                    f"{layer}.hnorm.weight": torch.randn(hidden, generator=g),
+                    f"{layer}.shared_head.norm.weight": torch.randn(hidden, generator=g),
+                    f"{layer}.mlp.gate.e_score_correction_bias": torch.randn(config.n_routed_experts, generator=g)})
+    save_file(tensors, model_dir / "model.safetensors", metadata={"format": "pt"})
 
 
 def save_bf16_copy(source: Path, target: Path) -> Path:

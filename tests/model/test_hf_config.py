@@ -101,3 +101,121 @@ def test_layout_errors_for_dense_models_and_world_size():
     assert minimal_world_size(Layout(tensor=2, expert=4)) == 8
     assert minimal_world_size(Layout(tensor=2, expert=4, expert_tensor=1)) == 4
     assert minimal_world_size(Layout(tensor=2, pipeline=2, expert=3)) == 12
+
+
+# The shape of GLM-4.5's (355B) hub config.json: partial_rotary_factor at the top level, no rope_parameters.
+GLM_4_5 = {
+    "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "attention_bias": True, "head_dim": 128,
+    "hidden_act": "silu", "hidden_size": 5120, "partial_rotary_factor": 0.5, "intermediate_size": 12288,
+    "max_position_embeddings": 131072, "moe_intermediate_size": 1536, "norm_topk_prob": True,
+    "num_attention_heads": 96, "n_group": 1, "topk_group": 1, "n_routed_experts": 160, "n_shared_experts": 1,
+    "routed_scaling_factor": 2.5, "num_experts_per_tok": 8, "first_k_dense_replace": 3, "num_hidden_layers": 92,
+    "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 1000000,
+    "num_nextn_predict_layers": 1, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_qk_norm": True,
+    "vocab_size": 151552,
+}
+
+
+def test_glm_4_5_hub_config():
+    spec = read_hf_config(GLM_4_5)
+    assert spec.moe_layers == (False,) * 3 + (True,) * 89 and spec.num_experts == 160 and spec.moe_topk == 8
+    assert (spec.moe_router, spec.moe_router_groups, spec.moe_router_group_topk) == ("sigmoid", 1, 1)
+    assert spec.moe_scaling_factor == 2.5 and spec.moe_shared_ffn_hidden_size == 1536 and spec.norm_topk_prob
+    assert spec.qkv_bias and spec.qk_norm and spec.rotary_percent == 0.5 and spec.head_dim == 128
+    assert spec.mtp_layers == 1 and spec.rope_theta == 1e6
+    assert not read_hf_config({**GLM_4_5, "use_qk_norm": False}).qk_norm  # GLM-4.5-Air has none
+    check_layout(spec, Layout(tensor=8, expert=16, expert_tensor=1, pipeline=4, sequence_parallel=True), world_size=128)
+
+
+def test_glm_tiny_variant_parses(hf_models):
+    spec = read_hf_config(hf_models["glm4_moe"])  # transformers 5.19's save: the factor inside rope_parameters too
+    assert spec.moe_layers == (False, True) and (spec.moe_router_groups, spec.moe_router_group_topk) == (4, 2)
+    assert spec.rotary_percent == 0.5 and spec.qkv_bias and spec.qk_norm and spec.moe_shared_ffn_hidden_size == 16
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"norm_topk_prob": False}, "norm_topk_prob=False"),
+    ({"n_group": 8, "topk_group": 2}, "n_group=8, topk_group=2"),  # groups ranked by their top-4, HF by top-2
+    ({"partial_rotary_factor": 0.5, "rope_parameters": {"rope_theta": 1e6, "partial_rotary_factor": 0.25}},
+     "partial_rotary_factor=0.5 but rope_parameters.partial_rotary_factor=0.25"),
+    ({"topk_method": "greedy"}, "topk_method='greedy'"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type='yarn'"),
+])
+def test_unsupported_glm_configs_name_the_field(change, field):
+    with pytest.raises(UnsupportedModel, match=re.escape(field)):
+        read_hf_config({**GLM_4_5, **change})
+
+
+def test_partial_rotary_is_refused_where_the_family_has_none():
+    with pytest.raises(UnsupportedModel, match=re.escape("partial_rotary_factor=0.5 in config.json is not supported "
+                                                         "for qwen3_moe")):
+        read_hf_config({**QWEN3_30B_A3B, "partial_rotary_factor": 0.5})
+
+
+# The shape of DeepSeek-V3's (671B) hub config.json: legacy rope_scaling with YaRN, FP8 quantization_config.
+DEEPSEEK_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "attention_bias": False,
+    "first_k_dense_replace": 3, "hidden_act": "silu", "hidden_size": 7168, "intermediate_size": 18432,
+    "kv_lora_rank": 512, "max_position_embeddings": 163840, "moe_intermediate_size": 2048, "moe_layer_freq": 1,
+    "n_group": 8, "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 128,
+    "num_experts_per_tok": 8, "num_hidden_layers": 61, "num_key_value_heads": 128, "num_nextn_predict_layers": 1,
+    "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "tie_word_embeddings": False,
+    "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16", "v_head_dim": 128, "vocab_size": 129280,
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                            "weight_block_size": [128, 128]},
+}
+
+
+def test_deepseek_v3_and_kimi_k2_hub_configs():
+    spec = read_hf_config(DEEPSEEK_V3)
+    assert (spec.attention, spec.q_lora_rank, spec.kv_lora_rank, spec.qk_rope_head_dim, spec.v_head_dim,
+            spec.head_dim) == ("mla", 1536, 512, 64, 128, 192)
+    assert (spec.yarn_factor, spec.yarn_original_max_position_embeddings, spec.yarn_mscale_all_dim) == (40.0, 4096, 1.0)
+    assert spec.moe_layers == (False,) * 3 + (True,) * 58 and (spec.moe_router_groups, spec.moe_router_group_topk) == (8, 4)
+    assert spec.moe_shared_ffn_hidden_size == 2048 and spec.mtp_layers == 1 and spec.padded_vocab_size() == 129280
+    # Kimi-K2: model_type kimi_k2, the same architecture; 384 experts in one group, one dense layer, no MTP
+    kimi = read_hf_config({**DEEPSEEK_V3, "model_type": "kimi_k2", "n_routed_experts": 384, "n_group": 1,
+                           "topk_group": 1, "first_k_dense_replace": 1, "num_nextn_predict_layers": 0,
+                           "routed_scaling_factor": 2.827, "num_attention_heads": 64, "vocab_size": 163840})
+    assert (kimi.family, kimi.num_experts, kimi.moe_router_groups, kimi.mtp_layers) == ("deepseek_v3", 384, 1, 0)
+    # Moonlight: no q LoRA
+    assert read_hf_config({**DEEPSEEK_V3, "q_lora_rank": None}).q_lora_rank == 0
+    check_layout(spec, Layout(tensor=8, expert=64, expert_tensor=1, sequence_parallel=True), world_size=512,
+                 transformer_engine=True)
+    # 61 layers: uneven pipeline stages are not supported yet, and the refusal says so by field
+    with pytest.raises(LayoutError, match="num_hidden_layers=61 is not divisible by pipeline_model_parallel_size=8"):
+        check_layout(spec, Layout(tensor=8, expert=64, expert_tensor=1, pipeline=8, sequence_parallel=True))
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"rope_interleave": False}, "rope_interleave=False"),
+    ({"scoring_func": "softmax"}, "scoring_func='softmax'"),
+    ({"moe_layer_freq": 2}, "moe_layer_freq=2"),
+    ({"rope_scaling": {"type": "yarn", "factor": 40, "attention_factor": 0.5}}, "attention_factor"),
+    ({"rope_scaling": {"type": "longrope", "factor": 4.0}}, "rope_type='longrope'"),
+])
+def test_unsupported_deepseek_configs_name_the_field(change, field):
+    with pytest.raises(UnsupportedModel, match=re.escape(field)):
+        read_hf_config({**DEEPSEEK_V3, **change})
+
+
+def test_plan_parameter_counts_equal_the_checkpoints(hf_models):
+    """``train.memory.model_parameters`` (what ``plan`` sizes weights and optimizer state from) counts exactly the
+    tensors the mapping reads, for every family (MLA, shared experts, router bias included; MTP layers not built)."""
+    import math
+
+    from gspo_megatron.model import mapping
+    from gspo_megatron.train.memory import model_parameters
+
+    for name, path in hf_models.items():
+        spec = read_hf_config(path)
+        assert model_parameters(spec)[0] == sum(math.prod(s) for s in mapping.hf_tensor_shapes(spec).values()), name
+    # The model cards: DeepSeek-V3 671B total, 37B active; GLM-4.5 355B with its MTP layer (~2.5B), 32B active
+    # without the embedding and output layer (1.55B)
+    total, active = model_parameters(read_hf_config(DEEPSEEK_V3))
+    assert 670e9 < total < 672e9 and 37e9 < active < 38e9
+    total, active = model_parameters(read_hf_config(GLM_4_5))
+    assert 352e9 < total < 355e9 and 32e9 < active - 2 * 151552 * 5120 < 32.5e9

@@ -1,0 +1,55 @@
+"""DeepSeek-V3's multi-latent attention on megatron-core's local layer spec: the core attention it lacks.
+
+megatron-core builds MLA's core attention with separate key and value head sizes (``k_channels`` = nope + rope,
+``v_channels`` = v head dim). Only TransformerEngine's attention takes them: the local ``DotProductAttention`` (0.16
+and 0.19) has no such arguments. ``LocalMLAAttention`` is that core attention written out for the local spec
+(CPU, tests): softmax(q k^T * softmax_scale + mask) v in fp32, per head, causal unless a mask is given (megatron's
+convention: True where masked, [b, 1, sq, sk], as the packed-sequence path passes). ``mla_spec`` puts it into a
+decoder block spec built with the local spec, and drops the q latent norm where there is no q LoRA (0.19 refuses a
+norm it would not use; 0.16 builds none). Shapes: q, k [s, b, heads/TP, nope + rope], v [s, b, heads/TP, v]; out [s, b, heads/TP * v].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from megatron.core.transformer.module import MegatronModule
+
+
+class LocalMLAAttention(MegatronModule):
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
+                 softmax_scale=None, k_channels=None, v_channels=None, cp_comm_type=None, pg_collection=None):
+        super().__init__(config=config)
+        if config.context_parallel_size > 1:
+            raise ValueError("LocalMLAAttention has no context parallelism: it needs TransformerEngine's attention")
+        self.softmax_scale = softmax_scale if softmax_scale is not None else (k_channels or config.kv_channels) ** -0.5
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if packed_seq_params is not None or attention_bias is not None:
+            raise ValueError("LocalMLAAttention takes a mask, not packed_seq_params or attention_bias")
+        scores = torch.einsum("sbhd,tbhd->bhst", query.float(), key.float()) * self.softmax_scale
+        if attention_mask is None:
+            sq, sk = scores.shape[-2:]
+            attention_mask = torch.ones(sq, sk, dtype=torch.bool, device=scores.device).triu(sk - sq + 1)
+        probs = torch.softmax(scores.masked_fill(attention_mask, float("-inf")), dim=-1)
+        context = torch.einsum("bhst,tbhd->sbhd", probs, value.float()).to(value.dtype)
+        return context.reshape(context.shape[0], context.shape[1], -1)
+
+
+def mla_spec(block, local: bool, q_lora: bool):
+    """``block`` with ``LocalMLAAttention`` in its MLA layers (``local``: built with megatron's local spec) and
+    without a q latent norm unless ``q_lora``."""
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    def with_core(layer):
+        attention = layer.submodules.self_attention
+        changes = {"core_attention": LocalMLAAttention} if local else {}
+        if not q_lora:
+            changes["q_layernorm"] = IdentityOp
+        submodules = dataclasses.replace(attention.submodules, **changes)
+        attention = dataclasses.replace(attention, submodules=submodules)
+        return dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, self_attention=attention))
+
+    return dataclasses.replace(block, layer_specs=[with_core(s) for s in block.layer_specs])

@@ -1,0 +1,72 @@
+"""The tiny GLM-4.5 model (``tests/model/hf_tiny.py``: sigmoid router with nonzero expert biases and a group limit,
+shared expert, qkv bias, qk-norm, partial rotary) served by a real SGLang server on CPU (fp32): its per-token
+log-probs equal the trainer-side model's (transformers, through the fused log-prob op) within ``TOLERANCE``, before
+and after a distributed weight sync of a trained model whose expert bias was moved too (a sync that dropped the bias
+would leave SGLang routing differently from the trainer: the stale check shows the moved bias alone is visible).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from gspo_megatron.rollout import SamplingParams, SGLangEngine, flatten, logprob_mismatch, samples_to_batch
+from gspo_megatron.rollout import server as server_mod
+from tests.model import hf_tiny
+
+from .conftest import server_config
+from .helpers import TOLERANCE, fused_logprobs, prompts, require_sglang
+from .test_weight_sync import _mismatch, _rollout, _train_step
+
+
+@pytest.fixture(scope="module")
+def glm(tmp_path_factory):
+    require_sglang()
+    model_dir = hf_tiny.save_variant("glm4_moe", tmp_path_factory.mktemp("glm"), seed=4)
+    config = server_config(model_dir, tmp_path_factory.mktemp("glm_logs"), context_length=64)  # its max positions
+    servers = server_mod.start_servers(config)
+    try:
+        with SGLangEngine(config, servers=servers) as engine:
+            yield engine, model_dir
+    finally:
+        for server in servers:
+            server.shutdown()
+
+
+def test_sglang_serves_glm_with_the_trainers_logprobs(glm):
+    from transformers import AutoModelForCausalLM
+
+    engine, model_dir = glm
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    groups = engine.generate(prompts(6, seed=2), n=2, sampling=SamplingParams(max_new_tokens=8))
+    batch = samples_to_batch(flatten(groups))
+    with torch.no_grad():
+        ours = fused_logprobs(model, batch)
+    metrics = logprob_mismatch(ours, batch["rollout_logprobs"], batch["loss_mask"])
+    assert metrics["mismatch/token_max_abs"] <= TOLERANCE, metrics
+    print("GLM train/inference mismatch:", metrics)
+
+
+def test_glm_weight_sync_carries_the_expert_bias(glm):
+    from transformers import AutoModelForCausalLM
+
+    from gspo_megatron.rollout import hf_weights
+
+    engine, model_dir = glm
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    _, batch = _rollout(engine, seed=10)
+    assert _mismatch(model, batch)["mismatch/token_max_abs"] <= TOLERANCE
+    bias = model.model.layers[1].mlp.gate.e_score_correction_bias
+    moved_bias = bias + 0.5 * torch.randn(bias.shape, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        bias.copy_(moved_bias)
+    assert _mismatch(model, batch)["mismatch/token_max_abs"] > 10 * TOLERANCE, "the moved bias changes no route"
+    _train_step(model, batch)
+    stats = engine.update_weights(hf_weights.checkpoint_tensors(model), "glm-step-1", method="distributed")
+    assert stats.weight_version == "glm-step-1"
+    _, batch = _rollout(engine, seed=11)
+    after = _mismatch(model, batch)
+    print("GLM mismatch after the sync:", after)
+    assert after["mismatch/token_max_abs"] <= TOLERANCE, after
