@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import os
 
-import pytest
 import torch
 
-from tests.megatron_use import probe
+from tests.megatron_use import MegatronCheck
 
 pytest_plugins = ["tests.sglang_servers"]  # the session's SGLang servers (fixtures started_servers, engine, ...)
 
@@ -32,6 +31,8 @@ os.environ["GSPO_RANK_PROBE"] = "tests.megatron_use:probe"
 
 
 def pytest_configure(config):
+    # Registered, not conftest hooks: a session fixture's set-up hook is the session's, outside this folder's scope.
+    config.pluginmanager.register(MegatronCheck(), "megatron_check")
     config.addinivalue_line(
         "markers", "megatron: depends on megatron-core's version (runs again on 0.19 in tests/test_megatron_019.py)")
     config.addinivalue_line(
@@ -43,40 +44,3 @@ def pytest_collection_modifyitems(config, items):
     """Tests that hang, kill or shut down the session's SGLang servers run after every test that needs them (in
     their collected order)."""
     items.sort(key=lambda item: item.get_closest_marker("destroys_server") is not None)
-
-
-# Megatron classes built while each fixture was set up: a test that uses a session fixture built for an earlier
-# test depends on Megatron as much as that test did.
-_fixture_builds: dict[str, set[str]] = {}
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_runtest_setup(item):
-    from gspo_megatron.parallel import launch
-
-    probe.start()
-    launch.probe_reports.clear()
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_fixture_setup(fixturedef, request):
-    from gspo_megatron.parallel import launch
-
-    before, reports = set(probe.built), len(launch.probe_reports)
-    yield
-    built = (probe.built - before).union(*launch.probe_reports[reports:])
-    if built:
-        _fixture_builds.setdefault(fixturedef.argname, set()).update(built)
-
-
-@pytest.hookimpl(trylast=True)
-def pytest_runtest_teardown(item, nextitem):
-    from gspo_megatron.parallel import launch
-
-    built = set(probe.stop()).union(*launch.probe_reports,
-                                    *(_fixture_builds.get(name, ()) for name in getattr(item, "fixturenames", ())))
-    launch.probe_reports.clear()
-    if built and item.get_closest_marker("megatron") is None:
-        shown = ", ".join(sorted(built)[:3]) + (", ..." if len(built) > 3 else "")
-        pytest.fail(f"{item.nodeid} built megatron-core modules ({shown}), or uses a fixture that did, but is not "
-                    "marked @pytest.mark.megatron: mark it, so that it runs again on megatron-core 0.19", pytrace=False)

@@ -116,6 +116,7 @@ def _build_on(device: str, hf_dir: str) -> dict:
     return {name: p.device.type for name, p in model.named_parameters()}
 
 
+@pytest.mark.megatron  # builds a Megatron model
 def test_every_parameter_goes_to_the_device(tmp_path):
     """megatron creates MoE router weights on the CPU whatever the device; the provider moves them (checked with
     the meta device, the one other device a CPU machine has)."""

@@ -30,6 +30,7 @@ LAYOUTS = ["tp1_dict", "tp2", "pp2", "ep2", "tp2_ep2_etp1"]
 DENSE_LAYOUTS = LAYOUTS[:3]
 
 
+@pytest.mark.megatron  # builds a Megatron model
 @pytest.mark.parametrize("variant", list(hf_tiny.VARIANTS))
 def test_megatron_logits_equal_transformers_and_export_is_bitwise(variant, hf_models, rank_results):
     spec = read_hf_config(hf_models[variant])
@@ -71,6 +72,7 @@ def _check_export_to_sender(kind, per_rank, moe):
     assert (per_rank[1]["to_sender_collectives"]["gather"] > 0) == joins, (kind, per_rank[1]["to_sender_collectives"])
 
 
+@pytest.mark.megatron  # checks the Megatron model's results (a session fixture built it)
 @pytest.mark.parametrize("variant", [v for v in hf_tiny.VARIANTS if v not in hf_tiny.MLA_VARIANTS])
 def test_a_wrong_qkv_layout_is_detected(variant, rank_results):
     diffs = [r["logits_diff"] for r in rank_checks.result(rank_results, ("bridge", variant, "control"))]

@@ -24,6 +24,8 @@ from gspo_megatron.parallel.groups import Layout
 from gspo_megatron.parallel.launch import run_on_ranks
 from tests.model import hf_tiny
 
+pytestmark = pytest.mark.megatron  # builds a Megatron model
+
 DP2, EP2, ETP2 = Layout(), Layout(expert=2), Layout(tensor=2, sequence_parallel=True)
 
 

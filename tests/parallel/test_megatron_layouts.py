@@ -17,6 +17,8 @@ from gspo_megatron.parallel.groups import Layout
 from gspo_megatron.parallel.launch import run_on_ranks
 from tests import megatron_tiny as tiny
 
+pytestmark = pytest.mark.megatron  # builds a Megatron model
+
 RTOL = 1e-5
 
 

@@ -15,6 +15,8 @@ trainer's again (<= 1e-3 per token, fp32) on every rank.
 from __future__ import annotations
 
 
+import pytest
+
 from gspo_megatron.parallel.groups import Layout
 from gspo_megatron.parallel.launch import run_on_ranks
 from gspo_megatron.rollout import hf_weights
@@ -22,6 +24,8 @@ from gspo_megatron.rollout.weight_sync import save_checkpoint
 
 from .bridge_ranks import bridge_sync, stage_senders_sync
 from .helpers import TOLERANCE
+
+pytestmark = pytest.mark.megatron  # builds a Megatron model
 
 
 def test_megatron_policy_through_bridge_matches_sglang_before_and_after_sync(engine, trainer, tiny_model_dir,

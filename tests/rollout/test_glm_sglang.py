@@ -16,7 +16,7 @@ from gspo_megatron.rollout import SamplingParams, SGLangEngine, flatten, logprob
 from gspo_megatron.rollout import server as server_mod
 from tests.model import hf_tiny
 
-from .conftest import server_config
+from tests.sglang_servers import server_config
 from .helpers import TOLERANCE, fused_logprobs, prompts, require_sglang
 from .test_weight_sync import _mismatch, _rollout, _train_step
 

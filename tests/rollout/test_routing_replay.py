@@ -68,6 +68,7 @@ def test_routes_decode_align_and_fail_by_name():
         samples_to_batch([sample, Sample(prompt, output, [-1.0, -1.0], "length", "0", 0, 1)])
 
 
+@pytest.mark.megatron  # builds a Megatron model
 def test_replayed_routing_and_logprobs_equal_the_servers_tp2(engine, trainer, tiny_model_dir, tmp_path,
                                                               record_property):
     current = tmp_path / "current"  # the weights the server serves now (other tests may have synced some)
@@ -90,6 +91,7 @@ def test_replayed_routing_and_logprobs_equal_the_servers_tp2(engine, trainer, ti
         assert shifted["mismatch/token_max_abs"] > 100 * TOLERANCE, shifted  # replay is in effect, alignment counts
 
 
+@pytest.mark.megatron  # builds a Megatron model
 def test_multiturn_trajectory_routes_replayed_equal_the_servers(engine, trainer, tiny_model_dir, tmp_path):
     """3-turn trajectories (observations between the turns): the routes assembled from each turn's call, replayed at
     world=1, make every router use the server's experts, and the model tokens' log-probs equal SGLang's."""

@@ -35,7 +35,7 @@ from gspo_megatron.rollout import server as server_mod
 from gspo_megatron.rollout.sglang_engine import request_tokens
 
 from .bridge_ranks import stage_senders_sync
-from .conftest import server_config
+from tests.sglang_servers import server_config
 from .helpers import TOLERANCE, prompts, require_sglang
 from .proxy import FailingProxy
 

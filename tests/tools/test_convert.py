@@ -48,6 +48,7 @@ def no_leftovers(out: Path) -> bool:
     return not out.exists() and not [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.partial")]
 
 
+@pytest.mark.megatron  # checks the Megatron model's results (a session fixture built it)
 @pytest.mark.parametrize("variant", list(rank_checks.CONVERT_LAYOUTS))
 def test_round_trip_through_megatron_under_two_layouts_is_bitwise(variant, hf_models, rank_results, rank_work):
     rank_checks.result(rank_results, ("to_megatron", variant))
@@ -65,6 +66,7 @@ def test_round_trip_through_megatron_under_two_layouts_is_bitwise(variant, hf_mo
     assert not [p for p in (rank_work / "hf_back").iterdir() if ".partial" in p.name]
 
 
+@pytest.mark.megatron  # checks the Megatron model's results (a session fixture built it)
 def test_round_tripped_checkpoint_loads_in_transformers(rank_results, rank_work, hf_models):
     from transformers import AutoModelForCausalLM
 
@@ -75,6 +77,7 @@ def test_round_tripped_checkpoint_loads_in_transformers(rank_results, rank_work,
         assert torch.equal(model(reference["tokens"]).logits, reference["logits"])
 
 
+@pytest.mark.megatron  # checks the Megatron model's results (a session fixture built it)
 @pytest.mark.parametrize("case", list(rank_checks.BAD_CHECKPOINTS))
 def test_mismatched_megatron_checkpoints_name_the_tensors(case, rank_results, rank_work):
     expected = {
@@ -88,6 +91,7 @@ def test_mismatched_megatron_checkpoints_name_the_tensors(case, rank_results, ra
         assert not r["out_exists"] and not r["leftovers"]
 
 
+@pytest.mark.megatron  # checks the Megatron model's results (a session fixture built it)
 def test_optimizer_state_in_a_checkpoint_is_not_an_unexpected_tensor(hf_models, rank_results, rank_work):
     """Training checkpoints (model + optimizer state) convert as they are; other extra tensors are named."""
     (optimizer, _), (model_like, _) = (rank_checks.result(rank_results, ("extra_tensors", kind))
@@ -139,6 +143,7 @@ def test_unsupported_architecture_names_the_field(hf_models, tmp_path):
     assert no_leftovers(tmp_path / "out")
 
 
+@pytest.mark.megatron  # checks the Megatron model's results (a session fixture built it)
 def test_existing_output_and_a_config_of_another_model_are_refused(hf_models, rank_results, rank_work, tmp_path):
     out = tmp_path / "exists"
     out.mkdir()

@@ -47,6 +47,7 @@ def assert_agrees(results: list[dict], reference: list[tuple[float, int]]) -> No
         assert abs(got["logprob_sum"] - want) <= ATOL, f"record {i}: {got['logprob_sum']} vs {want}"
 
 
+@pytest.mark.megatron  # checks the Megatron model's results (a session fixture built it)
 @pytest.mark.parametrize("variant", list(rank_checks.SCORE_LAYOUTS))
 def test_megatron_score_equals_transformers(variant, hf_models, rank_results):
     from gspo_megatron.model.hf_config import read_hf_config
@@ -66,6 +67,7 @@ def _write_records(path: Path, records: list[Record]) -> None:
                             for r in records))
 
 
+@pytest.mark.megatron  # checks the Megatron model's results (a session fixture built it)
 def test_score_command_on_a_megatron_checkpoint(hf_models, rank_results, rank_work, tmp_path):
     """One process from a plain shell, on the converted checkpoint; JSON lines in input order."""
     records = rank_checks.score_records_for_tests(128)

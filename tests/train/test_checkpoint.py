@@ -22,6 +22,8 @@ from gspo_megatron.train.policy_step import AlgoConfig, update_step
 from tests import megatron_tiny as tiny
 from tests.train.test_policy_step import NUM_SEQUENCES, make_rollout, micro_batches
 
+pytestmark = pytest.mark.megatron  # builds a Megatron model
+
 
 def _build(distributed_optimizer: bool):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer

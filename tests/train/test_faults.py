@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 from gspo_megatron.parallel.groups import Layout
 from gspo_megatron.parallel.launch import run_on_ranks
 from gspo_megatron.train.config import load_config
+
+pytestmark = pytest.mark.megatron  # builds a Megatron model
 
 SEQ = 32
 LIMIT = 3

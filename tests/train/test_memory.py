@@ -120,6 +120,7 @@ def tiny_dir(tmp_path_factory):
     return str(save_tiny_model(tmp_path_factory.mktemp("plan_memory") / "model", seed=0, **MODEL))
 
 
+@pytest.mark.megatron  # builds a Megatron model
 def test_estimate_matches_measured_peaks(tiny_dir):
     configs = [load_config(None, SMALL + layout + [f"model.hf_dir={tiny_dir}"]) for layout in LAYOUTS]
     per_rank = run_on_ranks(measure_layouts, 2, None, [(cfg, SEQ) for cfg in configs], tiny_dir)

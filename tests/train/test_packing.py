@@ -23,6 +23,7 @@ relative). Under PP2 rank 0 also gathers every stage's HF tensors (``rollout_pha
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from gspo_megatron.algo import group_advantages
@@ -189,14 +190,17 @@ TWO = [("tp2_sp", Layout(tensor=2, sequence_parallel=True)), ("pp2", Layout(pipe
 FOUR = [("tp2_sp_cp2", Layout(tensor=2, context=2, sequence_parallel=True)), ("cp2_pp2", Layout(context=2, pipeline=2))]
 
 
+@pytest.mark.megatron  # builds a Megatron model
 def test_packed_equals_padded_world1():
     _check(run_on_ranks(compare, 1, None, WORLD1), WORLD1)
 
 
+@pytest.mark.megatron  # builds a Megatron model
 def test_packed_equals_padded_two_ranks():
     _check(run_on_ranks(compare, 2, None, TWO), TWO)
 
 
+@pytest.mark.megatron  # builds a Megatron model
 def test_packed_equals_padded_context_parallel_four_ranks():
     _check(run_on_ranks(compare, 4, None, FOUR), FOUR)
 
@@ -273,6 +277,7 @@ def run_phases(hf_dir: str) -> dict:
     return results
 
 
+@pytest.mark.megatron  # builds a Megatron model
 def test_token_budget_micro_batches_equal_padded(moe_then_dense_dir):
     for rank, results in enumerate(run_on_ranks(run_phases, 2, None, moe_then_dense_dir)):
         for layout_name in PHASE_LAYOUTS:

@@ -94,6 +94,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
+@pytest.mark.megatron  # builds a Megatron model
 def test_settings_reach_megatron_and_leave_the_step_unchanged(moe_then_dense_dir):
     per_rank = run_on_ranks(run_cases, 2, Layout(expert=2), moe_then_dense_dir)
     for rank, results in enumerate(per_rank):

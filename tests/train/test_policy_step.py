@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+import pytest
 import torch
 
 from gspo_megatron.algo import SEQUENCE_STATS, group_advantages, update_metrics
@@ -390,6 +391,7 @@ def _check(results, cases):
             assert r["clipped_step"] <= CLIPPED_RTOL, f"{where}: clipped step rel diff {r['clipped_step']:.2e}"
 
 
+@pytest.mark.megatron  # builds a Megatron model
 def test_world1_reference_properties(tmp_path_factory):
     _, result = reference_dir(tmp_path_factory)
     out = result["out"]
@@ -411,6 +413,7 @@ def test_world1_reference_properties(tmp_path_factory):
         assert diff["loss"] <= RTOL and diff["ratio"] <= RATIO_ATOL and diff["grads"] <= RTOL, (name, diff)
 
 
+@pytest.mark.megatron  # checks the Megatron model's results (a session fixture built it)
 def test_world1_algorithm_properties(tmp_path_factory):
     ckpt_dir, result = reference_dir(tmp_path_factory)
     # GSPO-token with A_i on every token is GSPO in loss, gradient and clipping (some of it clipped).
@@ -452,11 +455,13 @@ FOUR = [
 ]
 
 
+@pytest.mark.megatron  # builds a Megatron model
 def test_two_rank_update_steps_equal_world1(tmp_path_factory):
     ckpt_dir, _ = reference_dir(tmp_path_factory)
     _check(run_on_ranks(compare, 2, None, ckpt_dir, TWO), TWO)
 
 
+@pytest.mark.megatron  # builds a Megatron model
 def test_four_rank_update_steps_equal_world1(tmp_path_factory):
     ckpt_dir, _ = reference_dir(tmp_path_factory)
     _check(run_on_ranks(compare, 4, None, ckpt_dir, FOUR), FOUR)

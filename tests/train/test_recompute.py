@@ -106,10 +106,12 @@ def test_recompute_fields():
         "recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 2}
 
 
+@pytest.mark.megatron  # builds a Megatron model
 def test_recompute_equals_no_recompute_world1(moe_then_dense_dir):
     _check(run_on_ranks(run_cases, 1, Layout(), moe_then_dense_dir, []))
 
 
+@pytest.mark.megatron  # builds a Megatron model
 def test_recompute_equals_no_recompute_tp2(moe_then_dense_dir):
     layout = Layout(tensor=2, sequence_parallel=True)
     _check(run_on_ranks(run_cases, 2, layout, moe_then_dense_dir, ["parallel.tensor=2"]))

@@ -18,6 +18,8 @@ import torch
 
 from gspo_megatron.parallel.launch import run_on_ranks
 
+pytestmark = pytest.mark.megatron  # builds a Megatron model
+
 GROUP, PROMPTS, STEPS = 2, 2, 5
 
 

@@ -9,6 +9,7 @@ Runs at DP=2 (each rank a whole model) and TP=2 with sequence parallelism (route
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from gspo_megatron.parallel.groups import Layout
@@ -16,6 +17,8 @@ from gspo_megatron.parallel.launch import run_on_ranks
 from gspo_megatron.train.policy_step import AlgoConfig, logprob_pass, update_step
 from tests import megatron_tiny as tiny
 from tests.train.test_policy_step import NUM_SEQUENCES, make_rollout, micro_batches
+
+pytestmark = pytest.mark.megatron  # builds a Megatron model
 
 GRPO = AlgoConfig.grpo()
 
