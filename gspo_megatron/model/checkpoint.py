@@ -76,7 +76,9 @@ def resolve(path: str | Path) -> Path:
     """The checkpoint dir ``path`` means: a checkpoint (a converted model or a training step dir), a training run's
     ``latest`` file, or its checkpoint dir (its latest step)."""
     path = Path(path)
-    if (path / METADATA_FILE).is_file():
+    # Ours (METADATA_FILE), or a bare dist checkpoint of save_weights (megatron's own marker file, the one
+    # dist_checkpointing.check_is_distributed_checkpoint looks for).
+    if (path / METADATA_FILE).is_file() or (path / "metadata.json").is_file():
         return path
     if not path.exists():
         raise FileNotFoundError(f"the Megatron checkpoint {path} does not exist")

@@ -107,6 +107,7 @@ def test_multiturn_trajectory_routes_replayed_equal_the_servers(engine, trainer,
     assert r["shifted"]["mismatch/token_max_abs"] > 100 * TOLERANCE, r["shifted"]
 
 
+@pytest.mark.megatron  # trains the Megatron policy through the CLI
 def test_training_with_rollout_routing_replay_logs_metrics(engine, trainer, tiny_model_dir, tmp_path):
     """Two GRPO steps with algo.routing_replay=rollout (world=1) attached to the server by URL: the loop asks for
     the routes, replays them in the old-policy pass (which then agrees with SGLang) and the update, and logs."""
