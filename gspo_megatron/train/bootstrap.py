@@ -223,7 +223,9 @@ def load_prompts(cfg: Config, hf_dir: Path, quiet: bool = False):
         evals = task_prompts(d.task, tokenizer, 64, seed=d.seed + 1) if cfg.train.eval_every else []
         check_prompt_lengths(train + evals, limit, f"data.task={d.task!r}")
     else:
-        fmt = PromptFormat(d.prompt_key, d.label_key, d.system_prompt, d.chat_template_kwargs, d.apply_chat_template)
+        fmt = PromptFormat(prompt_key=d.prompt_key, label_key=d.label_key, tools_key=d.tools_key,
+                           system_prompt=d.system_prompt, chat_template_kwargs=d.chat_template_kwargs,
+                           apply_chat_template=d.apply_chat_template)
         train, skipped = load_jsonl(d.prompts, tokenizer, d.skip_malformed, limit, drop_long, fmt)
         evals, eval_skipped = load_jsonl(d.eval_prompts, tokenizer, d.skip_malformed, limit, drop_long, fmt,
                                          "data.eval_prompts") if d.eval_prompts else ([], {})

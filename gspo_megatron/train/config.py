@@ -306,7 +306,10 @@ class DataConfig:
     prompt."""
     label_key: str = ""
     """The field passed to the reward as its label, as it is (dotted for nested). "": answer, label, tests or
-    reward_model.ground_truth."""
+    reward_model.ground_truth; "*": the whole record (its metadata, e.g. verl's extra_info, included)."""
+    tools_key: str = "tools"
+    """A chat prompt's tool schemas (a list of objects, or that list as a JSON string), given to the chat template as
+    its ``tools`` (Qwen3's and OpenAI's function calling); "": none."""
     system_prompt: str = ""
     """A system message put before every chat prompt (and a plain-text prompt then goes through the chat template)."""
     apply_chat_template: bool = False

@@ -8,7 +8,9 @@ Files: JSONL (one record a line), parquet (``*.parquet``: one record a row), or 
     {"prompt": "Write add(a, b).", "tests": ["assert add(1, 2) == 3"]}       (data.reward=code_tests)
     {"prompt": [{"role": "user", ...}], "reward_model": {"ground_truth": "5"}}  (verl's parquet layout)
 ``data.prompt_key`` / ``data.label_key`` (dotted for nested fields: ``reward_model.ground_truth``) name other
-fields (slime's ``--input-key`` / ``--label-key``); the label reaches the reward as it is. ``data.system_prompt``
+fields (slime's ``--input-key`` / ``--label-key``); the label reaches the reward as it is (``*``: the whole record,
+its metadata included). A chat prompt's ``tools`` field (``data.tools_key``: function schemas, as in OpenAI's and
+Qwen3's tool calling) goes to the chat template. ``data.system_prompt``
 and ``data.chat_template_kwargs`` (Qwen3's ``enable_thinking``) shape chat prompts; ``data.apply_chat_template``
 puts plain-text prompts through the template too.
 A malformed line stops loading with its file and line number, or is skipped and counted with
@@ -41,7 +43,8 @@ class PromptFormat:
     """How records become prompts (the ``data`` section's fields of the same names)."""
 
     prompt_key: str = ""  # "": prompt_ids, messages or prompt, whichever the record has
-    label_key: str = ""  # "": answer, label, tests or reward_model.ground_truth
+    label_key: str = ""  # "": answer, label, tests or reward_model.ground_truth; "*": the whole record
+    tools_key: str = "tools"  # a chat prompt's tool schemas, given to the chat template
     system_prompt: str = ""
     chat_template_kwargs: dict = field(default_factory=dict)
     apply_chat_template: bool = False
@@ -69,7 +72,9 @@ def _is_messages(value) -> bool:
 def _record_to_prompt(record: Any, tokenizer, where: str, fmt: PromptFormat = PromptFormat()) -> Prompt:
     if not isinstance(record, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
-    if fmt.label_key:
+    if fmt.label_key == "*":
+        label = record
+    elif fmt.label_key:
         label = _field(record, fmt.label_key)
         if label is _MISSING:
             raise DataError(f"{where}: no {fmt.label_key!r} (data.label_key) in {sorted(record)}")
@@ -86,18 +91,32 @@ def _record_to_prompt(record: Any, tokenizer, where: str, fmt: PromptFormat = Pr
             raise DataError(f"{where}: needs one of 'prompt', 'messages' or 'prompt_ids' (has {sorted(record)}; "
                             "data.prompt_key names another field)")
         value = record[key]
+    tools = _field(record, fmt.tools_key) if fmt.tools_key else _MISSING
+    if isinstance(tools, str) and tools.strip():  # parquet sets often keep nested schemas as a JSON string
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{where}: {fmt.tools_key} (data.tools_key) is a string but not JSON ({e})") from None
+    if tools is not _MISSING and tools is not None and not (
+            isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise DataError(f"{where}: {fmt.tools_key} (data.tools_key) must be a list of tool schemas (objects), "
+                        f"got {type(tools).__name__}")
+    tools = tools if isinstance(tools, list) and tools else None
 
     def chat(messages: list) -> tuple[list[int], str]:
         if fmt.system_prompt and messages[0].get("role") != "system":
             messages = [{"role": "system", "content": fmt.system_prompt}, *messages]
+        # Only a record with tools passes them: a template without tool support is then never asked for them.
+        extra = {"tools": tools} if tools else {}
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                             **fmt.chat_template_kwargs)
+                                             **extra, **fmt.chat_template_kwargs)
         return tokenizer(text, add_special_tokens=False)["input_ids"], text
 
+    templated = True
     if key == "prompt_ids" or (isinstance(value, list) and value and all(isinstance(i, int) for i in value)):
         if not (isinstance(value, list) and value and all(isinstance(i, int) and i >= 0 for i in value)):
             raise DataError(f"{where}: {key} must be a non-empty list of token ids")
-        ids, text = value, record.get("prompt", "") if key != "prompt" else ""
+        ids, text, templated = value, record.get("prompt", "") if key != "prompt" else "", False
     elif isinstance(value, list) or key == "messages":
         if not _is_messages(value):
             raise DataError(f"{where}: {key} must be a list of {{role, content}} objects")
@@ -108,7 +127,11 @@ def _record_to_prompt(record: Any, tokenizer, where: str, fmt: PromptFormat = Pr
         if fmt.apply_chat_template or fmt.system_prompt:
             ids, text = chat([{"role": "user", "content": value}])
         else:
-            ids, text = tokenizer(value, add_special_tokens=False)["input_ids"], value
+            ids, text, templated = tokenizer(value, add_special_tokens=False)["input_ids"], value, False
+    if tools and not templated:
+        # Tools reach the model only through the chat template: dropping them silently would train on other prompts.
+        raise DataError(f"{where}: has {fmt.tools_key} (data.tools_key) but its prompt does not go through the chat "
+                        "template: give chat messages or set data.apply_chat_template")
     if not ids:
         raise DataError(f"{where}: the prompt tokenizes to nothing")
     return Prompt(list(ids), text, label)

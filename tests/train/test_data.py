@@ -21,8 +21,8 @@ def tokenizer():
     return tok
 
 
-def write(tmp_path, lines):
-    path = tmp_path / "p.jsonl"
+def write(tmp_path, lines, name="p.jsonl"):
+    path = tmp_path / name
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -156,3 +156,37 @@ def test_keys_system_prompt_and_chat_template_options(tmp_path, tokenizer):
         load_jsonl(path, tok, fmt=PromptFormat(prompt_key="question", label_key="meta.answer"))
     with pytest.raises(DataError, match=r"p.jsonl:1: no 'input' \(data.prompt_key\)"):
         load_jsonl(path, tok, fmt=PromptFormat(prompt_key="input"))
+
+
+TOOLS = ("{% if tools %}<tools>{% for t in tools %}{{ t['function']['name'] }};{% endfor %}{% endif %}"
+         "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>")
+
+
+def test_tools_reach_the_chat_template_and_the_whole_record_can_be_the_label(tmp_path):
+    """A record's tool schemas (a list, or the list as a JSON string as parquet sets keep them) go to the chat
+    template as its ``tools``; data.tools_key renames the field; a plain-text prompt with tools and no template is
+    refused (the tools would be dropped); data.label_key="*" hands the reward the whole record."""
+    tok = char_tokenizer(128)
+    tok.chat_template = TOOLS
+    schema = {"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}
+    messages = [{"role": "user", "content": "ab"}]
+    path = write(tmp_path, [json.dumps({"messages": messages, "tools": [schema], "answer": "5"}),
+                            json.dumps({"messages": messages, "tools": json.dumps([schema]), "answer": "6"}),
+                            json.dumps({"messages": messages, "answer": "7", "extra": {"id": 3}})])
+    prompts, _ = load_jsonl(path, tok, fmt=PromptFormat(label_key="*"))
+    assert [p.text for p in prompts] == ["<tools>calc;<user>ab<assistant>"] * 2 + ["<user>ab<assistant>"]
+    assert prompts[2].label == {"messages": messages, "answer": "7", "extra": {"id": 3}}
+    assert tok.decode(prompts[0].ids) == prompts[0].text
+    renamed = write(tmp_path, [json.dumps({"messages": messages, "functions": [schema]})], "r.jsonl")
+    (no_tools,), _ = load_jsonl(renamed, tok)
+    (with_tools,), _ = load_jsonl(renamed, tok, fmt=PromptFormat(tools_key="functions"))
+    assert no_tools.text == "<user>ab<assistant>" and with_tools.text == "<tools>calc;<user>ab<assistant>"
+    plain = write(tmp_path, [json.dumps({"prompt": "ab", "tools": [schema]})], "plain.jsonl")
+    with pytest.raises(DataError, match=r"plain.jsonl:1: has tools \(data.tools_key\) but its prompt does not go "
+                                        r"through the chat template"):
+        load_jsonl(plain, tok)
+    (templated,), _ = load_jsonl(plain, tok, fmt=PromptFormat(apply_chat_template=True))
+    assert templated.text == "<tools>calc;<user>ab<assistant>"
+    bad = write(tmp_path, [json.dumps({"messages": messages, "tools": {"name": "calc"}})], "bad.jsonl")
+    with pytest.raises(DataError, match=r"bad.jsonl:1: tools \(data.tools_key\) must be a list of tool schemas"):
+        load_jsonl(bad, tok)
