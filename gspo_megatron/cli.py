@@ -40,7 +40,7 @@ def _train(args) -> int:
         return 1
     from gspo_megatron.train import preemption
     from gspo_megatron.train.data import DataError
-    from gspo_megatron.rollout.errors import RolloutError
+    from gspo_megatron.rollout.errors import RolloutError, StartInterrupted
     from gspo_megatron.train.faults import NonFiniteError
     from gspo_megatron.train.loop import train
 
@@ -49,6 +49,9 @@ def _train(args) -> int:
     preemption.install()
     try:
         metrics = train(cfg, resume=args.resume)
+    except StartInterrupted as error:  # before the first step: nothing trained, nothing to save
+        print(f"gspo-megatron train: stopped before the first step: {error}", file=sys.stderr)
+        return 128 + error.signum
     except (DataError, NonFiniteError, RolloutError) as error:  # a prompt file's line, the run's last steps, the
         # rollout server concerned: named in the message
         print(f"gspo-megatron train: {type(error).__name__}: {error}", file=sys.stderr)

@@ -15,6 +15,15 @@ class ServerStartError(RolloutError):
     """An SGLang server did not become healthy in time, or exited while starting (the message has its log tail)."""
 
 
+class StartInterrupted(ServerStartError):
+    """A stop signal (a scheduler's SIGTERM) came while waiting for servers to start: they were shut down.
+    ``signum``: that signal."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.signum = signum
+
+
 class ServerDied(RolloutError):
     """An SGLang server process exited, or stopped accepting connections, while it was needed."""
 

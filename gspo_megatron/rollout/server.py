@@ -23,15 +23,17 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Callable, Optional
 
 from gspo_megatron.parallel.launch import free_port
 
 from . import server_watchdog
 from .client import HttpClient, RetryPolicy
 from .config import SGLangConfig
-from .errors import RolloutError, ServerStartError
+from .errors import RolloutError, ServerStartError, StartInterrupted
 
 log = logging.getLogger(__name__)
+Stop = Optional[Callable[[], Optional[int]]]  # the stop signal caught so far, if any (train.preemption.requested)
 # Lines (lower case) of a server's log after which it never becomes healthy
 FATAL_LINES = ("address already in use",)
 
@@ -169,14 +171,20 @@ class ServerProcess:
             return None
         return None
 
-    def wait_ready(self, timeout: float, note_every_s: float = 15.0) -> None:
+    def wait_ready(self, timeout: float, note_every_s: float = 15.0, stop: Stop = None) -> None:
         """Until GET /health_generate answers 200 (a real one-token generation), or raise ServerStartError: at once
         when the server exits or its log shows a fatal line (a taken port: SGLang keeps running ~60 s after saying
-        so), else after ``timeout``. Says what it awaits every ``note_every_s``."""
+        so), else after ``timeout``. Says what it awaits every ``note_every_s``. ``stop``: returns the stop signal
+        caught meanwhile, if any (the trainer's preemption flag): then shut down and raise StartInterrupted."""
         client = HttpClient(self.url, RetryPolicy(max_retries=0), timeout=10.0)
         start = time.monotonic()
         deadline, next_note = start + timeout, start + note_every_s
         while time.monotonic() < deadline:
+            signum = stop() if stop is not None else None
+            if signum:
+                self.shutdown()
+                raise StartInterrupted(f"{signal.Signals(signum).name} while waiting for {self.name} at {self.url} "
+                                       "to start (shut down)", signum)
             if not self.alive():
                 raise ServerStartError(f"SGLang server did not start: {self.describe_exit()}")
             fatal = self.fatal_line()
@@ -278,21 +286,21 @@ def start_servers(config: SGLangConfig, keep: bool = False) -> list[ServerProces
     return servers
 
 
-def wait_all_ready(servers: list[ServerProcess], timeout: float) -> None:
-    """Wait for each server in turn (they start in parallel); on any failure stop them all."""
+def wait_all_ready(servers: list[ServerProcess], timeout: float, stop: Stop = None) -> None:
+    """Wait for each server in turn (they start in parallel); on any failure (or ``stop``) stop them all."""
     try:
         for server in servers:
-            server.wait_ready(timeout)
+            server.wait_ready(timeout, stop=stop)
     except BaseException:
         for server in servers:
             server.shutdown()
         raise
 
 
-def launch_servers(config: SGLangConfig) -> list[ServerProcess]:
+def launch_servers(config: SGLangConfig, stop: Stop = None) -> list[ServerProcess]:
     """Start every server of ``config`` and wait until all are healthy."""
     servers = start_servers(config)
-    wait_all_ready(servers, config.startup_timeout_s)
+    wait_all_ready(servers, config.startup_timeout_s, stop)
     return servers
 
 

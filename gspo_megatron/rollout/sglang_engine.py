@@ -29,6 +29,7 @@ server is waited for up to ``attached_wait_s`` and must come back at the current
 from __future__ import annotations
 
 import logging
+import signal
 import tempfile
 import threading
 import time
@@ -39,23 +40,23 @@ from typing import Sequence
 
 import torch
 
-
 from . import weight_sync
 from .client import HttpClient, RetryPolicy
 from .config import SGLangConfig
 from .errors import (BadResponse, RequestFailed, RolloutError, ServerDied, ServerStartError, ServerUnresponsive,
-                     StaleWeights, TooManyRestarts, WeightSyncError)
-from .server import ServerProcess, launch_router, launch_servers, wait_all_ready
+                     StaleWeights, StartInterrupted, TooManyRestarts, WeightSyncError)
+from .server import ServerProcess, Stop, launch_router, launch_servers, wait_all_ready
 from .types import Group, NamedTensors, Sample, SamplingParams, SyncStats, check_prompts
 
 log = logging.getLogger(__name__)
+NOTE_EVERY_S = 15.0  # how often a wait for an attached server says what it awaits
 
 
 class SGLangEngine:
     """See the module docstring. ``servers``: processes already started with ``server.start_servers(config)``
     for this engine to wait for and own (to overlap server start-up with other work)."""
 
-    def __init__(self, config: SGLangConfig, servers: list[ServerProcess] | None = None):
+    def __init__(self, config: SGLangConfig, servers: list[ServerProcess] | None = None, stop: Stop = None):
         self.config = config
         self._servers: list[ServerProcess] = []
         self._router: ServerProcess | None = None
@@ -67,9 +68,9 @@ class SGLangEngine:
             self.generate_urls = [config.router_url.rstrip("/")] if config.router_url else list(self.worker_urls)
         else:
             if servers is None:
-                self._servers = launch_servers(config)
+                self._servers = launch_servers(config, stop)
             else:
-                wait_all_ready(servers, config.startup_timeout_s)
+                wait_all_ready(servers, config.startup_timeout_s, stop)
                 self._servers = list(servers)
             self.worker_urls = [s.url for s in self._servers]
             self.generate_urls = list(self.worker_urls)
@@ -85,7 +86,7 @@ class SGLangEngine:
         try:
             if config.urls:  # attached: check each can generate before use (launched ones were checked)
                 for url in dict.fromkeys(self.worker_urls + self.generate_urls):
-                    self._wait_healthy(url)
+                    self._wait_healthy(url, stop)
             info = [self._clients[u].get("/model_info", timeout=config.health_timeout_s * 4) for u in self.worker_urls]
         except BaseException:
             self.close()
@@ -101,18 +102,30 @@ class SGLangEngine:
         self._routed_shape = routed_experts_shape(self.model_path) if config.return_routed_experts else None
         self._budget = TokenBudget(self._capacities())
 
-    def _wait_healthy(self, url: str) -> None:
-        """GET /health_generate until 200. A server still starting answers 503: wait for it up to
-        startup_timeout_s; one that refuses connections fails after the configured retries (ServerDied)."""
-        deadline = time.monotonic() + self.config.startup_timeout_s
+    def _wait_healthy(self, url: str, stop: Stop = None) -> None:
+        """GET /health_generate until 200. A server still starting answers 503, and one that accepts connections
+        but has not answered yet times out: wait for it up to startup_timeout_s, saying so every NOTE_EVERY_S
+        and polling ``stop`` (see server.wait_ready); one that refuses connections fails after the configured
+        retries (ServerDied)."""
+        timeout = self.config.startup_timeout_s
+        start = time.monotonic()
+        deadline, next_note = start + timeout, start + NOTE_EVERY_S
         while True:
+            signum = stop() if stop is not None else None
+            if signum:
+                raise StartInterrupted(f"{signal.Signals(signum).name} while waiting for {url} to answer", signum)
             try:
-                self._clients[url].get("/health_generate", timeout=self.config.startup_timeout_s)
+                # Short probes, so that a server that never answers is reported and a stop signal is seen.
+                self._clients[url].get("/health_generate", timeout=max(1.0, min(10.0, NOTE_EVERY_S, deadline - time.monotonic())))
                 return
-            except RequestFailed as e:
+            except (RequestFailed, ServerUnresponsive) as e:
                 if time.monotonic() > deadline:
-                    raise ServerStartError(f"{url} not healthy after {self.config.startup_timeout_s:.0f} s: {e}") from e
+                    raise ServerStartError(f"{url} not healthy after {timeout:.0f} s: {e}") from e
                 time.sleep(1.0)
+            if time.monotonic() >= next_note:
+                log.warning("waiting for %s/health_generate to answer (%.0f s of %.0f s)", url,
+                            time.monotonic() - start, timeout)
+                next_note += NOTE_EVERY_S
 
     # ---- lifecycle ------------------------------------------------------------------------------------------
 

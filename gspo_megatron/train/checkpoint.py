@@ -226,13 +226,18 @@ def damage(path: str | Path) -> str | None:
     from torch.distributed.checkpoint import FileSystemReader
 
     path = Path(path)
-    for name in ("metadata.json", ".metadata", "common.pt"):
+    for name in ("metadata.json", ".metadata"):
         if not (path / name).is_file():
             return f"{path / name} is missing"
     try:
         storage = FileSystemReader(str(path)).read_metadata().storage_data
     except Exception as e:  # a truncated or garbled index: pickle's and torch's errors alike
         return f"{path / '.metadata'} is unreadable ({type(e).__name__}: {e})"
+    # The common (non-tensor) state: common.pt up to megatron-core 0.16; from 0.19 a "common_state" object inside
+    # the torch_dist files (checked with them below).
+    inline_common = any(index.fqn.startswith("common_state") for index in storage)
+    if not inline_common and not (path / "common.pt").is_file():
+        return f"{path / 'common.pt'} is missing"
     needed: dict[str, int] = {}
     for info in storage.values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
@@ -242,10 +247,11 @@ def damage(path: str | Path) -> str | None:
             return f"{file} is missing"
         if file.stat().st_size < size:
             return f"{file} is cut short ({file.stat().st_size} of {size} bytes)"
-    try:
-        torch.load(path / "common.pt", map_location="cpu", weights_only=False)
-    except Exception as e:
-        return f"{path / 'common.pt'} is unreadable ({type(e).__name__}: {e})"
+    if not inline_common:
+        try:
+            torch.load(path / "common.pt", map_location="cpu", weights_only=False)
+        except Exception as e:
+            return f"{path / 'common.pt'} is unreadable ({type(e).__name__}: {e})"
     return None
 
 

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from gspo_megatron.parallel import control
 from gspo_megatron.train import elastic
 from gspo_megatron.rollout.errors import RolloutError
-from gspo_megatron.train import fault_injection
+from gspo_megatron.train import fault_injection, preemption
 from gspo_megatron.train.config import Config, ConfigError
 from gspo_megatron.train.data import Prompt
 
@@ -62,7 +62,8 @@ def _engine(cfg: Config, hf_dir: str | Path, tokenizer):
     refuse_colocation(config, trainer_gpus=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     # under torchrun --max-restarts: servers kept through a restart of the workers (adopted), or launched to be kept
     servers = None if config.urls else elastic.servers(cfg, config)
-    engine = SGLangEngine(config, servers=servers)
+    # A scheduler's SIGTERM while the servers start stops the wait (caught by train.preemption: nothing to save yet).
+    engine = SGLangEngine(config, servers=servers, stop=preemption.requested)
     if servers is not None:  # kept servers (torchrun restarts): one relaunched after a failure is recorded anew
         engine.on_relaunch = lambda: elastic.record_servers(cfg, engine.servers)
     return engine

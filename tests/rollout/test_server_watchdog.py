@@ -110,3 +110,66 @@ def test_a_start_that_cannot_succeed_stops_at_its_fatal_line_and_a_wait_says_wha
         assert len(notes) >= 2 and "server 1: waiting for http://127.0.0.1:" in notes[0], notes
     finally:
         silent.shutdown()
+
+
+def _stop_after(seconds: float):
+    """A stand-in for train.preemption.requested: SIGTERM once ``seconds`` have passed."""
+    import signal
+
+    at = time.monotonic() + seconds
+    return lambda: signal.SIGTERM if time.monotonic() >= at else None
+
+
+def test_a_stop_signal_interrupts_the_wait_for_a_launched_server(tmp_path):
+    """A scheduler's SIGTERM while a launched server starts (train.preemption caught it): the wait ends within a
+    poll, the server is shut down, and StartInterrupted names the signal; without it the wait would run its 300 s."""
+    import pytest
+
+    from gspo_megatron.parallel.launch import free_port
+    from gspo_megatron.rollout.errors import StartInterrupted
+    from gspo_megatron.rollout.server import wait_all_ready
+
+    servers = [ServerProcess(SLEEPER, {}, f"http://127.0.0.1:{free_port()}", tmp_path / f"s{i}.log", name=f"server {i}")
+               for i in range(2)]
+    start = time.monotonic()
+    with pytest.raises(StartInterrupted, match=r"SIGTERM while waiting for server 0 at http://127.0.0.1:\d+ to "
+                                               r"start \(shut down\)") as caught:
+        wait_all_ready(servers, timeout=300, stop=_stop_after(2.0))
+    assert caught.value.signum == 15 and 2.0 <= time.monotonic() - start < 20
+    assert not any(s.alive() for s in servers), "every server is stopped, not only the one awaited"
+
+
+def test_an_attached_server_that_never_answers_is_reported_and_a_stop_signal_ends_the_wait(caplog, monkeypatch):
+    """rollout.urls naming a server that accepts connections but never answers (hung, or still loading): short
+    probes instead of one request of startup_timeout_s, so the wait says what it awaits, ends at its time-out with
+    the URL named, and a stop signal ends it at once."""
+    import logging
+    import socket
+
+    import pytest
+
+    from gspo_megatron.rollout import SGLangConfig, SGLangEngine, sglang_engine
+    from gspo_megatron.rollout.errors import ServerStartError, StartInterrupted
+
+    monkeypatch.setattr(sglang_engine, "NOTE_EVERY_S", 1.0)
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)  # accepts (the kernel's backlog), never answers
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    try:
+        config = SGLangConfig(model_path="unused", urls=(url,), startup_timeout_s=4.0)
+        start = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="gspo_megatron.rollout.sglang_engine"):
+            with pytest.raises(ServerStartError, match=rf"{url} not healthy after 4 s"):
+                SGLangEngine(config)
+        assert time.monotonic() - start < 20
+        notes = [r.getMessage() for r in caplog.records if "waiting for" in r.getMessage()]
+        assert notes and f"waiting for {url}/health_generate to answer" in notes[0], notes
+        config = SGLangConfig(model_path="unused", urls=(url,), startup_timeout_s=300.0)
+        start = time.monotonic()
+        with pytest.raises(StartInterrupted, match=rf"SIGTERM while waiting for {url} to answer"):
+            SGLangEngine(config, stop=_stop_after(1.0))
+        assert time.monotonic() - start < 20
+    finally:
+        listener.close()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -56,3 +57,49 @@ def test_a_signal_on_one_rank_stops_every_rank_after_the_same_step_and_resume_is
     assert a.keys() == b.keys() and len(a) > 10
     different = [k for k in a if not torch.equal(a[k], b[k])]
     assert not different, f"resumed weights differ from the uninterrupted run: {different[:5]}"
+
+
+def test_a_signal_while_waiting_for_the_rollout_servers_stops_the_wait(tmp_path):
+    """SIGTERM while the trainer waits for an attached server that accepts connections but never answers (still
+    loading, or hung): the wait ends at its next poll instead of rollout.startup_timeout_s (300 s), the run exits
+    128+15 with a sentence saying nothing was trained, and nothing was saved. World 1, a real process."""
+    import socket
+    import threading
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    accepted: list[socket.socket] = []
+
+    def accept() -> None:  # hold every connection open, answer none
+        while True:
+            try:
+                accepted.append(listener.accept()[0])
+            except OSError:
+                return
+
+    threading.Thread(target=accept, daemon=True).start()
+    command = [sys.executable, "-m", "gspo_megatron.cli", "train", str(ROOT / "examples/tiny_moe_cpu.yaml"),
+               f"model.hf_dir={tmp_path / 'model'}", "model.warm_start_steps=0", f"logging.dir={tmp_path / 'run'}",
+               f"checkpoint.dir={tmp_path / 'run' / 'ck'}", f"rollout.urls=[{url}]", "data.reward_workers=0"]
+    process = subprocess.Popen(command, cwd=ROOT, env=dict(env(), WORLD_SIZE="1"), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        # The first connection is the pre-flight check (accepts?); the next ones are the engine's health probes.
+        while len(accepted) < 2 and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert process.poll() is None, process.communicate()[1][-3000:]
+        signalled = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        stdout, stderr = process.communicate(timeout=120)
+        stopped_in = time.monotonic() - signalled
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+        listener.close()
+    assert process.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    assert f"stopped before the first step: SIGTERM while waiting for {url} to answer" in stderr, stderr[-3000:]
+    assert stopped_in < 30, f"the wait went on {stopped_in:.0f} s after the signal"
+    assert not (tmp_path / "run" / "ck").exists() or not any((tmp_path / "run" / "ck").iterdir())
