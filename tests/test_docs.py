@@ -94,7 +94,8 @@ def broken_links(path: Path, root: Path = ROOT) -> list[str]:
 
 
 def test_slugs_are_githubs():
-    assert slug("Throughput: packed sequences, token-budget micro batches") == "throughput-packed-sequences-token-budget-micro-batches"
+    assert slug("Throughput: packed sequences, token-budget micro batches") == (
+        "throughput-packed-sequences-token-budget-micro-batches")
     assert slug("Megatron-Core 0.16.1 and 0.19.2 on CPU") == "megatron-core-0161-and-0192-on-cpu"
     assert slug("The `performance` section") == "the-performance-section"
     assert slug("GPU paths (NCCL, TE), multi-node") == "gpu-paths-nccl-te-multi-node"
@@ -105,7 +106,8 @@ def test_the_link_checker_finds_a_broken_link(tmp_path):
     (tmp_path / "other.md").write_text("# Other\n\n## A section\n")
     page.write_text("# Page\n\n[ok](other.md#a-section) [self](#page) [gone](missing.md) [no](other.md#nope)\n"
                     "`[code](missing2.md)`\n```\n[fenced](missing3.md)\n```\n[web](https://example.com/x)\n")
-    assert broken_links(page, tmp_path) == ["page.md: missing.md (no file missing.md)", "page.md: other.md#nope (no heading #nope in other.md)"]
+    assert broken_links(page, tmp_path) == ["page.md: missing.md (no file missing.md)",
+                                            "page.md: other.md#nope (no heading #nope in other.md)"]
 
 
 def test_links_in_the_readme_and_docs_resolve():
@@ -116,7 +118,8 @@ def test_links_in_the_readme_and_docs_resolve():
 
 def test_every_docs_page_is_in_the_index():
     index = (DOCS / "README.md").read_text()
-    missing = [page.name for page in sorted(DOCS.glob("*.md")) if page.name != "README.md" and f"({page.name}" not in index]
+    missing = [page.name for page in sorted(DOCS.glob("*.md"))
+               if page.name != "README.md" and f"({page.name}" not in index]
     assert not missing, f"docs/README.md does not link {missing}"
 
 
