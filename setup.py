@@ -7,7 +7,7 @@ setup(
     version="0.1.0",
     description="GSPO (Group Sequence Policy Optimization) training backend on Megatron-Core with SGLang rollouts",
     # Tested: Python 3.11 with megatron-core 0.16.1 (every test) and Python 3.12 with megatron-core 0.19.2 (the
-    # Megatron-side tests, README "Megatron-Core versions"). 3.10 and 3.13 have never run.
+    # Megatron-side tests, docs/cpu-and-versions.md "Megatron-Core versions"). 3.10 and 3.13 have never run.
     python_requires=">=3.11,<3.13",
     packages=find_packages(include=["gspo_megatron", "gspo_megatron.*", "patches", "patches.*"]),
     install_requires=[
@@ -30,9 +30,10 @@ setup(
     ],
     extras_require={
         # GPU-only: TransformerEngine needs CUDA torch and NCCL at build and import time.
-        # TransformerEngine per megatron-core release (README "Megatron-Core versions"): 0.16.1 declares >=2.9,<2.12
-        # (its dev extra); 0.19.2 declares no bound, and its source knows TE releases up to 2.14 (features gated on
-        # is_te_min_version("2.14.0"), none later), so later ones are not admitted until they have run.
+        # TransformerEngine per megatron-core release (docs/cpu-and-versions.md "Megatron-Core versions"): 0.16.1
+        # declares >=2.9,<2.12 (its dev extra); 0.19.2 declares no bound, and its source knows TE releases up to 2.14
+        # (features gated on is_te_min_version("2.14.0"), none later), so later ones are not admitted until they have
+        # run.
         "gpu": [
             "transformer-engine[pytorch]>=2.9,<2.12; python_version < '3.12'",
             "transformer-engine[pytorch]>=2.9,<2.15; python_version >= '3.12'",

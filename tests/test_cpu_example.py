@@ -1,6 +1,6 @@
 """The README's CPU example config, with its real SGLang server on 127.0.0.1, under torchrun at TP=2 x EP=2.
 
-A few steps only (learning is shown by the full run, whose numbers are in the README): four gloo ranks build the
+A few steps only (learning is shown by the full run, whose numbers are in docs/examples.md): four gloo ranks build the
 tiny Qwen3-MoE, rank 0 launches SGLang, every step syncs the updated shards back to it, and the rollout's
 log-probs must match the trainer's, which they only do if the synced weights are the trained ones.
 """

@@ -1,5 +1,5 @@
 """The tool-use example (examples/tool_use_cpu.yaml: the tiny MoE with a calculator, real SGLang server on
-127.0.0.1), briefly: learning is shown by the full run, whose numbers and plot are in the README.
+127.0.0.1), briefly: learning is shown by the full run, whose numbers and plot are in docs/examples.md.
 
 Under torchrun at TP=2 x EP=2 every rank's batch must hold the trajectories as the engine and the calculator made
 them: the model's turns trained, each calculator result in the sequence with no loss on it and equal to the call's
