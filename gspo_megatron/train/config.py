@@ -35,6 +35,7 @@ class ModelConfig:
     example's brief warm start, so the random model has seen the answer format; the tool-use example's, so it has
     seen calculator calls)."""
     warm_start_lr: float = 3e-3
+    """The warm start's AdamW learning rate."""
     megatron_checkpoint: str = ""
     """Start from this Megatron dist checkpoint's weights instead of hf_dir's (hf_dir still gives the tokenizer and the
     servers' start): a converted model (tools/convert_hf_to_megatron.py), or a training run's checkpoint.dir, its
@@ -147,11 +148,15 @@ class RolloutConfig:
     prompts_per_step: int = 8
     """Prompts per RL step; the rollout batch is prompts_per_step * group_size sequences."""
     max_new_tokens: int = 64
+    """The longest response, in tokens (a longer one stops there, truncated: ``on_truncated`` says what then)."""
     max_prompt_tokens: int = 512
     """Prompts longer than this are an error (they also size the memory estimate of ``plan``)."""
     temperature: float = 1.0
+    """Sampling temperature (1: the policy's own distribution, which GSPO's ratios assume)."""
     top_p: float = 1.0
+    """Nucleus sampling (1: off). Below 1 the samples no longer follow the policy the ratios are taken against."""
     top_k: int = -1
+    """Sample from the k likeliest tokens only (-1: off); the same caveat as top_p."""
     stop_token_ids: list[int] = field(default_factory=list)
     """Token ids that end a response besides the tokenizer's end token (SGLang's ``stop_token_ids``): the response
     keeps the stop token and is not truncated."""
@@ -233,6 +238,7 @@ class AlgoSection:
     eps_high: float | None = None
     """Upper clip; default 4e-4 for GSPO, 0.27 for GRPO."""
     max_log_ratio: float = 10.0
+    """The log importance ratio is clamped to +-this before exp, so a ratio stays finite (algo/surrogate.py)."""
     grpo_aggregation: str = "token-mean"
     """GRPO's normalisation: token-mean (every token weighs the same) or seq-mean-token-mean (every sequence)."""
     token_advantages: str = "sequence"
@@ -249,10 +255,12 @@ class AlgoSection:
     kl_coef: float = 0.0
     """KL penalty against a frozen reference (the starting weights); GSPO uses none. > 0 adds a reference pass."""
     kl_estimator: str = "k3"
+    """With kl_coef > 0: the KL estimator, k1, k2 or k3 (Schulman's; k3 is non-negative and unbiased)."""
     entropy_coef: float = 0.0
     """Entropy bonus: the loss minus entropy_coef x the policy's mean entropy per response token (normalised like
     the loss). Keeps small policies exploring; 0 (the paper's setting) skips the entropy computation."""
     normalize_advantage_std: bool = True
+    """Advantages are (r - group mean) / group std; false: r - group mean (Dr. GRPO)."""
     fused_loss: bool = True
     """The update pass computes the loss inside the output layer's vocab-parallel op, chunk by chunk (three logits
     matmuls, ops.sequence_loss); false: the log-prob op, then the loss (four: its backward recomputes the logits)."""
@@ -285,15 +293,23 @@ class AlgoSection:
 @dataclass
 class OptimizerSection:
     lr: float = 1e-6
+    """Peak learning rate (Adam)."""
     min_lr: float = 0.0
+    """The learning rate that linear or cosine decay ends at."""
     warmup_steps: int = 0
+    """Optimizer steps of linear warm-up from 0 to lr."""
     lr_decay: str = "constant"
     """constant, linear or cosine (over train.steps)."""
     weight_decay: float = 0.0
+    """Decoupled weight decay (AdamW)."""
     adam_beta1: float = 0.9
+    """Adam's first-moment decay."""
     adam_beta2: float = 0.999
+    """Adam's second-moment decay."""
     adam_eps: float = 1e-8
+    """Adam's epsilon."""
     clip_grad: float = 1.0
+    """Gradients are clipped to this global norm (over every rank's shard); 0: no clipping."""
 
 
 @dataclass
@@ -320,6 +336,8 @@ class DataConfig:
     """A synthetic task shipped in the repo instead of a file (gspo_megatron.rollout.synthetic: reverse, copy, add,
     count, mul)."""
     eval_prompts: str = ""
+    """Held-out prompts for train.eval_every (the formats of ``prompts``); with ``task``: 64 of the task's problems
+    from another seed."""
     skip_malformed: bool = False
     """Skip (and count) malformed JSONL lines instead of stopping at the first with its line number."""
     long_prompts: str = "error"
@@ -344,13 +362,17 @@ class DataConfig:
     or module:function, fn(prompt, response_tokens: list[str], label) -> [(end, reward), ...] with ``end`` the
     number of response tokens up to and including the segment's last one, rising."""
     seed: int = 1234
+    """The order the prompts are drawn in, and a built-in task's problems."""
 
 
 @dataclass
 class TrainSection:
     steps: int = 100
+    """RL steps (each: one rollout batch, ``algo.minibatches`` optimizer steps, one weight sync)."""
     eval_every: int = 0
+    """Every N steps, the mean reward of one sampled response per ``data.eval_prompts`` prompt; 0: never."""
     seed: int = 1234
+    """A tiny model's random weights, Megatron's RNG, and the servers' sampling seed."""
     max_consecutive_nonfinite: int = 3
     """A step whose loss or gradient is NaN/inf on any rank skips that update on every rank (``skipped_updates``) and
     saves its batch to ``<logging.dir>/nonfinite/``; this many such steps in a row stop the run with NonFiniteError
@@ -364,9 +386,11 @@ class TrainSection:
 @dataclass
 class CheckpointConfig:
     dir: str = ""
+    """Where step_N checkpoints and ``latest`` are written ("": no checkpoints); --resume continues from it."""
     every: int = 0
     """Save every N steps (0: only at the end)."""
     keep: int = 2
+    """How many of the newest step dirs stay; older ones are removed once a newer one is complete (0: all)."""
     async_save: bool = False
     """Write checkpoints in the background (megatron's asynchronous torch_dist save): training continues once
     the tensors are copied to host memory; ``latest`` names the checkpoint when every rank has written it."""
@@ -375,11 +399,13 @@ class CheckpointConfig:
 @dataclass
 class LoggingConfig:
     dir: str = "runs/default"
+    """Where metrics.jsonl, metrics.png and TensorBoard events are written."""
     tensorboard: bool = True
     """Write TensorBoard events when tensorboard is installed."""
     wandb_project: str = ""
     """Log to Weights & Biases when set (and wandb is installed)."""
     plot_every: int = 5
+    """Redraw metrics.png every N steps and at the last step; 0: no plot."""
     expert_volatility: bool = True
     """MoE with algo.minibatches >= 2 and the old-policy pass: log the fraction of (token, layer) routing decisions
     whose top-k experts one optimizer step changed (the old pass's experts vs the second minibatch's forward, no
