@@ -46,6 +46,10 @@ CASES = {
     "prompt file: prompt too long": ({"p.jsonl": json.dumps({"prompt": "a" * 40, "answer": "x"}) + "\n"},
                                      ["data.task=", "data.prompts={tmp}/p.jsonl"], 1,
                                      "{tmp}/p.jsonl:1: prompt has 40 tokens > rollout.max_prompt_tokens=16"),
+    "prompt file: tools on a plain prompt": ({"p.jsonl": json.dumps({"prompt": "ab", "tools": [{"type": "function"}]})
+                                              + "\n"}, ["data.task=", "data.prompts={tmp}/p.jsonl"], 1,
+                                             "{tmp}/p.jsonl:1: has tools (data.tools_key) but its prompt does not go "
+                                             "through the chat template"),
     "unknown reward": ({}, ["data.reward=maths"], 2,
                        "data.reward='maths' is neither a built-in (['code_tests', 'exact_match', 'math', 'synthetic'])"),
     "reward module missing": ({}, ["data.reward=no_such_module:fn"], 2,
