@@ -3,6 +3,9 @@ shared expert, qkv bias, qk-norm, partial rotary) served by a real SGLang server
 log-probs equal the trainer-side model's (transformers, through the fused log-prob op) within ``TOLERANCE``, before
 and after a distributed weight sync of a trained model whose expert bias was moved too (a sync that dropped the bias
 would leave SGLang routing differently from the trainer: the stale check shows the moved bias alone is visible).
+Rollout routing replay (R3) with its sigmoid, bias-corrected, group-limited router and a dense first layer: the
+server's routes replayed in the Megatron policy (TP2 + SP) are used by every MoE router for every token, and the
+log-probs equal SGLang's.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from tests.model import hf_tiny
 
 from tests.sglang_servers import server_config
 from .helpers import TOLERANCE, fused_logprobs, prompts, require_sglang
+from .r3_ranks import GROUP, N_PROMPTS, r3_replay
 from .test_weight_sync import _mismatch, _rollout, _train_step
 
 
@@ -25,7 +29,9 @@ from .test_weight_sync import _mismatch, _rollout, _train_step
 def glm(tmp_path_factory):
     require_sglang()
     model_dir = hf_tiny.save_variant("glm4_moe", tmp_path_factory.mktemp("glm"), seed=4)
-    config = server_config(model_dir, tmp_path_factory.mktemp("glm_logs"), context_length=64)  # its max positions
+    # context_length: its max positions; the routed experts for rollout routing replay's test
+    config = server_config(model_dir, tmp_path_factory.mktemp("glm_logs"), context_length=64,
+                           return_routed_experts=True)
     servers = server_mod.start_servers(config)
     try:
         with SGLangEngine(config, servers=servers) as engine:
@@ -49,6 +55,35 @@ def test_sglang_serves_glm_with_the_trainers_logprobs(glm):
     print("GLM train/inference mismatch:", metrics)
 
 
+@pytest.mark.megatron  # builds a Megatron model
+def test_glm_routes_replayed_equal_the_servers_tp2(glm):
+    """SGLang returns routes for every decoder layer ([P + R - 1, num_hidden_layers, top-k], the dense first layer's
+    slot unused); the policy's routers (MoE layers only) take theirs by layer number. Replayed under TP2 + SP, every
+    router uses the server's experts exactly, the log-probs equal SGLang's, and a misaligned replay is far off."""
+    import json
+
+    from gspo_megatron.parallel.groups import Layout
+    from gspo_megatron.parallel.launch import run_on_ranks
+
+    engine, model_dir = glm
+    config = json.loads((model_dir / "config.json").read_text())
+    layers, topk, dense = config["num_hidden_layers"], config["num_experts_per_tok"], config["first_k_dense_replace"]
+    assert dense >= 1, "the tiny GLM has a dense first layer: the layer numbering is under test"
+    layout = Layout(tensor=2, sequence_parallel=True)
+    # Before the weight-sync test below (file order): the server still serves model_dir's weights.
+    results = run_on_ranks(r3_replay, 2, layout, str(model_dir), engine.worker_urls[0], layout, timeout=300)
+    shapes = results[0]["shapes"]
+    assert len(shapes) == N_PROMPTS * GROUP
+    assert all(shape == (p + r - 1, layers, topk) for p, r, shape in shapes), shapes
+    for rank, r in enumerate(results):
+        print(f"GLM R3 rank {rank}: " + "  ".join(f"{k}: {r[k]}" for k in ("r3", "shifted", "free")))
+        r3, shifted = r["r3"], r["shifted"]
+        assert r3["layers_seen"] == list(range(dense, layers))  # MoE layers only
+        assert r3["routes_total"] > 0 and r3["routes_same"] == r3["routes_total"], r3
+        assert r3["mismatch/token_max_abs"] <= TOLERANCE, r3
+        assert shifted["mismatch/token_max_abs"] > 100 * TOLERANCE, shifted
+
+
 def test_glm_weight_sync_carries_the_expert_bias(glm):
     from transformers import AutoModelForCausalLM
 
@@ -70,3 +105,4 @@ def test_glm_weight_sync_carries_the_expert_bias(glm):
     after = _mismatch(model, batch)
     print("GLM mismatch after the sync:", after)
     assert after["mismatch/token_max_abs"] <= TOLERANCE, after
+
