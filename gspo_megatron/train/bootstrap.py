@@ -121,11 +121,11 @@ def model_hf_config(cfg: Config) -> dict:
         except ValueError as e:
             raise ConfigError(f"model.hf_dir: {e}") from None
     if cfg.model.tiny:
-        from gspo_megatron.rollout.synthetic import tiny_qwen3_moe_config
+        from gspo_megatron.rollout.synthetic import tiny_config
 
         try:
-            return tiny_qwen3_moe_config(**cfg.model.tiny).to_dict()
-        except TypeError as e:
+            return tiny_config(**cfg.model.tiny).to_dict()
+        except (TypeError, ValueError) as e:
             raise ConfigError(f"model.tiny: {e}") from None
     if not cfg.model.hf_dir:
         raise ConfigError("model.hf_dir must be set (a Hugging Face model directory, or where to build model.tiny)")

@@ -34,9 +34,9 @@ def read_hf_config(cfg: Config) -> dict:
     if cfg.model.hf_dir and (Path(cfg.model.hf_dir) / "config.json").is_file():
         return json.loads((Path(cfg.model.hf_dir) / "config.json").read_text())
     if cfg.model.tiny:
-        from gspo_megatron.rollout.synthetic import tiny_qwen3_moe_config
+        from gspo_megatron.rollout.synthetic import tiny_config
 
-        return tiny_qwen3_moe_config(**cfg.model.tiny).to_dict()
+        return tiny_config(**cfg.model.tiny).to_dict()
     raise ConfigError(
         f"model.hf_dir={cfg.model.hf_dir!r} has no config.json (and model.tiny is empty): point it at a "
         "Hugging Face model directory"
