@@ -85,6 +85,7 @@ def test_glm_routes_replayed_equal_the_servers_tp2(glm):
 
 
 def test_glm_weight_sync_carries_the_expert_bias(glm):
+    """Distributed, then by disk: after each, SGLang's log-probs equal the trained model's, its expert bias moved."""
     from transformers import AutoModelForCausalLM
 
     from gspo_megatron.rollout import hf_weights
@@ -105,4 +106,16 @@ def test_glm_weight_sync_carries_the_expert_bias(glm):
     after = _mismatch(model, batch)
     print("GLM mismatch after the sync:", after)
     assert after["mismatch/token_max_abs"] <= TOLERANCE, after
+    # The other path (safetensors written, the server reloads them): a further step, the bias moved again.
+    assert _mismatch(model, batch)["mismatch/token_max_abs"] <= TOLERANCE
+    with torch.no_grad():
+        bias.add_(0.5 * torch.randn(bias.shape, generator=torch.Generator().manual_seed(2)))
+    _train_step(model, batch)
+    assert _mismatch(model, batch)["mismatch/token_max_abs"] > 10 * TOLERANCE, "the second step changes nothing"
+    stats = engine.update_weights(hf_weights.checkpoint_tensors(model), "glm-step-2", method="disk")
+    assert stats.weight_version == "glm-step-2"
+    _, batch = _rollout(engine, seed=12)
+    after_disk = _mismatch(model, batch)
+    print("GLM mismatch after the disk sync:", after_disk)
+    assert after_disk["mismatch/token_max_abs"] <= TOLERANCE, after_disk
 
