@@ -58,20 +58,27 @@ def tiny_qwen3_moe_config(vocab_size: int = 128, hidden_size: int = 64, num_laye
     )
 
 
+def _group_limit(num_experts: int, top_k: int) -> dict:
+    """Two expert groups, the top-k chosen within the better one, where a group holds more than top-k experts (else
+    the group would be the choice: one group, no limit)."""
+    return dict(n_group=2, topk_group=1) if num_experts % 2 == 0 and num_experts // 2 > top_k else dict(n_group=1,
+                                                                                                         topk_group=1)
+
+
 def tiny_glm4_moe_config(vocab_size: int = 128, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
                          num_kv_heads: int = 2, head_dim: int = 16, num_experts: int = 4, top_k: int = 2,
                          moe_intermediate_size: int = 32, max_position_embeddings: int = 512,
                          initializer_range: float = 0.1):
     """GLM-4.5's architecture at the CPU example's sizes: the first layer dense, one shared expert, a sigmoid
-    router with the score-correction bias and a group limit (two groups, the top-k from one), partial rotary (half
-    the head), qkv bias, no qk-norm (GLM-4.5's release)."""
+    router with the score-correction bias and a group limit (``_group_limit``), partial rotary (half the head), qkv
+    bias, no qk-norm (GLM-4.5's release)."""
     from transformers import Glm4MoeConfig
 
     return Glm4MoeConfig(
         vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=4 * hidden_size,
         moe_intermediate_size=moe_intermediate_size, num_hidden_layers=num_layers, num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads, head_dim=head_dim, n_routed_experts=num_experts,
-        num_experts_per_tok=top_k, n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
+        num_experts_per_tok=top_k, n_shared_experts=1, first_k_dense_replace=1, **_group_limit(num_experts, top_k),
         routed_scaling_factor=1.0, norm_topk_prob=True, partial_rotary_factor=0.5, attention_bias=True,
         use_qk_norm=False, tie_word_embeddings=False, max_position_embeddings=max_position_embeddings,
         initializer_range=initializer_range, eos_token_id=0, pad_token_id=0, bos_token_id=None, dtype="float32",
@@ -84,15 +91,15 @@ def tiny_deepseek_v3_config(vocab_size: int = 128, hidden_size: int = 64, num_la
                             initializer_range: float = 0.1):
     """DeepSeek-V3's architecture at the CPU example's sizes: multi-latent attention (q and kv LoRA of half the
     hidden size; ``head_dim`` split into equal no-position and rotary parts, values of ``head_dim``), the first layer
-    dense, one shared expert, a sigmoid router with the score-correction bias and a group limit. MLA has no KV
-    heads: ``num_kv_heads`` is unused."""
+    dense, one shared expert, a sigmoid router with the score-correction bias and a group limit (``_group_limit``).
+    MLA has no KV heads: ``num_kv_heads`` is unused."""
     from transformers import DeepseekV3Config
 
     return DeepseekV3Config(
         vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=4 * hidden_size,
         moe_intermediate_size=moe_intermediate_size, num_hidden_layers=num_layers, num_attention_heads=num_heads,
         num_key_value_heads=num_heads, n_routed_experts=num_experts, num_experts_per_tok=top_k,
-        n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=1.0,
+        n_shared_experts=1, first_k_dense_replace=1, **_group_limit(num_experts, top_k), routed_scaling_factor=1.0,
         norm_topk_prob=True, q_lora_rank=hidden_size // 2, kv_lora_rank=hidden_size // 2,
         qk_nope_head_dim=head_dim // 2, qk_rope_head_dim=head_dim // 2, v_head_dim=head_dim,
         tie_word_embeddings=False, max_position_embeddings=max_position_embeddings,

@@ -1,7 +1,7 @@
 """The training loop on the other MoE families, through the command line as a user runs it (world 1, local engine):
 ``model.tiny.family`` builds a tiny random GLM-4.5 or DeepSeek-V3 (dense first layer, shared expert, sigmoid
 group-limited router with its score-correction bias; MLA for DeepSeek), the warm start trains it with transformers,
-and three GSPO steps run with a weight sync after each. The engine's log-probs of every step's samples equal the
+and three GSPO steps run with a weight sync after each (8 experts in two groups, the top 2 from the better one). The engine's log-probs of every step's samples equal the
 trainer's (fp32: ``LOGPROB_TOL``; measured ~2e-6), so each sync carried every tensor the engine routes and attends
 with, the frozen expert bias included. Whether the loop learns on them over hundreds of steps: bench/RESULTS.md
 (``family_learning``).
@@ -30,15 +30,17 @@ LOGPROB_TOL = 1e-4  # per token, trainer vs engine, fp32
 def test_the_loop_runs_each_family_with_the_engine_in_step(family, tmp_path):
     run = tmp_path / "run"
     command = [sys.executable, "-m", "gspo_megatron.cli", "train", str(ROOT / "examples/tiny_moe_cpu.yaml"),
-               f"model.tiny.family={family}", "rollout.engine=local", f"train.steps={STEPS}", "train.eval_every=0",
+               f"model.tiny.family={family}", "model.tiny.num_experts=8", "rollout.engine=local", f"train.steps={STEPS}", "train.eval_every=0",
                "model.warm_start_steps=2", f"model.hf_dir={tmp_path / 'model'}", f"logging.dir={run}",
                f"checkpoint.dir={run / 'ck'}", "logging.plot_every=0", "rollout.prompts_per_step=4",
-               "parallel.micro_batch_size=8", "data.reward_workers=0"]
+               "parallel.micro_batch_size=8", "data.reward_workers=0",
+               "optimizer.lr=3e-3"]  # 10x the example's: an optimizer step then moves some routes (volatility)
     out = warm_cli.run(command, capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, WORLD_SIZE="1"),
                        timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     config = json.loads((tmp_path / "model" / "config.json").read_text())
-    assert config["model_type"] == family and config["first_k_dense_replace"] == 1 and config["n_group"] == 2
+    assert config["model_type"] == family and config["first_k_dense_replace"] == 1
+    assert (config["n_group"], config["topk_group"], config["n_routed_experts"]) == (2, 1, 8)  # a group limit
     with safe_open(tmp_path / "model" / "model.safetensors", "pt") as f:
         names = list(f.keys())
     assert any(n.endswith("e_score_correction_bias") for n in names)
@@ -48,3 +50,5 @@ def test_the_loop_runs_each_family_with_the_engine_in_step(family, tmp_path):
         assert s["logprob_diff_max"] <= LOGPROB_TOL, (s["step"], s["logprob_diff_max"])
         assert math.isfinite(s["loss"]) and math.isfinite(s["grad_norm"]) and s["grad_norm"] > 0
         assert s["weight_sync/tensors"] == len(names), "the sync sends every tensor of the checkpoint"
+    # The second minibatch routes some tokens otherwise than the old-policy pass (the volatility measure works).
+    assert sum(s["expert_volatility"] for s in steps) > 0
