@@ -28,7 +28,10 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 LOG_DIR="${OUT:-/tmp/gpu_check}"
 mkdir -p "$LOG_DIR"
 deadline=$((SECONDS + ${GPU_CHECK_BUDGET_S:-350}))
-left() { echo $((deadline - SECONDS)); }
+limit() {  # seconds left before the deadline, less $1 kept for what follows; at least 10 (timeout 0 never stops)
+  local s=$((deadline - SECONDS - $1))
+  echo $((s < 10 ? 10 : s))
+}
 BENCH_S=75  # bench/logprob_gpu.py's share, kept back from pytest's
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -38,7 +41,7 @@ fi
 export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1 GSPO_GPU_CHECK_OUT="$LOG_DIR"
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-  python3 - <<'PY'
+  python3 -W ignore - <<'PY'
 import sys, torch, transformers, triton
 import megatron.core
 print(f"python {sys.version.split()[0]} | torch {torch.__version__} (CUDA {torch.version.cuda}) | triton "
@@ -51,15 +54,17 @@ PY
 [[ ${PIPESTATUS[0]} -eq 0 ]] || { echo "gpu_check: the environment is not usable (above)" >&2; exit 1; }
 
 start=$SECONDS
-timeout $(( $(left) - BENCH_S )) python3 -m pytest tests/gpu -v -rA -p no:cacheprovider \
+timeout "$(limit $BENCH_S)" python3 -m pytest tests/gpu -v -rA -p no:cacheprovider \
   --junitxml="$LOG_DIR/junit.xml" 2>&1 | tee "$LOG_DIR/pytest.log"
-echo "gpu_check: pytest exit ${PIPESTATUS[0]} after $((SECONDS - start)) s (124: stopped at its time limit)"
+rc=${PIPESTATUS[0]}
+echo "gpu_check: pytest exit $rc after $((SECONDS - start)) s$([[ $rc -eq 124 ]] && echo ': stopped at its time limit')"
 start=$SECONDS
 DEVICE=cuda
 [[ "${GSPO_GPU_TESTS_ON_CPU:-}" == 1 ]] && DEVICE=cpu
-timeout $(( $(left) - 5 )) python3 bench/logprob_gpu.py --device $DEVICE --json "$LOG_DIR/logprob_gpu.json" 2>&1 \
+timeout "$(limit 5)" python3 bench/logprob_gpu.py --device $DEVICE --json "$LOG_DIR/logprob_gpu.json" 2>&1 \
   | tee "$LOG_DIR/logprob_gpu.log"
-echo "gpu_check: bench/logprob_gpu.py exit ${PIPESTATUS[0]} after $((SECONDS - start)) s"
+rc=${PIPESTATUS[0]}
+echo "gpu_check: bench/logprob_gpu.py exit $rc after $((SECONDS - start)) s$([[ $rc -eq 124 ]] && echo ': stopped at its time limit')"
 echo "gpu_check: summary ($SECONDS s in all)"
 python3 -m tests.gpu.summary --junit "$LOG_DIR/junit.xml" --log "$LOG_DIR/pytest.log" \
   --bench "$LOG_DIR/logprob_gpu.json" --out "$LOG_DIR/summary.txt"
