@@ -32,7 +32,7 @@ limit() {  # seconds left before the deadline, less $1 kept for what follows; at
   local s=$((deadline - SECONDS - $1))
   echo $((s < 10 ? 10 : s))
 }
-BENCH_S=75  # bench/logprob_gpu.py's share, kept back from pytest's
+BENCH_S=60  # bench/logprob_gpu.py's share, kept back from pytest's
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || { echo "gpu_check: installing the carried wheels failed" >&2; exit 1; }
@@ -54,17 +54,21 @@ PY
 [[ ${PIPESTATUS[0]} -eq 0 ]] || { echo "gpu_check: the environment is not usable (above)" >&2; exit 1; }
 
 start=$SECONDS
-timeout "$(limit $BENCH_S)" python3 -m pytest tests/gpu -v -rA -p no:cacheprovider \
+# The new figures and the kernels first, then every other test file (test_gpu_paths: two runs and the trainer).
+FIRST=(tests/gpu/test_gpu_checks.py tests/gpu/test_logprob_kernel.py)
+TESTS=("${FIRST[@]}")
+for f in tests/gpu/test_*.py; do [[ " ${FIRST[*]} " == *" $f "* ]] || TESTS+=("$f"); done
+timeout "$(limit $BENCH_S)" python3 -m pytest "${TESTS[@]}" -v -rA -p no:cacheprovider \
   --junitxml="$LOG_DIR/junit.xml" 2>&1 | tee "$LOG_DIR/pytest.log"
 rc=${PIPESTATUS[0]}
-echo "gpu_check: pytest exit $rc after $((SECONDS - start)) s$([[ $rc -eq 124 ]] && echo ': stopped at its time limit')"
+echo "gpu_check: pytest exit $rc after $((SECONDS - start)) s$([[ $rc -eq 124 ]] && echo ': timed out')"
 start=$SECONDS
 DEVICE=cuda
 [[ "${GSPO_GPU_TESTS_ON_CPU:-}" == 1 ]] && DEVICE=cpu
 timeout "$(limit 5)" python3 bench/logprob_gpu.py --device $DEVICE --json "$LOG_DIR/logprob_gpu.json" 2>&1 \
   | tee "$LOG_DIR/logprob_gpu.log"
 rc=${PIPESTATUS[0]}
-echo "gpu_check: bench/logprob_gpu.py exit $rc after $((SECONDS - start)) s$([[ $rc -eq 124 ]] && echo ': stopped at its time limit')"
+echo "gpu_check: bench/logprob_gpu.py exit $rc after $((SECONDS - start)) s$([[ $rc -eq 124 ]] && echo ': timed out')"
 echo "gpu_check: summary ($SECONDS s in all)"
 python3 -m tests.gpu.summary --junit "$LOG_DIR/junit.xml" --log "$LOG_DIR/pytest.log" \
   --bench "$LOG_DIR/logprob_gpu.json" --out "$LOG_DIR/summary.txt"

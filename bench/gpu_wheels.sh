@@ -16,7 +16,8 @@ BUDGET=$((64 * 1024 * 1024))
 git check-ignore -q .whl/x.whl || { echo "gpu_wheels: .whl/ is not git-ignored (.gitignore)" >&2; exit 1; }
 rm -rf .whl && mkdir .whl
 PLATFORMS=()
-for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64; do
+for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64 \
+         manylinux2014_x86_64; do
   PLATFORMS+=(--platform "$p")
 done
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$PY" --implementation cp "${PLATFORMS[@]}" \

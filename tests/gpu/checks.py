@@ -11,7 +11,7 @@ order they run (memory first, while nothing else has touched the allocator):
   (``train.memory.estimate_memory``, megatron's local spec: no TransformerEngine on the lent machine).
 - ``bf16_vs_fp32_logprobs``: the old-policy pass (``logprob_pass``) of one set of HF weights built as an fp32 and
   as a bf16 policy, on one batch: per-token and per-sequence (GSPO's unit: the mean over the response) differences.
-- ``triton_in_update_step``: one clipped ``update_step`` of the bf16 policy, counting the Triton kernels' launches
+- ``triton_in_update_step``: one clipped ``update_step`` of a fresh bf16 policy, counting the Triton kernels' launches
   (``ops._triton_kernels``: forward statistics, logits gradient), against the same step with the torch backend.
   On the CPU the kernels run under Triton's interpreter in fp32 (it cannot run a bf16 ``tl.dot``).
 - ``weight_export``: the loop's weight sync (``train.rollout_phase.sync_weights``) into ``CopyReceiver``, an
@@ -86,7 +86,9 @@ def update_step_memory(hf_dir: str, seq_len: int) -> dict:
         "above_state_ratio", "measured_state", "plan_state")}}
 
 
-def _old_pass(hf_dir: str, dtype: str, batch: dict, seq_len: int) -> torch.Tensor:
+def old_pass(hf_dir: str, dtype: str, batch: dict) -> torch.Tensor:
+    """The loop's old-policy pass (``update_phase.old_logprobs``) of a policy built from ``hf_dir`` in ``dtype``:
+    [B, S] fp32 log-probs on the CPU."""
     from gspo_megatron.train import update_phase
     from gspo_megatron.train.bootstrap import algo_config
     from gspo_megatron.train.policy import build_policy
@@ -94,19 +96,14 @@ def _old_pass(hf_dir: str, dtype: str, batch: dict, seq_len: int) -> torch.Tenso
     cfg = config(hf_dir, dtype)
     policy = build_policy(cfg, hf_dir)
     rows = update_phase.row_plan(batch["input_ids"].shape[0], cfg)
-    metrics: dict = {}
-    update_phase.old_logprobs(policy, batch, rows, cfg, algo_config(cfg), metrics)
+    update_phase.old_logprobs(policy, batch, rows, cfg, algo_config(cfg), {})
     return batch.pop("old_logprobs").float().cpu()
 
 
-def bf16_vs_fp32_logprobs(hf_dir: str, seq_len: int) -> dict:
-    cfg = config(hf_dir, "float32")
-    batch = rollout(cfg, hf_dir, seq_len)
-    fp32 = _old_pass(hf_dir, "float32", batch, seq_len)
-    bf16 = _old_pass(hf_dir, "bfloat16", batch, seq_len)
-    mask = batch["loss_mask"]
+def bf16_vs_fp32_logprobs(bf16: torch.Tensor, fp32: torch.Tensor, mask: torch.Tensor) -> dict:
+    """Per-token and per-sequence (GSPO's unit: the mean over the response) differences of two [B, S] passes."""
     diff = (bf16 - fp32).abs()[mask]
-    per_sequence = ((bf16 - fp32) * mask).sum(1) / mask.sum(1).clamp(min=1)  # GSPO's log ratio of the two
+    per_sequence = ((bf16 - fp32) * mask).sum(1) / mask.sum(1).clamp(min=1)
     return {"tokens": int(mask.sum()), "finite": bool(torch.isfinite(bf16[mask]).all()),
             "token_max_abs": diff.max().item(), "token_mean_abs": diff.mean().item(),
             "sequence_mean_max_abs": per_sequence.abs().max().item(), "fp32_token_mean": fp32[mask].mean().item()}
@@ -143,7 +140,9 @@ def counted_kernels(backend: str):
         logprob.select_backend = sequence_loss.select_backend = select
 
 
-def _update(hf_dir: str, batch: dict, backend: str) -> dict:
+def update(hf_dir: str, batch: dict, backend: str):
+    """One clipped ``update_step`` on the batch's first minibatch of a fresh policy, the op's "auto" backend standing
+    for ``backend``: (figures with the kernels' launch counts, the policy after the step)."""
     from gspo_megatron.train import update_phase
     from gspo_megatron.train.bootstrap import algo_config
     from gspo_megatron.train.policy import build_policy
@@ -157,16 +156,7 @@ def _update(hf_dir: str, batch: dict, backend: str) -> dict:
                           algo_config(cfg))
     return {"kernels": dict(counts), "loss": float(out["loss"]), "grad_norm": float(out["grad_norm"]),
             "update_successful": bool(out["update_successful"]),
-            "seq_log_ratio": out["seq_log_ratio"].float().cpu().tolist()}
-
-
-def triton_in_update_step(hf_dir: str, seq_len: int) -> dict:
-    cfg = config(hf_dir, dtype_name())
-    batch = rollout(cfg, hf_dir, seq_len)
-    # old log-probs a little off the policy's own, so that the ratios (and the clip) have something to do
-    old = _old_pass(hf_dir, cfg.model.dtype, batch, seq_len)
-    batch["old_logprobs"] = old + 1e-3 * torch.randn(old.shape, generator=torch.Generator().manual_seed(3))
-    return {"dtype": cfg.model.dtype, "triton": _update(hf_dir, batch, "triton"), "torch": _update(hf_dir, batch, "torch")}
+            "seq_log_ratio": out["seq_log_ratio"].float().cpu().tolist()}, policy
 
 
 class CopyReceiver:
@@ -198,11 +188,9 @@ class CopyReceiver:
         return SyncStats("in-process", self.version, time.perf_counter() - start, count, size, 1)
 
 
-def weight_export(hf_dir: str) -> dict:
-    from gspo_megatron.train.policy import build_policy
+def weight_export(policy) -> dict:
     from gspo_megatron.train.rollout_phase import sync_weights
 
-    policy = build_policy(config(hf_dir, dtype_name()), hf_dir)
     receiver = CopyReceiver()
     rounds = [sync_weights(policy, receiver, version) for version in range(1, EXPORT_ROUNDS + 1)]
     counted = rounds[1:]
@@ -234,14 +222,27 @@ def main(out: str) -> None:
     hf_sizes, seq_len = sizes()
     hf_dir = str(save_tiny_model(Path(out).parent / "checks_model", seed=0, **hf_sizes))
     results = {"device": str(environment.device()), "sizes": hf_sizes, "seconds": {}}
-    for name, check in (("update_step_memory", lambda: update_step_memory(hf_dir, seq_len)),
-                        ("bf16_vs_fp32_logprobs", lambda: bf16_vs_fp32_logprobs(hf_dir, seq_len)),
-                        ("triton_in_update_step", lambda: triton_in_update_step(hf_dir, seq_len)),
-                        ("weight_export", lambda: weight_export(hf_dir))):
-        start = time.perf_counter()
-        results[name] = check()
-        results["seconds"][name] = time.perf_counter() - start
-        print(f"{name}: {time.perf_counter() - start:.1f} s", flush=True)
+    clock = [time.perf_counter()]
+
+    def done(name: str, figures: dict) -> None:
+        results[name] = figures
+        now = time.perf_counter()
+        results["seconds"][name] = now - clock[0]
+        print(f"{name}: {now - clock[0]:.1f} s", flush=True)
+        clock[0] = now
+
+    # First, while nothing else has touched the allocator. Five policies are built after it (each from hf_dir).
+    done("update_step_memory", update_step_memory(hf_dir, seq_len))
+    batch = rollout(config(hf_dir, "float32"), hf_dir, seq_len)
+    passes = {dtype: old_pass(hf_dir, dtype, batch) for dtype in ("float32", "bfloat16")}
+    done("bf16_vs_fp32_logprobs", bf16_vs_fp32_logprobs(passes["bfloat16"], passes["float32"], batch["loss_mask"]))
+    # pi_old a little off the policy's own, so that the ratios (and the clip) have something to do
+    old = passes[dtype_name()]
+    batch["old_logprobs"] = old + 1e-3 * torch.randn(old.shape, generator=torch.Generator().manual_seed(3))
+    triton, _ = update(hf_dir, batch, "triton")
+    reference, policy = update(hf_dir, batch, "torch")
+    done("triton_in_update_step", {"dtype": dtype_name(), "triton": triton, "torch": reference})
+    done("weight_export", weight_export(policy))  # the weights after one step: any will do
     Path(out).write_text(json.dumps(results, indent=1))
     groups.destroy()
 
