@@ -193,8 +193,10 @@ def server_lines(spec) -> list[str]:
         how = (f"multi-latent: (kv_lora_rank {spec.kv_lora_rank} + qk_rope {spec.qk_rope_head_dim}) x "
                f"{spec.num_layers} layers x 2 B, on every attention-TP GPU")
     else:
+        per_gpu = kv_cache_bytes_per_token(spec, attention_tp=spec.num_key_value_heads)
         how = (f"{spec.num_layers} layers x (K, V) x {spec.num_key_value_heads} KV heads x {spec.head_dim} x 2 B, "
-               "heads split over attention-TP")
+               f"heads split over attention-TP: {per_gpu / 1024:.1f} KiB per GPU from attention-TP "
+               f"{spec.num_key_value_heads} on")
     bucket = WeightSyncConfig.bucket_bytes
     sync = model_sync_estimate(spec, bucket)
     low, high = sync.seconds
@@ -202,7 +204,8 @@ def server_lines(spec) -> list[str]:
         "rollout servers (SGLang 0.5.23; estimates, train.plan_servers):",
         f"  KV cache     {per_token / 1024:.1f} KiB per token in bf16 ({how})",
         f"  weight sync  {sync.gigabytes:.0f} GB (bf16) into every server GPU: ~{low:.1f}-{high:.1f} s "
-        f"({sync.wire_s:.1f} s at 45 GB/s per GPU + {sync.buckets} buckets of {bucket >> 20} MiB x 3 ms + load_weights)",
+        f"({sync.wire_s:.1f} s at 45 GB/s per GPU + {sync.buckets} buckets of {bucket >> 20} MiB x 3 ms "
+        "+ load_weights)",
     ]
 
 
