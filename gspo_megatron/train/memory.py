@@ -109,12 +109,6 @@ def qkv_widths(spec: ModelSpec) -> tuple[int, int, int]:
     return n * spec.head_dim, spec.num_key_value_heads * spec.head_dim, spec.num_key_value_heads * spec.head_dim
 
 
-def _latent_norm(m: Micro, rank: int, impl: str) -> float:
-    """A latent (q or kv LoRA) RMSNorm over [N/sp, rank] and the up projection's input, as ``_norm``; te: the
-    norm is fused into the up projection (TELayerNormColumnParallelLinear), which saves the same tensors."""
-    return _norm(m, rank, impl)
-
-
 def mla_activations(spec: ModelSpec, m: Micro, impl: str, recompute: frozenset) -> dict[str, float]:
     """Bytes one multi-latent attention block (megatron's MLASelfAttention) keeps for backward, per micro batch.
 
@@ -127,9 +121,11 @@ def mla_activations(spec: ModelSpec, m: Micro, impl: str, recompute: frozenset) 
     n = m.tokens / t  # tokens x (this rank's heads) / heads
     q_w, k_w, v_w = qkv_widths(spec)
     out: dict[str, float] = {"input_norm": _norm(m, spec.hidden_size, impl)}
-    latents = _latent_norm(m, spec.kv_lora_rank, impl)
+    # Each latent's RMSNorm over [N/sp, rank] and the up projection's input (TE fuses the norm into the up projection,
+    # TELayerNormColumnParallelLinear, which saves the same tensors).
+    latents = _norm(m, spec.kv_lora_rank, impl)
     if spec.q_lora_rank:
-        latents += _latent_norm(m, spec.q_lora_rank, impl)
+        latents += _norm(m, spec.q_lora_rank, impl)
     # The rope key [N, 1, qk_rope] (gathered under sequence parallelism), kept by the rotation.
     latents += m.tokens * a * spec.qk_rope_head_dim
     out["mla_latents"] = latents
