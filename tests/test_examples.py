@@ -88,3 +88,16 @@ def test_bad_plan_arguments_are_sentences(plan, args, message):
 
 def test_launch_script_is_valid_bash():
     assert subprocess.run(["bash", "-n", str(ROOT / "examples/launch_cluster.sh")]).returncode == 0
+
+
+def test_rollout_at_scale_tables_match_the_readme(capsys):
+    """bench/rollout_at_scale.py prints the server and weight-sync rows the 671B example's README shows."""
+    import importlib
+
+    bench = importlib.import_module("bench.rollout_at_scale")
+    bench.main([str(ROOT / "examples/deepseek_v3_671b/hf_config"), "--layouts", "32:4:32:2", "16:16:16:2"])
+    out = capsys.readouterr().out
+    readme = (ROOT / "examples/deepseek_v3_671b/README.md").read_text()
+    rows = [line for line in out.splitlines() if line.startswith("| `")]
+    assert len(rows) == 2 and all(row in readme for row in rows), out
+    assert "| bf16, 256 MiB buckets | 1342 | 5000 | 29.8 s | 15.0 s | 0.9-2.3 s | **45.7-47.1 s** |" in out
