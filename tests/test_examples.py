@@ -1,5 +1,5 @@
 """The cluster examples pass `gspo-megatron plan` on their documented node counts (and 235B does not fit 8, nor
-16 without recomputing its MoE layers: exit status 1, naming single changes that fit). In process: ``plan`` builds
+16 without recomputing its MoE layers: exit status 1, naming single changes that fit; 671B needs full recompute). In process: ``plan`` builds
 nothing, and runs from any directory (a YAML's relative paths are relative to its folder)."""
 
 from __future__ import annotations
@@ -29,11 +29,24 @@ def plan(capsys, tmp_path, monkeypatch):
 @pytest.mark.parametrize("config, nodes, params", [
     ("examples/qwen3_30b_a3b/train.yaml", 2, "30.53B parameters (3.35B active)"),
     ("examples/qwen3_235b_a22b/train.yaml", 16, "235.09B parameters (22.19B active)"),
+    ("examples/glm_4_5_355b/train.yaml", 16, "352.80B parameters (33.63B active)"),
+    ("examples/deepseek_v3_671b/train.yaml", 32, "671.03B parameters (37.55B active)"),
 ])
 def test_cluster_examples_fit(plan, config, nodes, params):
     code, out, err = plan(config, "--nodes", str(nodes), "--gpus-per-node", "8")
     assert code == 0, err
     assert params in out and ": fits" in out, out
+
+
+def test_671b_rollout_facts_and_its_recompute(plan):
+    """DeepSeek-V3's servers cache MLA's latent (68.6 KiB per token, not 4.8 MiB of per-head K and V); 1342 GB of
+    bf16 into every server GPU at 45 GB/s is ~30 s of wire alone; without full recompute it does not fit."""
+    code, out, err = plan("examples/deepseek_v3_671b/train.yaml", "--nodes", "32", "--gpus-per-node", "8")
+    assert "KV cache     68.6 KiB per token in bf16 (multi-latent: (kv_lora_rank 512 + qk_rope 64) x 61 layers" in out
+    assert "weight sync  1342 GB (bf16) into every server GPU: ~45.7-47.1 s (29.8 s at 45 GB/s" in out, out
+    code, out, err = plan("examples/deepseek_v3_671b/train.yaml", "--nodes", "32", "--gpus-per-node", "8",
+                          "recompute.granularity=selective", "recompute.modules=[moe]")
+    assert code == 1 and "DOES NOT FIT" in out and "recompute.granularity=full" in err, out + err
 
 
 def test_235b_needs_its_moe_recompute(plan):
@@ -75,3 +88,16 @@ def test_bad_plan_arguments_are_sentences(plan, args, message):
 
 def test_launch_script_is_valid_bash():
     assert subprocess.run(["bash", "-n", str(ROOT / "examples/launch_cluster.sh")]).returncode == 0
+
+
+def test_rollout_at_scale_tables_match_the_readme(capsys):
+    """bench/rollout_at_scale.py prints the server and weight-sync rows the 671B example's README shows."""
+    import importlib
+
+    bench = importlib.import_module("bench.rollout_at_scale")
+    bench.main([str(ROOT / "examples/deepseek_v3_671b/hf_config"), "--layouts", "32:4:32:2", "16:16:16:2"])
+    out = capsys.readouterr().out
+    readme = (ROOT / "examples/deepseek_v3_671b/README.md").read_text()
+    rows = [line for line in out.splitlines() if line.startswith("| `")]
+    assert len(rows) == 2 and all(row in readme for row in rows), out
+    assert "| bf16, 256 MiB buckets | 1342 | 5000 | 29.8 s | 15.0 s | 0.9-2.3 s | **45.7-47.1 s** |" in out

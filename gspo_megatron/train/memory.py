@@ -17,6 +17,9 @@ state (``StageMemory``)
   workspace  (local spec) megatron's global buffer, left at its largest request: the unfused attention's scores.
 activations  what autograd keeps for backward per micro batch (``layer_activations``, tensor by tensor, for the
              configured recompute), times the micro batches in flight: 1F1B keeps min(p - stage, micro batches).
+             Multi-latent attention (``mla_activations``): the normed q / kv latents, the rope key, and q, k, v at
+             heads x (qk_nope + qk_rope) / v_head_dim; shared experts a dense MLP on every token; dense first layers
+             (first_k_dense_replace) a dense MLP on the stages that hold them.
 working      the largest transient on top of them, at the point of the step where it occurs: the attention
              core's forward, an MLP or attention block's backward (re-creating what recompute dropped), a
              recomputed chunk's backward, or the fused loss op (last stage). See ``_stage_activations``.
@@ -94,8 +97,62 @@ def _norm(m: Micro, h: int, impl: str) -> float:
     return m.tokens / m.sp * per_token
 
 
+def qkv_widths(spec: ModelSpec) -> tuple[int, int, int]:
+    """Elements per token, all heads, of the query, key and value the attention core receives.
+
+    GQA: heads x d, kv_heads x d, kv_heads x d. Multi-latent attention: the up projections give every head its own
+    key, so heads x (qk_nope + qk_rope) for q and k (k's rope part, shared by the heads, expanded) and
+    heads x v_head_dim for v."""
+    n = spec.num_attention_heads
+    if spec.attention == "mla":
+        return n * spec.head_dim, n * spec.head_dim, n * spec.v_head_dim
+    return n * spec.head_dim, spec.num_key_value_heads * spec.head_dim, spec.num_key_value_heads * spec.head_dim
+
+
+def mla_activations(spec: ModelSpec, m: Micro, impl: str, recompute: frozenset) -> dict[str, float]:
+    """Bytes one multi-latent attention block (megatron's MLASelfAttention) keeps for backward, per micro batch.
+
+    Down projections on the norm's output ([N/sp, h]): q to q_lora_rank (none without q LoRA: one q_proj), kv to
+    kv_lora_rank + qk_rope (the shared rope key); each latent normed, then up-projected per head (TP-split):
+    q to heads x (qk_nope + qk_rope), kv to heads x (qk_nope + v). RoPE rotates the rope parts; q, k (the rope
+    key expanded to every head) and v are made contiguous for the core, which keeps them; then softmax as GQA."""
+    t, a = m.tp, m.a
+    heads = spec.num_attention_heads / t
+    n = m.tokens / t  # tokens x (this rank's heads) / heads
+    q_w, k_w, v_w = qkv_widths(spec)
+    out: dict[str, float] = {"input_norm": _norm(m, spec.hidden_size, impl)}
+    # Each latent's RMSNorm over [N/sp, rank] and the up projection's input (TE fuses the norm into the up projection,
+    # TELayerNormColumnParallelLinear, which saves the same tensors).
+    latents = _norm(m, spec.kv_lora_rank, impl)
+    if spec.q_lora_rank:
+        latents += _norm(m, spec.q_lora_rank, impl)
+    # The rope key [N, 1, qk_rope] (gathered under sequence parallelism), kept by the rotation.
+    latents += m.tokens * a * spec.qk_rope_head_dim
+    out["mla_latents"] = latents
+    # RoPE's cos and sin tables [s, 1, 1, qk_rope] for q and for k, built per call (none with TE's fused MLA rope).
+    if impl == "local":
+        out["rope_tables"] = 4 * (m.s / m.cp) * spec.qk_rope_head_dim * a
+    if impl == "te" or "core_attn" in recompute:
+        # The core's inputs, contiguous q, k, v: flash attention's saved tensors, or a core_attn checkpoint's inputs.
+        out["qkv"] = n * a * (q_w + k_w + v_w)
+    if impl == "te":
+        # Its output, and the softmax log-sum-exp (fp32, per token and head of this rank).
+        out["context"] = n * a * v_w + (0 if "core_attn" in recompute else m.tokens * heads * 4)
+        return out
+    if "core_attn" not in recompute:
+        # model.mla.LocalMLAAttention (fp32 einsums): the fp32 copies of q, k, v, the fp32 probabilities and the
+        # [s, s] causal mask (bool).
+        out["q_k_v_bmm"] = n * 4 * (q_w + k_w + v_w)
+        out["softmax"] = _scores(spec, m) * 4
+        out["causal_mask"] = (m.s / m.cp) ** 2
+    out["context"] = n * a * v_w  # the out-projection's input
+    return out
+
+
 def attention_activations(spec: ModelSpec, m: Micro, impl: str, recompute: frozenset) -> dict[str, float]:
     """Bytes one attention block keeps for backward, per micro batch, by tensor."""
+    if spec.attention == "mla":
+        return mla_activations(spec, m, impl, recompute)
     d, t = spec.head_dim, m.tp
     q, kv = spec.num_attention_heads * d, spec.num_key_value_heads * d
     heads = spec.num_attention_heads / t
@@ -111,7 +168,7 @@ def attention_activations(spec: ModelSpec, m: Micro, impl: str, recompute: froze
         out["q_k_rotated"] = n * a * (q + kv)  # flash attention's saved q and k
         # Its output (also the out-projection's input) and the softmax log-sum-exp (fp32, per head; recomputed
         # inside a core_attn checkpoint).
-        out["context"] = n * (a * q + (0 if "core_attn" in recompute else 4 * heads))
+        out["context"] = n * a * q + (0 if "core_attn" in recompute else m.tokens * heads * 4)
         return out
     if spec.qk_norm:  # torch RMSNorm per head: fp32 input and normalised tensor, rstd
         rstd = 4 * (heads + spec.num_key_value_heads / t)
@@ -145,6 +202,8 @@ def mlp_activations(spec: ModelSpec, m: Micro, impl: str, recompute: frozenset, 
         return out
     if "moe" in recompute:  # the checkpoint keeps the layer's input: the norm's output, counted above
         return out
+    if spec.moe_shared_ffn_hidden_size:  # always-on experts: a dense GLU MLP (TP-split) on every token
+        out["shared_experts"] = m.tokens / m.tp * m.a * 5 * spec.moe_shared_ffn_hidden_size
     k, experts, f = spec.moe_topk, spec.num_experts, spec.moe_ffn_hidden_size
     local = m.tokens / m.sp
     # Router, per local token: top-k indices (int64) and probs (fp32), the routing map (bool) and probs map (a),
@@ -178,8 +237,13 @@ def attention_transients(spec: ModelSpec, m: Micro, impl: str) -> tuple[float, f
     megatron's DotProductAttention, torch 2.13); then q, k, v gradients. te (flash attention): nothing [s, s];
     backward holds the q, k, v and QKV-output gradients."""
     a = m.a
-    d = spec.head_dim
-    qkv_grads = m.tokens / m.tp * a * (spec.num_attention_heads * d + 2 * spec.num_key_value_heads * d)
+    qkv_grads = m.tokens / m.tp * a * sum(qkv_widths(spec))
+    if impl == "local" and spec.attention == "mla":
+        # LocalMLAAttention (measured around it, torch 2.13): forward, the fp32 scores, their masked copy and the
+        # probabilities (12 B per score); backward, the probabilities' and scores' fp32 gradients beside the saved
+        # probabilities (8 B), then fp32 and a-byte q, k, v gradients.
+        scores = _scores(spec, m)
+        return scores * 12, scores * 8 + qkv_grads * (1 + 4 / a)
     if impl == "local":
         scores = _scores(spec, m)
         forward = scores * (a + 4 + (4 + a if a != 4 else 0))
@@ -192,8 +256,9 @@ def mlp_gradients(spec: ModelSpec, m: Micro, moe: bool) -> float:
     experts, the routed tokens' gradient and the expert outputs being combined ([k*x*N/t, h] each); for a dense
     MLP, fc1's output gradient and the block's input gradient."""
     h = spec.hidden_size
-    if moe:
-        return 2 * m.a * spec.moe_topk * m.etp * m.tokens / m.sp * h
+    if moe:  # (+ the shared experts' fc1 output gradient)
+        return (2 * m.a * spec.moe_topk * m.etp * m.tokens / m.sp * h
+                + m.a * m.tokens / m.tp * 2 * spec.moe_shared_ffn_hidden_size)
     return m.a * (m.tokens / m.tp * 2 * spec.ffn_hidden_size + m.tokens / m.sp * h)
 
 
@@ -488,7 +553,9 @@ def estimate_memory(spec: ModelSpec, cfg: Config, world_size: int, seq_len: int 
         if impl == "local":
             # megatron's global "mpu" buffer stays at its largest request: the unfused attention's scores
             # (baddbmm output) or, under sequence parallelism, a linear's all-gathered input.
-            workspace = max(_scores(spec, m) * a, m.tokens * spec.hidden_size * a if sp > 1 else 0)
+            # (The local MLA core, model.mla, does not use it.)
+            scores = _scores(spec, m) * a if spec.attention != "mla" else 0
+            workspace = max(scores, m.tokens * spec.hidden_size * a if sp > 1 else 0)
         name = "first" if stage == 0 else "last"
         if p.pipeline == 1:
             name = "only"

@@ -22,8 +22,10 @@ H100_GIB = 79.1
 
 ACTIVATION_GROUPS = {
     "routed experts": ("mlp.router", "mlp.routed_tokens", "mlp.experts"),
+    "shared experts": ("mlp.shared_experts",),
     "dense MLPs": ("mlp.mlp",),
-    "attention": ("qkv", "qk_norm", "q_k_rotated", "q_k_v_bmm", "softmax", "causal_mask", "context", "rope_tables"),
+    "attention": ("qkv", "qk_norm", "q_k_rotated", "q_k_v_bmm", "softmax", "causal_mask", "context", "rope_tables",
+                  "mla_latents"),
     "norms": ("input_norm", "mlp.pre_mlp_norm", "final_norm"),
     "recomputed layers' inputs": ("recompute_inputs",),
 }
@@ -177,7 +179,34 @@ def format_plan(cfg: Config, world_size: int, gpu_memory_gib: float = H100_GIB, 
         shown = ", ".join(fmt(g) for g in ranks[:4]) + (f", ... ({len(ranks)} groups)" if len(ranks) > 4 else "")
         lines.append(f"  {name:<14} groups: {shown}")
     lines += memory_lines(cfg, estimate, world_size, gpu_memory_gib)
+    lines += server_lines(spec)
     return "\n".join(lines)
+
+
+def server_lines(spec) -> list[str]:
+    """The rollout servers' side (``train.plan_servers``): the KV cache per token, and the weight sync's time."""
+    from gspo_megatron.rollout.config import WeightSyncConfig
+    from gspo_megatron.train.plan_servers import kv_cache_bytes_per_token, model_sync_estimate
+
+    per_token = kv_cache_bytes_per_token(spec)
+    if spec.attention == "mla":
+        how = (f"multi-latent: (kv_lora_rank {spec.kv_lora_rank} + qk_rope {spec.qk_rope_head_dim}) x "
+               f"{spec.num_layers} layers x 2 B, on every attention-TP GPU")
+    else:
+        per_gpu = kv_cache_bytes_per_token(spec, attention_tp=spec.num_key_value_heads)
+        how = (f"{spec.num_layers} layers x (K, V) x {spec.num_key_value_heads} KV heads x {spec.head_dim} x 2 B, "
+               f"heads split over attention-TP: {per_gpu / 1024:.1f} KiB per GPU from attention-TP "
+               f"{spec.num_key_value_heads} on")
+    bucket = WeightSyncConfig.bucket_bytes
+    sync = model_sync_estimate(spec, bucket)
+    low, high = sync.seconds
+    return [
+        "rollout servers (SGLang 0.5.23; estimates, train.plan_servers):",
+        f"  KV cache     {per_token / 1024:.1f} KiB per token in bf16 ({how})",
+        f"  weight sync  {sync.gigabytes:.0f} GB (bf16) into every server GPU: ~{low:.1f}-{high:.1f} s "
+        f"({sync.wire_s:.1f} s at 45 GB/s per GPU + {sync.buckets} buckets of {bucket >> 20} MiB x 3 ms "
+        "+ load_weights)",
+    ]
 
 
 

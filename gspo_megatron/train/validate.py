@@ -67,9 +67,10 @@ def validate_model(cfg: Config, hf: dict) -> None:
         _divides(heads, p.tensor, "num_attention_heads", "parallel.tensor")
         _divides(kv, p.tensor, "num_key_value_heads", "parallel.tensor",
                  "megatron splits whole key/value groups over TP ranks")
-    experts = hf.get("num_experts") or hf.get("num_local_experts") or 0
+    key = next((k for k in ("num_experts", "num_local_experts", "n_routed_experts") if hf.get(k)), None)
+    experts = hf[key] if key else 0  # n_routed_experts: DeepSeek-V3, Kimi-K2, GLM-4.5
     if experts:
-        _divides(experts, p.expert, "num_experts", "parallel.expert")
+        _divides(experts, p.expert, key, "parallel.expert")
         if p.tensor > 1 and not p.sequence_parallel:
             raise ConfigError("parallel.sequence_parallel=false with parallel.tensor>1: MoE layers need sequence "
                               "parallelism under TP; set parallel.sequence_parallel=true")

@@ -58,6 +58,10 @@ def test_bad_fields_are_named(overrides, message):
         (["parallel.tensor=4"], 2, None, r"world size=2 is not divisible by parallel.tensor\*pipeline\*context=4"),
         (["parallel.tensor=4"], 4, dict(QWEN3_30B_A3B, num_attention_heads=6), r"num_attention_heads=6 is not divisible by parallel.tensor=4"),
         (["parallel.expert=3", "parallel.expert_tensor=1"], 3, QWEN3_30B_A3B, r"num_experts=128 is not divisible by parallel.expert=3"),
+        # DeepSeek-V3 / Kimi-K2 / GLM-4.5 name their routed experts n_routed_experts (once refused as "no experts")
+        (["parallel.expert=3", "parallel.expert_tensor=1"], 3,
+         dict(model_type="glm4_moe", num_attention_heads=96, num_key_value_heads=8, n_routed_experts=160),
+         r"n_routed_experts=160 is not divisible by parallel.expert=3"),
         (["rollout.group_size=1"], 1, None, r"rollout.group_size=1: group advantages need at least 2"),
         (["algo.minibatches=3"], 1, None, r"rollout.prompts_per_step\*group_size=64 is not divisible by algo.minibatches=3"),
         (["algo.routing_replay=true"], 1, None, r"algo.routing_replay=true is the GRPO baseline's fix"),
