@@ -74,7 +74,7 @@ def computed_tokens(batch: dict, rows: list[torch.Tensor], cfg) -> tuple[int, in
     them): b x S padded, the packed row's length N packed; and the attention scores computed per head and layer
     on CPU: b x S^2 padded, N^2 packed (megatron's local attention with a dense block-diagonal mask)."""
     from gspo_megatron.parallel import packing
-    from gspo_megatron.train import update_phase
+    from gspo_megatron.train.update import update_phase
 
     lengths = update_phase.sequence_lengths(batch)
     total = scores = 0
@@ -96,9 +96,9 @@ def run_modes(cfgs: list, hf_dir: str, batches: list[dict]) -> list[list[dict]]:
     import torch.distributed as dist
 
     from gspo_megatron.parallel import groups
-    from gspo_megatron.train import update_phase
-    from gspo_megatron.train.bootstrap import algo_config
-    from gspo_megatron.train.policy import build_policy, layout_of
+    from gspo_megatron.train.update import update_phase
+    from gspo_megatron.train.startup.bootstrap import algo_config
+    from gspo_megatron.train.startup.policy import build_policy, layout_of
 
     groups.init_model_parallel(layout_of(cfgs[0]), seed=cfgs[0].train.seed)
     algo = algo_config(cfgs[0])
@@ -130,7 +130,7 @@ def modes(args) -> list[tuple[str, int | None]]:
 
 
 def config(mode: str, budget: int | None, args, hf_dir: str):
-    from gspo_megatron.train.config import load_config
+    from gspo_megatron.train.startup.config import load_config
 
     overrides = [f"model.hf_dir={hf_dir}", "model.dtype=float32", "data.task=reverse",
                  f"rollout.prompts_per_step={args.prompts}", f"rollout.group_size={args.group}",

@@ -130,9 +130,9 @@ def megatron_rounds(model_dir: str, server_url: str, rounds: int) -> dict:
     import torch.distributed as dist
 
     from gspo_megatron.rollout import SGLangConfig, SGLangEngine
-    from gspo_megatron.train import rollout_phase
-    from gspo_megatron.train.config import load_config
-    from gspo_megatron.train.policy import build_policy
+    from gspo_megatron.train.sampling import rollout_phase
+    from gspo_megatron.train.startup.config import load_config
+    from gspo_megatron.train.startup.policy import build_policy
 
     cfg = load_config(None, ["data.task=reverse", f"model.hf_dir={model_dir}", "model.dtype=bfloat16",
                              f"parallel.expert={dist.get_world_size()}", "parallel.distributed_optimizer=false"])

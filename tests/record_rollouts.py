@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from gspo_megatron import cli
-from gspo_megatron.train import rollout_phase
+from gspo_megatron.train.sampling import rollout_phase
 
 _collect = rollout_phase.collect
 

@@ -37,8 +37,8 @@ QUICK = ["model.warm_start_steps=120", "rollout.group_size=4", "rollout.prompts_
 def warm_model(tmp_path_factory) -> Path:
     """The example's tiny model warm-started as the trainer builds it (``bootstrap.build_tiny_model``, the QUICK
     settings), once for both tests: each copies it to its ``model.hf_dir``, where the trainer then finds it."""
-    from gspo_megatron.train.bootstrap import build_tiny_model
-    from gspo_megatron.train.config import load_config
+    from gspo_megatron.train.startup.bootstrap import build_tiny_model
+    from gspo_megatron.train.startup.config import load_config
 
     require_sglang()  # (both tests need the server: no model to build without it)
     path = tmp_path_factory.mktemp("tool_use") / "model"

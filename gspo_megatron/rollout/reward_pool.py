@@ -10,7 +10,7 @@ fresh worker takes the worker's place; a worker that exits mid-call (a segfault,
 replaced the same way. Both come back as a problem string, which ``rewards.score`` always masks (the response, not
 the reward's code, is usually what hangs a verifier); an exception the function raises comes back as a problem too,
 handled as ``on_error`` says. Workers start on the first ``map`` (only the rank that scores has any), ignore
-SIGTERM/SIGINT/SIGUSR1 (the trainer's to handle: train.preemption) and end with the trainer (``close`` at its exit,
+SIGTERM/SIGINT/SIGUSR1 (the trainer's to handle: train.resilience.preemption) and end with the trainer (``close`` at its exit,
 or PR_SET_PDEATHSIG if it dies). The worst case of one ``map`` is ceil(calls / workers) x ``timeout_s``.
 """
 

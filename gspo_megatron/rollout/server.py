@@ -5,7 +5,7 @@ does not reach it half-way; the trainer shuts it down in order instead), with th
 the trainer dies (PR_SET_PDEATHSIG), and an ``atexit`` hook that stops every server still running. On CPU the
 stand-ins of ``patches.sglang_cpu`` lead its PYTHONPATH.
 
-A *kept* server (``keep=True``: torchrun restarts the trainer's workers, ``train.elastic``) has neither: it outlives
+A *kept* server (``keep=True``: torchrun restarts the trainer's workers, ``train.resilience.elastic``) has neither: it outlives
 the process that started it, whose successor ``adopt``s it from its ``record``; ``server_watchdog`` stops it when
 the torchrun agent is gone.
 """

@@ -25,13 +25,16 @@ import torch.distributed as dist
 
 from gspo_megatron.parallel import groups
 from gspo_megatron.parallel.context import sequence_multiple
-from gspo_megatron.train import checkpoint, elastic, preemption, rollout_phase, update_phase
-from gspo_megatron.train.rollout_source import RolloutSource
-from gspo_megatron.train.advantages import advantages
-from gspo_megatron.train.config import Config
-from gspo_megatron.train.faults import NonFiniteGuard
-from gspo_megatron.train.policy import build_policy, build_reference, layout_of
-from gspo_megatron.train.bootstrap import algo_config, load_prompts, prepare_model_dir, reward_function
+from gspo_megatron.train.records import checkpoint
+from gspo_megatron.train.resilience import elastic, preemption
+from gspo_megatron.train.sampling import rollout_phase
+from gspo_megatron.train.update import update_phase
+from gspo_megatron.train.sampling.rollout_source import RolloutSource
+from gspo_megatron.train.update.advantages import advantages
+from gspo_megatron.train.startup.config import Config
+from gspo_megatron.train.resilience.faults import NonFiniteGuard
+from gspo_megatron.train.startup.policy import build_policy, build_reference, layout_of
+from gspo_megatron.train.startup.bootstrap import algo_config, load_prompts, prepare_model_dir, reward_function
 
 
 def train(cfg: Config, resume: bool = False) -> dict:
@@ -48,8 +51,8 @@ def train(cfg: Config, resume: bool = False) -> dict:
     reward_fn = reward_function(cfg)
     algo = algo_config(cfg)
     engine = rollout_phase.make_engine(cfg, hf_dir, tokenizer)  # rank 0's; None elsewhere
-    from gspo_megatron.train.metrics_log import MetricsLogger
-    from gspo_megatron.train.progress import Progress
+    from gspo_megatron.train.records.metrics_log import MetricsLogger
+    from gspo_megatron.train.records.progress import Progress
 
     logger = MetricsLogger(cfg.logging.dir, cfg.logging.tensorboard, cfg.logging.wandb_project, enabled=rank0)
     step, version, state = 0, 0, None
@@ -121,7 +124,7 @@ def train(cfg: Config, resume: bool = False) -> dict:
             logger.log(step, metrics)
             progress.update(step, metrics, example)
             if rank0 and cfg.logging.plot_every and (step % cfg.logging.plot_every == 0 or step == cfg.train.steps):
-                from gspo_megatron.train.plots import plot_runs
+                from gspo_megatron.train.records.plots import plot_runs
 
                 plot_runs({"run": logger.path}, Path(cfg.logging.dir) / "metrics.png", title=f"{cfg.algo.name}")
             if stop:

@@ -41,7 +41,7 @@ def _my_share(batch: dict) -> dict:
 
 def _mismatch(model, share):
     from gspo_megatron.rollout import logprob_mismatch
-    from gspo_megatron.train.policy_step import logprob_pass
+    from gspo_megatron.train.update.policy_step import logprob_pass
 
     mb = {k: share[k] for k in ("input_ids", "labels", "loss_mask")}
     ours = logprob_pass(model, [mb])["logprobs"]
@@ -59,7 +59,7 @@ def bridge_sync(model_dir: str, server_url: str, version: str) -> dict:
     from gspo_megatron.parallel.groups import Layout
     from gspo_megatron.rollout import SGLangConfig, SGLangEngine
     from gspo_megatron.rollout.weight_sync import consume
-    from gspo_megatron.train.policy_step import AlgoConfig, update_step
+    from gspo_megatron.train.update.policy_step import AlgoConfig, update_step
 
     rank = torch.distributed.get_rank()
     spec = read_hf_config(model_dir)
@@ -122,9 +122,9 @@ def stage_senders_sync(model_dir: str, server_url: str | list[str], version: str
     import zlib
 
     from gspo_megatron.rollout import SGLangConfig, SGLangEngine
-    from gspo_megatron.train import rollout_phase
-    from gspo_megatron.train.config import load_config
-    from gspo_megatron.train.policy import build_policy
+    from gspo_megatron.train.sampling import rollout_phase
+    from gspo_megatron.train.startup.config import load_config
+    from gspo_megatron.train.startup.policy import build_policy
 
     from megatron.core import parallel_state as ps
 

@@ -57,7 +57,7 @@ def r3_replay(model_dir: str, server_url: str, layout, multiturn: bool = False) 
     from gspo_megatron.model.hf_config import read_hf_config
     from gspo_megatron.model.provider import build_gpt_model
     from gspo_megatron.rollout import SGLangConfig, SGLangEngine, logprob_mismatch, samples_to_batch
-    from gspo_megatron.train.policy_step import logprob_pass
+    from gspo_megatron.train.update.policy_step import logprob_pass
 
     spec = read_hf_config(model_dir)
     model = build_gpt_model(spec, layout, calculate_per_token_loss=True, moe_enable_routing_replay=True)

@@ -1,5 +1,5 @@
 """A launched SGLang server SIGKILLed inside a distributed weight update (the update open on it, the weights not
-sent yet: ``train/fault_injection.py``'s ``weight_sync`` point) does not end the run: rank 0 restarts it, every rank
+sent yet: ``train/resilience/fault_injection.py``'s ``weight_sync`` point) does not end the run: rank 0 restarts it, every rank
 sends the whole update again, and the next rollouts come from the trained weights (the trainer's log-probs equal the
 server's). Through the CLI at world=1 with the real CPU server, 3 steps, the kill in step 1's sync."""
 
