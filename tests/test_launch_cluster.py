@@ -140,7 +140,7 @@ def test_script_names_what_is_missing_and_refuses_colocation(tmp_path):
 def test_servers_launched_on_the_training_gpus_are_refused(tmp_path):
     from gspo_megatron.rollout import SGLangConfig
     from gspo_megatron.train.startup.config import ConfigError
-    from gspo_megatron.train.sampling.rollout_phase import refuse_colocation
+    from gspo_megatron.train.sampling.engine import refuse_colocation
 
     two_servers = SGLangConfig(model_path=str(tmp_path), device="cuda", tp_size=4, num_servers=2)  # GPUs 0-7
     with pytest.raises(ConfigError, match=r"GPUs \[0, 1\], which this node's 2 training ranks use.*"

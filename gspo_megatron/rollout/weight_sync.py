@@ -12,7 +12,7 @@ Distributed (``DistributedSender``), the default: a sender and every server's ra
     for each bucket:  POST /update_weights_from_distributed (names, dtypes, shapes)  ||  broadcast it from the sender
     POST /end_weight_update, /update_weight_version, /flush_cache          (once, after every sender is done)
 
-Several senders may send parts of one update (the trainer has one per pipeline stage: ``train.sampling.rollout_phase``),
+Several senders may send parts of one update (the trainer has one per pipeline stage: ``train.weight_sync.sync``),
 each in its own group; ``SyncTarget`` is what a trainer rank needs to become one. A server handles one update call
 at a time, whichever sender it comes from.
 

@@ -11,8 +11,8 @@ A non-finite loss or gradient skips its update on every rank (``faults``); a SIG
 rank after the same step, saved (``preemption``); under ``torchrun --max-restarts`` a failed rank's restarted workers
 resume on their own, rank 0's servers kept (``elastic``).
 
-Every rank runs this; global rank 0 also owns the rollout engine (``rollout_phase``); the trainer's passes and
-updates, and their metrics over all ranks, are ``update_phase``.
+Every rank runs this; global rank 0 also owns the rollout engine (``sampling``); the trainer's passes and
+updates, and their metrics over all ranks, are ``update``; the weights reach the engine by ``weight_sync``.
 """
 
 from __future__ import annotations
@@ -27,9 +27,10 @@ from gspo_megatron.parallel import groups
 from gspo_megatron.parallel.context import sequence_multiple
 from gspo_megatron.train.records import checkpoint
 from gspo_megatron.train.resilience import elastic, preemption
-from gspo_megatron.train.sampling import rollout_phase
+from gspo_megatron.train.sampling.engine import make_engine
+from gspo_megatron.train.weight_sync.sync import sync_weights
 from gspo_megatron.train.update import update_phase
-from gspo_megatron.train.sampling.rollout_source import RolloutSource
+from gspo_megatron.train.sampling.source import RolloutSource
 from gspo_megatron.train.update.advantages import advantages
 from gspo_megatron.train.startup.config import Config
 from gspo_megatron.train.resilience.faults import NonFiniteGuard
@@ -50,7 +51,7 @@ def train(cfg: Config, resume: bool = False) -> dict:
     tokenizer, prompts, eval_prompts = load_prompts(cfg, hf_dir)
     reward_fn = reward_function(cfg)
     algo = algo_config(cfg)
-    engine = rollout_phase.make_engine(cfg, hf_dir, tokenizer)  # rank 0's; None elsewhere
+    engine = make_engine(cfg, hf_dir, tokenizer)  # rank 0's; None elsewhere
     from gspo_megatron.train.records.metrics_log import MetricsLogger
     from gspo_megatron.train.records.progress import Progress
 
@@ -65,7 +66,7 @@ def train(cfg: Config, resume: bool = False) -> dict:
     # The engine started from model.hf_dir's weights: a resumed run or model.megatron_checkpoint needs its own; servers
     # kept through a restart serve the failed attempt's weights
     if resume_from or elastic.restarted() or cfg.model.megatron_checkpoint:
-        rollout_phase.sync_weights(policy, engine, elastic.resumed_version(version))
+        sync_weights(policy, engine, elastic.resumed_version(version))
     progress = Progress(cfg.train.steps, start=step, enabled=rank0)
     seq_multiple = sequence_multiple(cfg.parallel.tensor, cfg.parallel.context, cfg.parallel.sequence_parallel)
     # rollout.mode: sync (sampled when asked), one_step_off / async (sampled ahead while the trainer updates); a

@@ -5,7 +5,7 @@ rank 0 attaches an SGLangEngine to the server. Rank 0's rollouts are broadcast t
 rank scores its share with ``logprob_pass`` (the fused op inside Megatron's schedule), then one GSPO
 ``update_step``, a distributed weight sync from ``Bridge.export_hf_weights`` (every rank iterates it: it
 all-gathers the experts over EP; rank 0 sends), and the same comparison on a fresh rollout; then the same for a ``LocalEngine`` fed the export.
-``stage_senders_sync``: the trainer's own sync (``rollout_phase.sync_weights``: one sender per pipeline stage, each
+``stage_senders_sync``: the trainer's own sync (``train.weight_sync.sync.sync_weights``: one sender per pipeline stage, each
 gathering its stage from the ranks that hold its shards) from the loop's policy under PP=2 x EP=2.
 """
 
@@ -116,13 +116,13 @@ def bridge_sync(model_dir: str, server_url: str, version: str) -> dict:
 
 def stage_senders_sync(model_dir: str, server_url: str | list[str], version: str, sync: dict | None = None) -> dict:
     """The loop's policy (``build_policy``) under this launch's layout: log-probs against SGLang's before, after
-    the weights move (stale) and after ``rollout_phase.sync_weights``; rank 0 returns the sync's metrics.
+    the weights move (stale) and after ``train.weight_sync.sync.sync_weights``; rank 0 returns the sync's metrics.
     ``server_url``: one server or several; ``sync``: ``WeightSyncConfig`` fields."""
     from gspo_megatron.rollout import WeightSyncConfig
     import zlib
 
     from gspo_megatron.rollout import SGLangConfig, SGLangEngine
-    from gspo_megatron.train.sampling import rollout_phase
+    from gspo_megatron.train.weight_sync import sync as weight_sync
     from gspo_megatron.train.startup.config import load_config
     from gspo_megatron.train.startup.policy import build_policy
 
@@ -147,7 +147,7 @@ def stage_senders_sync(model_dir: str, server_url: str | list[str], version: str
                 noise = torch.randn(param.shape, generator=torch.Generator().manual_seed(zlib.crc32(name.encode())))
                 param.mul_(1 + 0.2 * noise)
         out["stale"], _ = _mismatch(policy.model, _my_share(batch))
-        out["sync"] = rollout_phase.sync_weights(policy, engine, version)
+        out["sync"] = weight_sync.sync_weights(policy, engine, version)
         samples, batch = _rollout(engine, seed=31)
         out["versions"] = sorted({s.weight_version for s in samples})
         out["after"], _ = _mismatch(policy.model, _my_share(batch))

@@ -5,7 +5,7 @@ Rank 0 keeps the groups in flight across steps. Each step, until ``prompts_per_s
 
     start new groups, G samples each, as many as the batch still lacks but at most partial_groups_in_flight
         generating (default 2 x prompts_per_step: slime's over-sampling); their prompts are drawn through ``draw``
-        (the other ranks draw as many: ``rollout_phase.as_rollout``)
+        (the other ranks draw as many: ``broadcast.as_rollout``)
     one chunk for every sample still running, at most partial_chunk_tokens new tokens (and max_new_tokens in all):
         a new group's:        engine.generate([prompt ids], G)
         a begun sample's:     engine.generate([prompt ids + its response ids so far], 1)   token ids, never text

@@ -192,8 +192,8 @@ def validate_env(cfg: Config) -> None:
 
 
 def validate_rollout_mode(cfg: Config) -> None:
-    """Rollouts overlapped with training (``train/sampling/rollout_source.py``)."""
-    from gspo_megatron.train.sampling.rollout_source import MODES
+    """Rollouts overlapped with training (``train/sampling/source.py``)."""
+    from gspo_megatron.train.sampling.source import MODES
 
     r = cfg.rollout
     _one_of(r.mode, MODES, "rollout.mode")

@@ -37,7 +37,8 @@ def _slow_rollout_and_eval(model_dir: str) -> dict:
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
-    from gspo_megatron.train.sampling import rollout_phase
+    from gspo_megatron.train.sampling import broadcast
+    from gspo_megatron.train.sampling import engine as sampling_engine
     from gspo_megatron.train.startup.bootstrap import reward_function
     from gspo_megatron.train.startup.data import task_prompts
 
@@ -47,17 +48,17 @@ def _slow_rollout_and_eval(model_dir: str) -> dict:
     rank = dist.get_rank()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = task_prompts("reverse", tokenizer, 2, seed=0)
-    engine = rollout_phase.make_engine(cfg, model_dir, tokenizer)
+    engine = sampling_engine.make_engine(cfg, model_dir, tokenizer)
     if rank == 0:
         engine = _Slow(engine, SLOW_S)
     out = {}
     start = time.monotonic()
-    rollout = rollout_phase.collect(engine, prompts, cfg, 1, tokenizer, reward_function(cfg), pad_multiple=1)
+    rollout = broadcast.collect(engine, prompts, cfg, 1, tokenizer, reward_function(cfg), pad_multiple=1)
     out["collect_s"] = time.monotonic() - start
     out["rewards"] = rollout.rewards.tolist()
     out["response_ids"] = [s.response_ids for s in rollout.samples]
     start = time.monotonic()
-    out["eval"] = rollout_phase.evaluate(engine, prompts, cfg, 1, tokenizer, reward_function(cfg))
+    out["eval"] = broadcast.evaluate(engine, prompts, cfg, 1, tokenizer, reward_function(cfg))
     out["eval_s"] = time.monotonic() - start
 
     # The same wait in the world group: rank 0 busy as long, rank 1 in a plain broadcast times out.

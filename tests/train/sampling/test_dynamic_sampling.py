@@ -1,4 +1,4 @@
-"""DAPO's dynamic sampling (``rollout.filter_zero_variance_groups``) in ``rollout_phase.collect``.
+"""DAPO's dynamic sampling (``rollout.filter_zero_variance_groups``) in ``broadcast.collect``.
 
 A fake engine answers sample k of every group with the text "k"; a fake reward gives prompts labelled
 "uniform" 1.0 whatever the response (a group without reward variance) and the others 1.0 for "0" only. On two
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from gspo_megatron.parallel.launch import run_on_ranks
-from gspo_megatron.train.sampling.rollout_phase import uniform_groups
+from gspo_megatron.train.sampling.rounds import uniform_groups
 
 GROUP, PROMPTS = 2, 4
 MIXED = ["uniform", "x", "uniform", "uniform", "x", "uniform", "x", "uniform", "uniform", "x", "x", "x",
@@ -43,14 +43,14 @@ def reward(prompt, response, label):
 def _collect(labels, overrides) -> dict:
     import torch.distributed as dist
 
-    from gspo_megatron.train.sampling import rollout_phase
+    from gspo_megatron.train.sampling import broadcast
     from gspo_megatron.train.startup.config import load_config
     from gspo_megatron.train.startup.data import Prompt, PromptStream
 
     cfg = load_config(None, [f"rollout.group_size={GROUP}", f"rollout.prompts_per_step={PROMPTS}"] + overrides)
     stream = PromptStream([Prompt([i + 1, 7], f"p{i}", label) for i, label in enumerate(labels)], seed=0)
     engine = FakeEngine() if dist.get_rank() == 0 else None
-    rollout = rollout_phase.collect(engine, stream.next(PROMPTS), cfg, 1, FakeTokenizer(), reward, pad_multiple=1,
+    rollout = broadcast.collect(engine, stream.next(PROMPTS), cfg, 1, FakeTokenizer(), reward, pad_multiple=1,
                                     more_prompts=stream.next)
     return {"prompts": [s.prompt_ids[0] - 1 for s in rollout.samples[::GROUP]], "rewards": rollout.rewards,
             "metrics": {k: v for k, v in rollout.metrics.items() if k != "example"}, "rows": rollout.batch["input_ids"].shape[0],

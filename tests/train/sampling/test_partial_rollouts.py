@@ -165,7 +165,8 @@ def _source_run(chunk: int, fail_at: int | None = None) -> dict:
     import torch.distributed as dist
 
     from gspo_megatron.parallel import control
-    from gspo_megatron.train.sampling import rollout_phase, rollout_source
+    from gspo_megatron.train.weight_sync import sync as weight_sync
+    from gspo_megatron.train.sampling.source import RolloutSource
 
     cfg = _cfg(chunk) if chunk else _cfg(1, "rollout.partial_chunk_tokens=null")
     stream = _stream()
@@ -177,8 +178,8 @@ def _source_run(chunk: int, fail_at: int | None = None) -> dict:
         control.barrier()
         return {}
 
-    rollout_phase.sync_weights = sync_weights  # this rank process only
-    source = rollout_source.RolloutSource(engine, stream, cfg, FakeTokenizer(), _reward, pad_multiple=1,
+    weight_sync.sync_weights = sync_weights  # this rank process only
+    source = RolloutSource(engine, stream, cfg, FakeTokenizer(), _reward, pad_multiple=1,
                                           policy=object())  # a policy: the source can resync (stand-in above)
     steps = []
     for step in range(1, 6):

@@ -1,5 +1,5 @@
 """A rollout server restarted without the current weights (they came by distributed sync) in the middle of a
-step's rollout: ``rollout_phase.collect`` has every rank sync again and rank 0 generate the step again. On two
+step's rollout: ``broadcast.collect`` has every rank sync again and rank 0 generate the step again. On two
 ranks with dynamic sampling (so rank 0 draws extra prompts before the failure): the rollout, the prompts and every
 rank's data position equal an undisturbed run's, every rank resynced once, and the engine's fault metrics are in
 the step's metrics; evaluate does the same."""
@@ -33,7 +33,7 @@ class RestartedEngine(FakeEngine):
 def _run(fail_at: int | None) -> dict:
     import torch.distributed as dist
 
-    from gspo_megatron.train.sampling import rollout_phase
+    from gspo_megatron.train.sampling import broadcast
     from gspo_megatron.train.startup.config import load_config
     from gspo_megatron.train.startup.data import Prompt, PromptStream
 
@@ -42,11 +42,11 @@ def _run(fail_at: int | None) -> dict:
     stream = PromptStream([Prompt([i + 1, 7], f"p{i}", label) for i, label in enumerate(MIXED)], seed=0)
     engine = (RestartedEngine(fail_at) if fail_at else FakeEngine()) if dist.get_rank() == 0 else None
     resyncs = []
-    rollout = rollout_phase.collect(engine, stream.next(PROMPTS), cfg, 1, FakeTokenizer(), reward, pad_multiple=1,
+    rollout = broadcast.collect(engine, stream.next(PROMPTS), cfg, 1, FakeTokenizer(), reward, pad_multiple=1,
                                     more_prompts=stream.next, resync=lambda: resyncs.append(1))
     if engine is not None and fail_at:
         engine.failed, engine.fail_at = False, len(engine.calls) + 1  # the evaluation's generate fails too
-    evaluated = rollout_phase.evaluate(engine, stream.next(2), cfg, 1, FakeTokenizer(), reward,
+    evaluated = broadcast.evaluate(engine, stream.next(2), cfg, 1, FakeTokenizer(), reward,
                                        resync=lambda: resyncs.append(2))
     return {"prompts": [s.prompt_ids[0] - 1 for s in rollout.samples[::GROUP]], "rewards": rollout.rewards.tolist(),
             "position": stream.state_dict(), "resyncs": resyncs, "metrics": rollout.metrics,

@@ -89,7 +89,7 @@ def test_bad_fields_are_named(overrides, message):
         (["algo.token_advantages=tokens"], 1, None, r"algo.token_advantages='tokens' is not one of"),
         (["algo.token_advantages=segments"], 1, None, r"algo.token_advantages='segments' needs a loss with per-token"),
         (["algo.name=gspo_token", "algo.token_advantages=segments"], 1, None, r"needs data.segment_reward"),
-        # rollout.mode (train/sampling/rollout_source.py)
+        # rollout.mode (train/sampling/source.py)
         (["rollout.mode=often"], 1, None, r"rollout.mode='often'"),
         (["rollout.mode=async", "rollout.max_staleness=0"], 1, None, r"rollout.max_staleness=0"),
         (["rollout.mode=async", "rollout.engine=local"], 1, None, r"rollout.engine='local'"),

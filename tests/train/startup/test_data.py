@@ -77,7 +77,7 @@ def test_too_long_prompt_is_named_or_dropped(tmp_path, tokenizer):
 def test_truncated_and_empty_responses_are_counted_kept_or_masked():
     from gspo_megatron.rollout import samples_to_batch
     from gspo_megatron.rollout.types import Sample
-    from gspo_megatron.train.sampling.rollout_phase import screen_responses
+    from gspo_megatron.train.sampling.rounds import screen_responses
 
     samples = [Sample([1, 2], [3, 4], [-0.1, -0.2], "stop", "0"),
                Sample([1, 2], [5, 6, 7], [-0.1] * 3, "length", "0", sample_index=1),  # cut at max_new_tokens

@@ -9,7 +9,7 @@ from gspo_megatron.algo import group_advantages
 from gspo_megatron.rollout import Sample, samples_to_batch
 from gspo_megatron.train.update.advantages import advantages
 from gspo_megatron.train.startup.config import load_config
-from gspo_megatron.train.sampling.rollout_phase import Rollout
+from gspo_megatron.train.sampling.broadcast import Rollout
 
 
 def _rollout(rewards, valid, segments=None) -> Rollout:

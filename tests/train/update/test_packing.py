@@ -18,7 +18,7 @@ then PP2, 2 minibatches at lr 0): padded rows, packed rows (DP2), and packed tok
 (``parallel.max_tokens_per_micro_batch``: other groupings than the fixed split, the count agreed over DP ranks) give
 the same old-policy pass, loss, gradient norm, update metrics and the second minibatch's gradients, for GSPO (with expert
 volatility) and GRPO + Routing Replay: the per-sequence normalisation is exact for token-budget splits too (1e-5
-relative). Under PP2 rank 0 also gathers every stage's HF tensors (``rollout_phase.pipeline_gathered``).
+relative). Under PP2 rank 0 also gathers every stage's HF tensors (``train.weight_sync.pipeline.pipeline_gathered``).
 """
 
 from __future__ import annotations
@@ -244,7 +244,7 @@ def run_phases(hf_dir: str) -> dict:
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
     from gspo_megatron.parallel import groups
-    from gspo_megatron.train.sampling import rollout_phase
+    from gspo_megatron.train.weight_sync import pipeline
     from gspo_megatron.train.update import update_phase
     from gspo_megatron.train.startup.bootstrap import algo_config
     from gspo_megatron.train.startup.config import load_config
@@ -273,7 +273,7 @@ def run_phases(hf_dir: str) -> dict:
                     "metrics": metrics, "grads": grads, "plan": plan, "old": batch["old_logprobs"][batch["loss_mask"]],
                     "tokens": int(update_phase.sequence_lengths(batch).sum()), "width": batch["input_ids"].shape[1]}
         if layout_name == "pp2":  # every stage's tensors reach rank 0 (the local engine's and disk sync's path)
-            names = [n for n, _ in rollout_phase.pipeline_gathered(policy.bridge, policy.model)]
+            names = [n for n, _ in pipeline.pipeline_gathered(policy.bridge, policy.model)]
             results["pp2/gathered"] = (sorted(names), sorted(policy.bridge.hf_tensor_shapes()))
     return results
 

@@ -1,4 +1,4 @@
-"""``train/sampling/rollout_source.py``: rollouts sampled when asked (sync), one step ahead, or up to max_staleness ahead.
+"""``train/sampling/source.py``: rollouts sampled when asked (sync), one step ahead, or up to max_staleness ahead.
 
 On two ranks (rank 0 owns a fake engine that takes 0.2 s per batch and records what happens in order; the weight
 sync is a stand-in collective): every mode gives every rank the same prompts, batches and data position as sync
@@ -62,7 +62,9 @@ def _run(mode: str, max_staleness: int = 1) -> dict:
     import torch.distributed as dist
 
     from gspo_megatron.parallel import control
-    from gspo_megatron.train.sampling import rollout_phase, rollout_source
+    from gspo_megatron.train.sampling import rounds
+    from gspo_megatron.train.weight_sync import sync as weight_sync
+    from gspo_megatron.train.sampling.source import RolloutSource
     from gspo_megatron.train.startup.config import load_config
     from gspo_megatron.train.startup.data import Prompt, PromptStream
 
@@ -81,8 +83,8 @@ def _run(mode: str, max_staleness: int = 1) -> dict:
         control.barrier()
         return {}
 
-    rollout_phase.sync_weights = sync_weights  # this rank process only
-    source = rollout_source.RolloutSource(engine, stream, cfg, FakeTokenizer(), reward, pad_multiple=1)
+    weight_sync.sync_weights = sync_weights  # this rank process only
+    source = RolloutSource(engine, stream, cfg, FakeTokenizer(), reward, pad_multiple=1)
     steps = []
     try:
         for step in range(1, STEPS + 1):
@@ -159,7 +161,7 @@ def test_async_pauses_the_servers_and_bounds_staleness(results):
 
 
 def _seed(step: int) -> int:
-    return 1234 * 100_003 + step  # rollout_phase._sampling's seed of round 0 (train.seed 1234)
+    return 1234 * 100_003 + step  # rounds.sampling_params's seed of round 0 (train.seed 1234)
 
 
 def _old_logprobs(hf_dir: str) -> dict:

@@ -27,9 +27,11 @@ from concurrent.futures import ThreadPoolExecutor
 import torch.distributed as dist
 
 from gspo_megatron.parallel import control
-from gspo_megatron.train.sampling import rollout_phase
+from gspo_megatron.train.sampling import broadcast, rounds
+from gspo_megatron.train.sampling.broadcast import Rollout
 from gspo_megatron.train.startup.config import Config
 from gspo_megatron.train.startup.data import PromptStream
+from gspo_megatron.train.weight_sync import sync as weight_sync
 from gspo_megatron.train.sampling.partial_rollouts import PartialRollouts
 
 MODES = ("sync", "one_step_off", "async")
@@ -41,7 +43,7 @@ def batches_ahead(cfg: Config) -> int:
 
 
 class RolloutSource:
-    """Each step's ``rollout_phase.Rollout``, identical on every rank (``next`` is collective), and the weight sync
+    """Each step's ``Rollout``, identical on every rank (``next`` is collective), and the weight sync
     and eval that must not race the generation running ahead."""
 
     def __init__(self, engine, prompts: PromptStream, cfg: Config, tokenizer, reward_fn, pad_multiple: int,
@@ -60,15 +62,15 @@ class RolloutSource:
         # rollout.partial_chunk_tokens: rank 0's groups in flight across steps (sync mode only).
         self.partial = PartialRollouts(cfg) if self.rank0 and cfg.rollout.partial_chunk_tokens else None
 
-    def next(self, step: int, version: int) -> rollout_phase.Rollout:
+    def next(self, step: int, version: int) -> Rollout:
         """Step ``step``'s rollout (collective); ``version``: the weights the trainer holds now, which the engine
         serves. Staleness (mean, max) is ``version`` minus the samples' versions."""
         cfg = self.cfg
         if not self.ahead:  # sync: sampled now (with dynamic sampling: more prompts drawn as rank 0 needs them)
             # (partial rollouts: rank 0 draws every prompt as it starts groups, the others as many)
             first = [] if cfg.rollout.partial_chunk_tokens else self.prompts.next(cfg.rollout.prompts_per_step)
-            rollout = rollout_phase.collect(self.engine, first, cfg, step, self.tokenizer, self.reward_fn,
-                                            self.pad_multiple, more_prompts=self.prompts.next, version=version,
+            rollout = broadcast.collect(self.engine, first, cfg, step, self.tokenizer, self.reward_fn,
+                                        self.pad_multiple, more_prompts=self.prompts.next, version=version,
                                             resync=self._resync(), partial=self.partial)
         else:
             while not self._queue or self._queue[-1][0] < step + self.ahead:
@@ -81,13 +83,14 @@ class RolloutSource:
             def work():
                 t = time.perf_counter()
                 payload = (attempts.pop() if attempts else lambda: self._produce(prompts, step))()
-                payload[3]["time/rollout_wait"] = time.perf_counter() - t  # the trainer idle, waiting for it
+                payload.metrics["time/rollout_wait"] = time.perf_counter() - t  # the trainer idle, waiting for it
                 # Samples in flight across a weight sync (async) finished under a newer version than they started.
-                started = self._names[payload[-1]]
-                payload[3]["samples_across_syncs"] = float(sum(x.weight_version != started for x in payload[0]))
+                started = self._names[payload.versions]
+                payload.metrics["samples_across_syncs"] = float(sum(x.weight_version != started
+                                                                    for x in payload.samples))
                 return payload
 
-            rollout = rollout_phase.as_rollout(rollout_phase.on_rank0(work, self._resync()), self.pad_multiple)
+            rollout = broadcast.as_rollout(broadcast.on_rank0(work, self._resync()), self.pad_multiple)
         staleness = (version - rollout.versions).float()
         rollout.metrics.update(staleness_mean=float(staleness.mean()), staleness_max=float(staleness.max()),
                                weight_version_min=float(rollout.versions.min()),
@@ -101,14 +104,14 @@ class RolloutSource:
         future = self._pool.submit(self._produce, prompts, step) if self.rank0 else None
         self._queue.append((step, position, future, prompts))
 
-    def _produce(self, prompts, step: int) -> tuple:
+    def _produce(self, prompts, step: int) -> rounds.RolloutPayload:
         """Rank 0's background thread: one batch, under the weights served as it starts (no collective here)."""
-        return rollout_phase.produce(self.engine, prompts, self.cfg, step, self.tokenizer, self.reward_fn,
-                                     version=self.served)
+        return rounds.produce(self.engine, prompts, self.cfg, step, self.tokenizer, self.reward_fn,
+                              version=self.served)
 
     def sync_weights(self, policy, version: int | str) -> dict:
-        """``rollout_phase.sync_weights`` (collective) without racing the generation ahead: one_step_off lets it
-        finish first (it is all the old version's), async pauses the servers around the update."""
+        """``weight_sync.sync_weights`` (collective) without racing the generation ahead: one_step_off lets it finish
+        first (it is all the old version's), async pauses the servers around the update."""
         paused = False
         if self.rank0 and self.ahead:
             if self.cfg.rollout.mode == "one_step_off":
@@ -118,7 +121,7 @@ class RolloutSource:
                 self.engine.pause_generation()
                 paused = True
         try:
-            metrics = rollout_phase.sync_weights(policy, self.engine, version)
+            metrics = weight_sync.sync_weights(policy, self.engine, version)
             served = version if isinstance(version, int) else self.served  # a resync sends the same weights again
             if self.rank0 and self.ahead:
                 self._names[served] = str(version)
@@ -143,14 +146,14 @@ class RolloutSource:
         return resync
 
     def evaluate(self, prompts, step: int) -> dict:
-        """``rollout_phase.evaluate`` (collective); with batches sampled ahead, rank 0 runs it on their thread,
+        """``broadcast.evaluate`` (collective); with batches sampled ahead, rank 0 runs it on their thread,
         after them (the reward workers serve one thread at a time)."""
         if not self.ahead:
-            return rollout_phase.evaluate(self.engine, prompts, self.cfg, step, self.tokenizer, self.reward_fn,
-                                          self._resync())
-        return rollout_phase.on_rank0(lambda: self._pool.submit(rollout_phase.eval_metrics, self.engine, prompts,
-                                                                self.cfg, step, self.tokenizer, self.reward_fn).result(),
+            return broadcast.evaluate(self.engine, prompts, self.cfg, step, self.tokenizer, self.reward_fn,
                                       self._resync())
+        return broadcast.on_rank0(lambda: self._pool.submit(rounds.eval_metrics, self.engine, prompts, self.cfg, step,
+                                                            self.tokenizer, self.reward_fn).result(),
+                                  self._resync())
 
     def state_dict(self) -> dict:
         """What a checkpoint keeps (collective): the data position and, with partial rollouts, rank 0's groups in

@@ -17,7 +17,7 @@ from tests.rollout.helpers import require_sglang
 
 pytestmark = pytest.mark.megatron  # trains the Megatron policy through the CLI
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_server_killed_inside_a_weight_update_is_restarted_and_the_update_sent_again(tmp_path):
