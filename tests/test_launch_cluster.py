@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gspo_megatron.parallel.launch import free_port
+from gspo_megatron.parallel.groups import free_port
 from tests.rollout.helpers import require_sglang
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gspo_megatron.rollout.multiturn import _CALC, calculator_observation, format_number, safe_eval
+from gspo_megatron.rollout.multiturn import _CALC, format_number, safe_eval
+from gspo_megatron.rollout.tool_calls import calculator_observation
 from gspo_megatron.rollout.synthetic import char_tokenizer
 from tests import warm_cli
 from tests.rollout.helpers import require_sglang

@@ -22,6 +22,8 @@ import time
 from collections import deque
 from multiprocessing.connection import wait
 
+from .rewards import PooledReward
+
 STARTUP_S = 300.0  # a worker's start (the fork server's imports, loading the reward)
 MAX_START_FAILURES = 8  # workers that die before they are ready (each is replaced) before the pool gives up
 
@@ -89,7 +91,7 @@ class _Worker:
         self.conn.close()
 
 
-class RewardPool:
+class RewardPool(PooledReward):
     def __init__(self, spec: str, workers: int, timeout_s: float, builtin: str = "BUILTIN"):
         if workers < 1 or not timeout_s > 0:
             raise ValueError(f"RewardPool needs workers >= 1 and timeout_s > 0, got {workers}, {timeout_s}")

@@ -24,7 +24,7 @@ import threading
 import time
 from pathlib import Path
 
-from gspo_megatron.parallel.launch import free_port
+from gspo_megatron.parallel.groups import free_port
 
 from . import server_watchdog
 from .client import HttpClient, RetryPolicy

@@ -123,7 +123,7 @@ class SyncTarget:
 
     def connect(self, device: torch.device, tag: str = "") -> "DistributedSender":
         """A sender from this process: its own group with every server, reached at ``address()``."""
-        from gspo_megatron.parallel.launch import free_port
+        from gspo_megatron.parallel.groups import free_port
 
         clients = [HttpClient(u, RetryPolicy(0), self.config.timeout_s) for u in self.urls]
         return DistributedSender(clients, list(self.server_ranks), self.config, self.backend, device,
