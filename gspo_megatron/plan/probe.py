@@ -166,10 +166,11 @@ def measure_training_memory(cfg, hf_dir: str, seq_len: int, update_steps: int = 
     from pathlib import Path
 
     from gspo_megatron.model.hf_config import read_hf_config
-    from gspo_megatron.train.update import update_phase
+    from gspo_megatron.train.update import passes
+    from gspo_megatron.train.update.rows import micro_batches, row_plan
     from gspo_megatron.train.startup.bootstrap import algo_config
     from gspo_megatron.train.startup.policy import build_policy, build_reference
-    from gspo_megatron.train.update.policy_step import update_step
+    from gspo_megatron.train.update.schedules import update_step
 
     algo = algo_config(cfg)
     spec = read_hf_config(Path(hf_dir) / "config.json")
@@ -184,15 +185,15 @@ def measure_training_memory(cfg, hf_dir: str, seq_len: int, update_steps: int = 
         gc.collect()
         out["model"] = mem.current
         mem.reset_peak()
-        rows = update_phase.row_plan(batch["input_ids"].shape[0], cfg)
-        update_phase.old_logprobs(policy, batch, rows, cfg, algo, {})
+        rows = row_plan(batch["input_ids"].shape[0], cfg)
+        passes.old_logprobs(policy, batch, rows, cfg, algo, {})
         if reference is not None:
-            update_phase.reference_logprobs(reference, batch, rows, cfg, algo, {})
+            passes.reference_logprobs(reference, batch, rows, cfg, algo, {})
         out["logprob_pass_peak"] = mem.peak
         for minibatch_rows in rows[:update_steps]:
             gc.collect()
             mem.reset_peak()
-            update_step(policy.model, policy.optimizer, update_phase.micro_batches(batch, minibatch_rows, cfg), algo)
+            update_step(policy.model, policy.optimizer, micro_batches(batch, minibatch_rows, cfg), algo)
             out["update_peaks"].append(mem.peak)
         gc.collect()
         out["state"] = mem.current

@@ -29,7 +29,8 @@ from gspo_megatron.train.records import checkpoint
 from gspo_megatron.train.resilience import elastic, preemption
 from gspo_megatron.train.sampling.engine import make_engine
 from gspo_megatron.train.weight_sync.sync import sync_weights
-from gspo_megatron.train.update import update_phase
+from gspo_megatron.train.update import passes
+from gspo_megatron.train.update.rows import row_plan
 from gspo_megatron.train.sampling.source import RolloutSource
 from gspo_megatron.train.update.advantages import advantages
 from gspo_megatron.train.startup.config import Config
@@ -90,15 +91,15 @@ def train(cfg: Config, resume: bool = False) -> dict:
             batch["advantages"] = advantages(rollout, cfg)  # a masked reward leaves its group's statistics
             batch["loss_mask"] &= rollout.reward_valid.unsqueeze(1)  # and the loss
 
-            rows = update_phase.row_plan(batch["input_ids"].shape[0], cfg)
+            rows = row_plan(batch["input_ids"].shape[0], cfg)
             # pi_old: recomputed (recording routing for Routing Replay / expert volatility, replaying the engine's
             # experts under rollout routing replay), or the rollout's (and always the rollout's for stale samples)
-            routing = update_phase.old_logprobs(policy, batch, rows, cfg, algo, metrics)
+            routing = passes.old_logprobs(policy, batch, rows, cfg, algo, metrics)
             if reference is not None:
-                update_phase.reference_logprobs(reference, batch, rows, cfg, algo, metrics)
+                passes.reference_logprobs(reference, batch, rows, cfg, algo, metrics)
 
             t = time.perf_counter()
-            metrics.update(update_phase.update(policy, batch, rows, routing, cfg, algo))  # NaN/inf: skipped
+            metrics.update(passes.update(policy, batch, rows, routing, cfg, algo))  # NaN/inf: skipped
             metrics["time/update"] = time.perf_counter() - t
             nonfinite.check(step, batch, metrics)  # saves a skipped step's batch; N in a row stop the run
 

@@ -56,7 +56,9 @@ def _exported(policy) -> dict:
 def policy_run(hf_dir: str, dtype: str, overrides: tuple[str, ...] = (), pack: bool = False) -> dict:
     from gspo_megatron.train.startup.config import load_config
     from gspo_megatron.train.startup.policy import build_policy
-    from gspo_megatron.train.update.policy_step import AlgoConfig, logprob_pass, schedule_packing, update_step
+    from gspo_megatron.train.update.loss import AlgoConfig
+    from gspo_megatron.train.update.schedules import logprob_pass, update_step
+    from gspo_megatron.train.update.batch import schedule_packing
 
     cfg = load_config(None, [f"model.dtype={dtype}", "parallel.distributed_optimizer=false", "optimizer.lr=1.0",
                              "optimizer.adam_eps=1.0", "optimizer.clip_grad=0.05", "train.steps=1",

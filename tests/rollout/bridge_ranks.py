@@ -41,7 +41,7 @@ def _my_share(batch: dict) -> dict:
 
 def _mismatch(model, share):
     from gspo_megatron.rollout import logprob_mismatch
-    from gspo_megatron.train.update.policy_step import logprob_pass
+    from gspo_megatron.train.update.schedules import logprob_pass
 
     mb = {k: share[k] for k in ("input_ids", "labels", "loss_mask")}
     ours = logprob_pass(model, [mb])["logprobs"]
@@ -59,7 +59,8 @@ def bridge_sync(model_dir: str, server_url: str, version: str) -> dict:
     from gspo_megatron.parallel.groups import Layout
     from gspo_megatron.rollout import SGLangConfig, SGLangEngine
     from gspo_megatron.rollout.weight_sync import consume
-    from gspo_megatron.train.update.policy_step import AlgoConfig, update_step
+    from gspo_megatron.train.update.loss import AlgoConfig
+    from gspo_megatron.train.update.schedules import update_step
 
     rank = torch.distributed.get_rank()
     spec = read_hf_config(model_dir)

@@ -10,17 +10,13 @@ import torch.distributed as dist
 from gspo_megatron.parallel import control
 from gspo_megatron.train.startup.config import Config, ConfigError
 from gspo_megatron.train.startup.data import PromptFormat, PromptStream, check_prompt_lengths, load_jsonl, task_prompts
-from gspo_megatron.train.update.policy_step import AlgoConfig
-
-# The GSPO paper's clip ranges, and its GRPO baseline's.
-DEFAULT_CLIP = {"gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4), "grpo": (0.2, 0.27)}
+from gspo_megatron.train.update.loss import AlgoConfig
 
 
 def algo_config(cfg: Config) -> AlgoConfig:
-    a = cfg.algo
-    low, high = DEFAULT_CLIP[a.name]
+    a = cfg.algo  # an unset clip bound is the algorithm's (update.loss.CLIP_RANGES)
     return AlgoConfig(
-        name=a.name, eps_low=low if a.eps_low is None else a.eps_low, eps_high=high if a.eps_high is None else a.eps_high,
+        name=a.name, eps_low=a.eps_low, eps_high=a.eps_high,
         max_log_ratio=a.max_log_ratio, grpo_aggregation=a.grpo_aggregation, kl_coef=a.kl_coef,
         kl_estimator=a.kl_estimator, entropy_coef=a.entropy_coef, temperature=cfg.rollout.temperature,
         fused_loss=a.fused_loss,

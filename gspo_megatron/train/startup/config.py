@@ -416,6 +416,23 @@ class Config:
 # ---- loading ---------------------------------------------------------------------------------------
 
 
+# What the config decides about the loop's passes (read by the policy's construction and by the update).
+
+
+def runs_old_pass(cfg: Config) -> bool:
+    """The trainer recomputes pi_old unless rollout.reuse_rollout_logprobs takes the engine's; Routing Replay needs
+    the pass anyway (it records the experts to replay); rollout routing replay does not (the engine's experts
+    come with the rollout)."""
+    return not cfg.rollout.reuse_rollout_logprobs or cfg.algo.replays_old_routing
+
+
+def measures_volatility(cfg: Config, spec) -> bool:
+    """Expert volatility needs routed experts, a second minibatch (a forward after one step), the old pass's
+    record, and free routing in the update (Routing Replay pins it)."""
+    return (cfg.logging.expert_volatility and spec.is_moe and cfg.algo.minibatches >= 2
+            and runs_old_pass(cfg) and not cfg.algo.routing_replay)
+
+
 def _field_types(cls) -> dict[str, Any]:
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}

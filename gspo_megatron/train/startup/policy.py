@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from gspo_megatron.parallel.groups import Layout
-from gspo_megatron.train.startup.config import Config
+from gspo_megatron.train.startup.config import Config, measures_volatility
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -57,8 +57,6 @@ def build_policy(cfg: Config, hf_dir: str | Path) -> Policy:
     spec = read_hf_config(Path(hf_dir) / "config.json")
     dtype = DTYPES[cfg.model.dtype]
     bridge = Bridge(spec)
-    from gspo_megatron.train.update.update_phase import measures_volatility
-
     # Routers record (or replay) their experts through megatron's RouterReplay only when built for it.
     records_routing = bool(cfg.algo.routing_replay) or measures_volatility(cfg, spec)
     model = _starting_model(cfg, hf_dir, spec, bridge, dtype, routing_replay=records_routing)
@@ -106,7 +104,7 @@ def _starting_model(cfg: Config, hf_dir, spec, bridge, dtype, routing_replay: bo
 
     model = build_gpt_model(
         spec, layout_of(cfg), dtype=dtype, padded_vocab_size=bridge.padded_vocab_size,
-        # Sequences are the unit of normalisation (train.update.policy_step): megatron's per-token-loss mode.
+        # Sequences are the unit of normalisation (train.update.loss): megatron's per-token-loss mode.
         calculate_per_token_loss=True,
         moe_enable_routing_replay=routing_replay,
         grouped_gemm=cfg.model.grouped_gemm,

@@ -50,7 +50,8 @@ def _identical(a, b) -> bool:
 def nonfinite_steps(hf_dir: str, log_dir: str) -> dict:
     import torch.distributed as dist
 
-    from gspo_megatron.train.update import update_phase
+    from gspo_megatron.train.update import passes
+    from gspo_megatron.train.update.rows import row_plan
     from gspo_megatron.train.startup.bootstrap import algo_config
     from gspo_megatron.train.resilience.faults import NonFiniteError, NonFiniteGuard
     from gspo_megatron.plan.probe import synthetic_rollout
@@ -62,11 +63,11 @@ def nonfinite_steps(hf_dir: str, log_dir: str) -> dict:
     policy = build_policy(cfg, hf_dir)
     batch = synthetic_rollout(cfg, 128, SEQ)
     batch["old_logprobs"] = batch["rollout_logprobs"]
-    rows = update_phase.row_plan(batch["input_ids"].shape[0], cfg)
+    rows = row_plan(batch["input_ids"].shape[0], cfg)
     guard = NonFiniteGuard(cfg.train.max_consecutive_nonfinite, log_dir, rank == 0)
 
     def update(step, rollout):
-        metrics = update_phase.update(policy, rollout, rows, None, cfg, algo)
+        metrics = passes.update(policy, rollout, rows, None, cfg, algo)
         guard.check(step, rollout, metrics)
         return metrics
 

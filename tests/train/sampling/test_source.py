@@ -165,9 +165,10 @@ def _seed(step: int) -> int:
 
 
 def _old_logprobs(hf_dir: str) -> dict:
-    """``update_phase.old_logprobs`` on a synthetic batch, without and with half its rows marked stale."""
+    """``train.update.passes.old_logprobs`` on a synthetic batch, without and with half its rows marked stale."""
     from gspo_megatron.parallel import groups
-    from gspo_megatron.train.update import update_phase
+    from gspo_megatron.train.update import passes
+    from gspo_megatron.train.update.rows import row_plan
     from gspo_megatron.train.startup.bootstrap import algo_config
     from gspo_megatron.train.startup.config import load_config
     from gspo_megatron.plan.probe import synthetic_rollout
@@ -178,12 +179,12 @@ def _old_logprobs(hf_dir: str) -> dict:
     groups.init_model_parallel(layout_of(cfg))
     policy = build_policy(cfg, hf_dir)
     batch = synthetic_rollout(cfg, 128, 32, seed=1)
-    rows = update_phase.row_plan(batch["input_ids"].shape[0], cfg)
+    rows = row_plan(batch["input_ids"].shape[0], cfg)
     out = {"rollout": batch["rollout_logprobs"], "mask": batch["loss_mask"]}
     stale = torch.tensor([True, False] * 4)
     for name, extra in (("fresh", {}), ("stale", {"stale": stale})):
         b = dict(batch, **extra)
-        update_phase.old_logprobs(policy, b, rows, cfg, algo_config(cfg), {})
+        passes.old_logprobs(policy, b, rows, cfg, algo_config(cfg), {})
         out[name] = b["old_logprobs"]
     out["stale_rows"] = stale
     return out

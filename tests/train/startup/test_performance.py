@@ -55,11 +55,11 @@ def _params(model) -> torch.Tensor:
 def run_cases(hf_dir: str) -> dict:
     """Each setting on this rank: what reached megatron, two update steps, the parameters after them."""
     from gspo_megatron.model.hidden_output import unwrap
-    from gspo_megatron.train.update import update_phase
+    from gspo_megatron.train.update.rows import micro_batches, row_plan
     from gspo_megatron.train.startup.bootstrap import algo_config
     from gspo_megatron.plan.probe import synthetic_rollout
     from gspo_megatron.train.startup.policy import build_policy
-    from gspo_megatron.train.update.policy_step import update_step
+    from gspo_megatron.train.update.schedules import update_step
 
     results = {}
     for name, overrides, _ in CASES:
@@ -75,12 +75,12 @@ def run_cases(hf_dir: str) -> dict:
         reached.update(overlap_grad_reduce=ddp.overlap_grad_reduce, overlap_param_gather=ddp.overlap_param_gather,
                        no_sync_func=gpt.config.no_sync_func is not None,
                        dispatcher=type(gpt.decoder.layers[0].mlp.token_dispatcher).__name__)
-        rows = update_phase.row_plan(batch["input_ids"].shape[0], cfg)
+        rows = row_plan(batch["input_ids"].shape[0], cfg)
         batch["old_logprobs"] = batch["rollout_logprobs"]
         start = _params(policy.model)
         steps = []
         for minibatch in rows:
-            out = update_step(policy.model, policy.optimizer, update_phase.micro_batches(batch, minibatch, cfg), algo)
+            out = update_step(policy.model, policy.optimizer, micro_batches(batch, minibatch, cfg), algo)
             steps.append((float(out["loss"]), out["grad_norm"], bool(out["update_successful"])))
         before = _params(policy.model)
         performance.params_current(policy.model)

@@ -59,7 +59,8 @@ def _policy(hf_dir: str, layout: Layout):
 def step_case(hf_dir: str, layout: Layout, rollout: dict) -> dict:
     from megatron.core import parallel_state as ps
 
-    from gspo_megatron.train.update.policy_step import AlgoConfig, update_step
+    from gspo_megatron.train.update.loss import AlgoConfig
+    from gspo_megatron.train.update.schedules import update_step
 
     _, bridge, model, ddp, optimizer = _policy(hf_dir, layout)
     dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
@@ -72,7 +73,7 @@ def step_case(hf_dir: str, layout: Layout, rollout: dict) -> dict:
 
 def reference(hf_dirs: dict) -> dict:
     """world=1: the rollout (old log-probs from the loaded model, perturbed by 1e-3) and the step."""
-    from gspo_megatron.train.update.policy_step import logprob_pass
+    from gspo_megatron.train.update.schedules import logprob_pass
 
     results = {}
     for family, hf_dir in hf_dirs.items():

@@ -13,7 +13,7 @@ absolute (fp32, values ~5), loss 1e-6 absolute (a mean of advantage-weighted rat
 gradient norm 1e-5 relative, gradients 1e-5 relative (max |a-e| / max |e|);
 routing decisions and token counts exactly.
 
-Through the trainer (``train.update.update_phase``, the policy built from a tiny HF Qwen3-MoE, two data-parallel ranks and
+Through the trainer (``train.update.passes``, the policy built from a tiny HF Qwen3-MoE, two data-parallel ranks and
 then PP2, 2 minibatches at lr 0): padded rows, packed rows (DP2), and packed token-budget micro batches
 (``parallel.max_tokens_per_micro_batch``: other groupings than the fixed split, the count agreed over DP ranks) give
 the same old-policy pass, loss, gradient norm, update metrics and the second minibatch's gradients, for GSPO (with expert
@@ -30,7 +30,8 @@ from gspo_megatron.algo import group_advantages
 from gspo_megatron.parallel import packing
 from gspo_megatron.parallel.groups import Layout
 from gspo_megatron.parallel.launch import run_on_ranks
-from gspo_megatron.train.update.policy_step import AlgoConfig, logprob_pass, update_step
+from gspo_megatron.train.update.loss import AlgoConfig
+from gspo_megatron.train.update.schedules import logprob_pass, update_step
 from tests import megatron_tiny as tiny
 
 NUM_SEQUENCES, GROUP, MICRO = 8, 4, 2
@@ -245,7 +246,8 @@ def run_phases(hf_dir: str) -> dict:
 
     from gspo_megatron.parallel import groups
     from gspo_megatron.train.weight_sync import pipeline
-    from gspo_megatron.train.update import update_phase
+    from gspo_megatron.train.update import passes
+    from gspo_megatron.train.update.rows import micro_batch_rows, row_plan, sequence_lengths
     from gspo_megatron.train.startup.bootstrap import algo_config
     from gspo_megatron.train.startup.config import load_config
     from gspo_megatron.plan.probe import synthetic_rollout
@@ -263,15 +265,15 @@ def run_phases(hf_dir: str) -> dict:
                 batch = synthetic_rollout(cfg, 128, SEQ, seed=4)
                 RouterReplay.clear_global_router_replay_instances()  # one policy per process in the trainer
                 policy = build_policy(cfg, hf_dir)
-                rows = update_phase.row_plan(batch["input_ids"].shape[0], cfg)
-                plan = [[p.numel() for p in update_phase.micro_batch_rows(batch, r, cfg)] for r in rows]
+                rows = row_plan(batch["input_ids"].shape[0], cfg)
+                plan = [[p.numel() for p in micro_batch_rows(batch, r, cfg)] for r in rows]
                 metrics = {}
-                routing = update_phase.old_logprobs(policy, batch, rows, cfg, algo_config(cfg), metrics)
-                metrics.update(update_phase.update(policy, batch, rows, routing, cfg, algo_config(cfg)))
+                routing = passes.old_logprobs(policy, batch, rows, cfg, algo_config(cfg), metrics)
+                metrics.update(passes.update(policy, batch, rows, routing, cfg, algo_config(cfg)))
                 grads = torch.cat([p.main_grad.detach().flatten().clone() for p in policy.model.parameters()])
                 results[f"{layout_name}/{algo_name}/{name}"] = {
                     "metrics": metrics, "grads": grads, "plan": plan, "old": batch["old_logprobs"][batch["loss_mask"]],
-                    "tokens": int(update_phase.sequence_lengths(batch).sum()), "width": batch["input_ids"].shape[1]}
+                    "tokens": int(sequence_lengths(batch).sum()), "width": batch["input_ids"].shape[1]}
         if layout_name == "pp2":  # every stage's tensors reach rank 0 (the local engine's and disk sync's path)
             names = [n for n, _ in pipeline.pipeline_gathered(policy.bridge, policy.model)]
             results["pp2/gathered"] = (sorted(names), sorted(policy.bridge.hf_tensor_shapes()))

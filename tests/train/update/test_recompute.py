@@ -35,11 +35,12 @@ CASES = [
 def run_cases(hf_dir: str, layout_overrides: list[str]) -> dict:
     """Each recompute setting on this rank: what reached the model, saved bytes after the forward, the step."""
     from gspo_megatron.model.hidden_output import unwrap
-    from gspo_megatron.train.update import update_phase
+    from gspo_megatron.train.update import passes
+    from gspo_megatron.train.update.rows import micro_batches, row_plan
     from gspo_megatron.train.startup.bootstrap import algo_config
     from gspo_megatron.plan.probe import peak_memory, synthetic_rollout
     from gspo_megatron.train.startup.policy import build_policy
-    from gspo_megatron.train.update.policy_step import update_step
+    from gspo_megatron.train.update.schedules import update_step
 
     results = {}
     for name, overrides in CASES:
@@ -56,13 +57,13 @@ def run_cases(hf_dir: str, layout_overrides: list[str]) -> dict:
             "moe": [bool(getattr(layer.mlp, "moe_layer_recompute", False)) for layer in layers],
             "mlp": [layer.recompute_mlp for layer in layers],
         }
-        rows = update_phase.row_plan(batch["input_ids"].shape[0], cfg)
-        update_phase.old_logprobs(policy, batch, rows, cfg, algo, {})
+        rows = row_plan(batch["input_ids"].shape[0], cfg)
+        passes.old_logprobs(policy, batch, rows, cfg, algo, {})
         saved = []
         with peak_memory() as mem:
             start = mem.current
             hook = gpt.register_forward_hook(lambda *_: saved.append(mem.current - start))
-            out = update_step(policy.model, policy.optimizer, update_phase.micro_batches(batch, rows[0], cfg), algo)
+            out = update_step(policy.model, policy.optimizer, micro_batches(batch, rows[0], cfg), algo)
             hook.remove()
         grads = torch.cat([p.main_grad.detach().flatten().clone() for p in policy.model.parameters()])
         results[name] = {"reached": reached, "saved": saved[0], "loss": float(out["loss"]),

@@ -14,9 +14,10 @@ import torch
 
 from gspo_megatron.parallel.groups import Layout
 from gspo_megatron.parallel.launch import run_on_ranks
-from gspo_megatron.train.update.policy_step import AlgoConfig, logprob_pass, update_step
+from gspo_megatron.train.update.loss import AlgoConfig
+from gspo_megatron.train.update.schedules import logprob_pass, update_step
 from tests import megatron_tiny as tiny
-from tests.train.update.test_policy_step import NUM_SEQUENCES, make_rollout, micro_batches
+from tests.train.update.test_schedules import NUM_SEQUENCES, make_rollout, micro_batches
 
 pytestmark = pytest.mark.megatron  # builds a Megatron model
 

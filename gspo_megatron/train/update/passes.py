@@ -1,10 +1,6 @@
-"""The trainer side of a step: which rows each data-parallel rank trains on, the old-policy (and reference)
-log-prob passes, the minibatch updates, and the metrics of all of it over every rank.
-
-Rows: minibatch m is rows [m*M, (m+1)*M) of the rollout batch; DP rank r trains on the r-th contiguous share of
-each (``row_plan``), in micro batches of ``parallel.micro_batch_size`` rows or, with
-``parallel.max_tokens_per_micro_batch``, of balanced token counts (``micro_batch_rows``). The passes return
-per-row results (routing records too) in row order, so the update's micro batches may group rows differently.
+"""The trainer's passes over a step's rollout: the old-policy (and reference) log-prob passes and the minibatch
+updates, and the metrics of all of it over every rank. The passes return per-row results (routing records too) in
+row order (``rows``), so the update's micro batches may group rows differently.
 """
 
 from __future__ import annotations
@@ -16,71 +12,10 @@ import torch.distributed as dist
 
 from gspo_megatron import algo
 from gspo_megatron.algo import kl_penalty
-from gspo_megatron.train.startup.config import Config
-from gspo_megatron.train.update.policy_step import AlgoConfig, logprob_pass, update_step
-
-
-def row_plan(total: int, cfg: Config) -> list[torch.Tensor]:
-    """The rollout rows this data-parallel rank trains on, one index tensor per minibatch."""
-    from megatron.core import parallel_state as ps
-
-    return rank_rows(total, cfg.algo.minibatches, ps.get_data_parallel_world_size(), ps.get_data_parallel_rank())
-
-
-def rank_rows(total: int, minibatches: int, dp: int, dp_rank: int) -> list[torch.Tensor]:
-    """Data-parallel rank ``dp_rank``'s share of each minibatch of ``total`` rows: consecutive, in rank order."""
-    per_minibatch = total // minibatches
-    share = per_minibatch // dp
-    return [torch.arange(m * per_minibatch + dp_rank * share, m * per_minibatch + (dp_rank + 1) * share)
-            for m in range(minibatches)]
-
-
-def micro_batch_rows(batch: dict, rows: torch.Tensor, cfg: Config) -> list[torch.Tensor]:
-    """Each micro batch's positions in ``rows``: consecutive runs of ``parallel.micro_batch_size``, or with
-    ``parallel.max_tokens_per_micro_batch`` the fewest token-balanced micro batches within the budget
-    (``parallel.packing.balance``; a longer sequence is its own micro batch), as many on every data-parallel rank
-    (pipeline schedules run in step; one all-reduce per round over the DP group)."""
-    budget = cfg.parallel.max_tokens_per_micro_batch
-    if not budget:
-        size = cfg.parallel.micro_batch_size
-        return [torch.arange(i, min(i + size, rows.numel())) for i in range(0, rows.numel(), size)]
-    from megatron.core import parallel_state as ps
-
-    from gspo_megatron import environment
-    from gspo_megatron.parallel import packing
-
-    lengths = sequence_lengths(batch)[rows]
-    count = 1
-    while True:  # ends: every round raises ``count``, and each rank fits with one micro batch per sequence
-        agreed = torch.tensor([packing.smallest_count(lengths, budget, count)], device=environment.device())
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())
-        if int(agreed) == count:
-            return packing.balance(lengths, count)[0]
-        count = int(agreed)
-
-
-def micro_batches(batch: dict, rows: torch.Tensor, cfg: Config, routing: torch.Tensor | None = None,
-                  routing_key: str = "routing", parts: list[torch.Tensor] | None = None,
-                  rollout_routing: bool = True) -> list[dict]:
-    """``rows`` of the batch as micro batches (``micro_batch_rows``, or ``parts`` already planned); ``routing``
-    (this rank's record for exactly these rows, in their order) goes in as ``routing_key``: "routing" (replayed)
-    or "old_routing" (compared). Each carries ``seq_lengths`` (packed rows hold those tokens). With rollout
-    routing replay (and ``rollout_routing``) the batch's ``rollout_routing`` goes in too: the engine's experts."""
-    keys = [k for k in ("input_ids", "labels", "loss_mask", "old_logprobs", "ref_logprobs", "advantages")
-            if k in batch]
-    if rollout_routing and cfg.algo.replays_rollout_routing:
-        if "rollout_routing" not in batch:
-            raise ValueError("algo.routing_replay=rollout but the rollout batch has no rollout_routing: the "
-                             "engine returned no routed experts")
-        keys.append("rollout_routing")
-    out = []
-    for part in micro_batch_rows(batch, rows, cfg) if parts is None else parts:
-        micro = {k: batch[k][rows[part]] for k in keys}
-        micro["seq_lengths"] = sequence_lengths(batch)[rows[part]]  # what a packed row holds of each row
-        if routing is not None:
-            micro[routing_key] = routing[part.to(routing.device)]
-        out.append(micro)
-    return out
+from gspo_megatron.train.startup.config import Config, measures_volatility, runs_old_pass
+from gspo_megatron.train.update.loss import AlgoConfig
+from gspo_megatron.train.update.rows import all_rows, micro_batch_rows, micro_batches
+from gspo_megatron.train.update.schedules import logprob_pass, update_step
 
 
 def _pass(model, batch: dict, rows: torch.Tensor, cfg: Config, rollout_routing: bool = True, **kwargs) -> dict:
@@ -95,38 +30,6 @@ def _pass(model, batch: dict, rows: torch.Tensor, cfg: Config, rollout_routing: 
     inverse = torch.argsort(order)
     return {k: v[inverse.to(v.device)] if torch.is_tensor(v) and v.dim() and v.shape[0] == rows.numel() else v
             for k, v in out.items()}
-
-
-def sequence_lengths(batch: dict) -> torch.Tensor:
-    """[B] tokens of each rollout row (prompt + response; at least 1)."""
-    return (batch["prompt_lengths"] + batch["response_lengths"]).clamp_min(1)
-
-
-def all_rows(local: torch.Tensor, total: int, cfg: Config) -> torch.Tensor:
-    """Per-row results of this DP rank's ``row_plan`` rows (on the device) -> [total, ...] on every rank's CPU."""
-    from megatron.core import parallel_state as ps
-
-    group = ps.get_data_parallel_group()
-    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, local.contiguous(), group=group)  # on the model's device (NCCL)
-    out = torch.empty((total,) + tuple(local.shape[1:]), dtype=local.dtype)  # the rollout batch's side: CPU
-    for r, part in enumerate(parts):
-        out[torch.cat(rank_rows(total, cfg.algo.minibatches, len(parts), r))] = part.cpu()
-    return out
-
-
-def runs_old_pass(cfg: Config) -> bool:
-    """The trainer recomputes pi_old unless rollout.reuse_rollout_logprobs takes the engine's; Routing Replay needs
-    the pass anyway (it records the experts to replay); rollout routing replay does not (the engine's experts
-    come with the rollout)."""
-    return not cfg.rollout.reuse_rollout_logprobs or cfg.algo.replays_old_routing
-
-
-def measures_volatility(cfg: Config, spec) -> bool:
-    """Expert volatility needs routed experts, a second minibatch (a forward after one step), the old pass's
-    record, and free routing in the update (Routing Replay pins it)."""
-    return (cfg.logging.expert_volatility and spec.is_moe and cfg.algo.minibatches >= 2
-            and runs_old_pass(cfg) and not cfg.algo.routing_replay)
 
 
 def old_logprobs(policy, batch: dict, rows: list[torch.Tensor], cfg: Config, algo_config: AlgoConfig,

@@ -28,7 +28,9 @@ import torch
 from gspo_megatron.algo import SEQUENCE_STATS, group_advantages, update_metrics
 from gspo_megatron.parallel.groups import Layout
 from gspo_megatron.parallel.launch import run_on_ranks
-from gspo_megatron.train.update.policy_step import AlgoConfig, logprob_pass, routing_changes, update_step
+from gspo_megatron.train.update.loss import AlgoConfig
+from gspo_megatron.train.update.schedules import logprob_pass, update_step
+from gspo_megatron.train.update.routing import routing_changes
 from tests import megatron_tiny as tiny
 
 NUM_SEQUENCES, GROUP, MICRO = 8, 4, 2
