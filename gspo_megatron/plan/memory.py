@@ -7,6 +7,9 @@ loss) and the most loaded is reported. Sizes per rank: t = TP, x = expert-TP, e 
 d = world / (t*c*p) (dense data-parallel), expert-DP = world / (x*e*p); a = bytes per parameter and activation
 (bf16 2, fp32 4).
 
+One module although long: the terms below are one table, each term a short function, and they must be read
+(and checked against the measured probe) together.
+
 state (``StageMemory``)
   params     a B per local parameter: attention, dense MLP, embedding / output layer split over t (norms and
              routers replicated), experts over e*x, layers over p.

@@ -25,19 +25,18 @@ import torch.distributed as dist
 
 from gspo_megatron.parallel import groups
 from gspo_megatron.parallel.context import sequence_multiple
-from gspo_megatron.train.records import checkpoint
-from gspo_megatron.train.resilience import elastic, preemption
-from gspo_megatron.train.sampling.engine import make_engine
-from gspo_megatron.train.weight_sync.sync import sync_weights
-from gspo_megatron.train.update import passes
-from gspo_megatron.train.update.rows import row_plan
-from gspo_megatron.train.sampling.source import RolloutSource
-from gspo_megatron.train.update.advantages import advantages
-from gspo_megatron.train.startup.config import Config
-from gspo_megatron.train.resilience.faults import NonFiniteGuard
-from gspo_megatron.train.startup.policy import build_policy, build_reference, layout_of
 from gspo_megatron.train.startup.bootstrap import algo_config, load_prompts, prepare_model_dir, reward_function
-
+from gspo_megatron.train.startup.config import Config
+from gspo_megatron.train.startup.policy import build_policy, build_reference, layout_of
+from gspo_megatron.train.sampling.engine import make_engine
+from gspo_megatron.train.sampling.source import RolloutSource
+from gspo_megatron.train.update import passes
+from gspo_megatron.train.update.advantages import advantages
+from gspo_megatron.train.update.rows import row_plan
+from gspo_megatron.train.weight_sync.sync import sync_weights
+from gspo_megatron.train.resilience import elastic, preemption
+from gspo_megatron.train.resilience.faults import NonFiniteGuard
+from gspo_megatron.train.records import checkpoint
 
 def train(cfg: Config, resume: bool = False) -> dict:
     """Run ``cfg`` to ``train.steps``; returns the last step's metrics."""

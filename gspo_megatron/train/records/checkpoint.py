@@ -17,6 +17,9 @@ tensors are in host memory (copied from the GPU; on a CPU, a forked writer's cop
 background process writes them; ``finalize_saves`` (every step, collective) renames the checkpoint and moves
 ``latest`` once every rank has written its part. One save is in flight at a time: the next ``save`` completes
 the previous one first.
+
+Over 350 lines because the synchronous and asynchronous saves, the atomic rename and the loads (with the checks
+of what a resumed run may take) share their layout and must change together.
 """
 
 from __future__ import annotations

@@ -5,6 +5,9 @@
 Every field has a default and a docstring. ``validate(cfg, world_size)`` checks each rule that can be
 checked without starting a process group (divisibility, compatible options) and raises ``ConfigError``
 naming the field and the fix.
+
+Long by design: the sections and their fields' docstrings are the reference of every YAML key, kept in one
+place, and the loader (overrides, types, relative paths) is a small part of it.
 """
 
 from __future__ import annotations
