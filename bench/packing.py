@@ -9,7 +9,7 @@ Rollouts are synthetic, with the lengths a reasoning policy gives: prompts unifo
 geometric with mean ``--cap`` / 4, capped at ``--cap`` (max_new_tokens). Each mode runs the loop's own
 functions on real Megatron-Core over gloo (``parallel.launch.run_on_ranks``): one ``build_policy`` per mode from
 the same HF weights, then per step, each mode in turn (load on a shared machine falls on every mode alike),
-``update_phase.old_logprobs`` (the old-policy pass over every row) and ``update_phase.update``
+``train.update.passes.old_logprobs`` (the old-policy pass over every row) and ``train.update.passes.update``
 (``algo.minibatches`` optimizer steps), on the same rollout batches. The first step is a warm-up.
 
 Modes: ``padded`` (micro batches of ``parallel.micro_batch_size`` rows [b, S], S the batch's longest row, as the
@@ -74,12 +74,13 @@ def computed_tokens(batch: dict, rows: list[torch.Tensor], cfg) -> tuple[int, in
     them): b x S padded, the packed row's length N packed; and the attention scores computed per head and layer
     on CPU: b x S^2 padded, N^2 packed (megatron's local attention with a dense block-diagonal mask)."""
     from gspo_megatron.parallel import packing
-    from gspo_megatron.train import update_phase
+    from gspo_megatron.train.update import passes
+    from gspo_megatron.train.update.rows import micro_batch_rows, row_plan, sequence_lengths
 
-    lengths = update_phase.sequence_lengths(batch)
+    lengths = sequence_lengths(batch)
     total = scores = 0
     for minibatch_rows in rows:
-        for part in update_phase.micro_batch_rows(batch, minibatch_rows, cfg):
+        for part in micro_batch_rows(batch, minibatch_rows, cfg):
             if cfg.parallel.pack_sequences:
                 n = packing.packed_length(lengths[minibatch_rows[part]])
                 total, scores = total + n, scores + n * n
@@ -96,9 +97,10 @@ def run_modes(cfgs: list, hf_dir: str, batches: list[dict]) -> list[list[dict]]:
     import torch.distributed as dist
 
     from gspo_megatron.parallel import groups
-    from gspo_megatron.train import update_phase
-    from gspo_megatron.train.bootstrap import algo_config
-    from gspo_megatron.train.policy import build_policy, layout_of
+    from gspo_megatron.train.update import passes
+    from gspo_megatron.train.update.rows import micro_batch_rows, row_plan, sequence_lengths
+    from gspo_megatron.train.startup.bootstrap import algo_config
+    from gspo_megatron.train.startup.policy import build_policy, layout_of
 
     groups.init_model_parallel(layout_of(cfgs[0]), seed=cfgs[0].train.seed)
     algo = algo_config(cfgs[0])
@@ -108,15 +110,15 @@ def run_modes(cfgs: list, hf_dir: str, batches: list[dict]) -> list[list[dict]]:
         out.append([])
         for cfg, policy in zip(cfgs, policies):
             step = dict(batch)
-            rows = update_phase.row_plan(step["input_ids"].shape[0], cfg)
-            micro = sum(len(update_phase.micro_batch_rows(step, r, cfg)) for r in rows)
+            rows = row_plan(step["input_ids"].shape[0], cfg)
+            micro = sum(len(micro_batch_rows(step, r, cfg)) for r in rows)
             computed, scores = computed_tokens(step, rows, cfg)
-            real = int(update_phase.sequence_lengths(step)[torch.cat(rows)].sum())
+            real = int(sequence_lengths(step)[torch.cat(rows)].sum())
             dist.barrier()
             start = time.perf_counter()
-            routing = update_phase.old_logprobs(policy, step, rows, cfg, algo, {})
+            routing = passes.old_logprobs(policy, step, rows, cfg, algo, {})
             old = time.perf_counter() - start
-            metrics = update_phase.update(policy, step, rows, routing, cfg, algo)
+            metrics = passes.update(policy, step, rows, routing, cfg, algo)
             dist.barrier()
             out[-1].append(dict(step=time.perf_counter() - start, old=old, computed=computed, scores=scores,
                                 real=real, micro_batches=micro, loss=metrics["loss"]))
@@ -130,7 +132,7 @@ def modes(args) -> list[tuple[str, int | None]]:
 
 
 def config(mode: str, budget: int | None, args, hf_dir: str):
-    from gspo_megatron.train.config import load_config
+    from gspo_megatron.train.startup.config import load_config
 
     overrides = [f"model.hf_dir={hf_dir}", "model.dtype=float32", "data.task=reverse",
                  f"rollout.prompts_per_step={args.prompts}", f"rollout.group_size={args.group}",

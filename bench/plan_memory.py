@@ -5,10 +5,10 @@
 
 Each case runs the loop's own path on real Megatron-Core over gloo (``parallel.launch.run_on_ranks``):
 ``build_policy`` (DDP, distributed optimizer, bf16 unless stated), the old-policy log-prob pass, then two update
-steps on a rollout padded to the case's length (``train.memory_probe.measure_training_memory``). Memory is the
+steps on a rollout padded to the case's length (``plan.probe.measure_training_memory``). Memory is the
 live bytes of tensor storages (``memory_probe.LiveTensorBytes``: every storage an aten op creates is counted
 until it is freed; the CPU analogue of torch.cuda.max_memory_allocated). The second step's peak is the
-steady state (the first step also creates the optimizer state). It is compared with ``train.memory``'s estimate
+steady state (the first step also creates the optimizer state). It is compared with ``plan.memory``'s estimate
 for the same config and megatron's local spec (what CPU runs build), without the GPU-only overhead (CUDA
 context, NCCL buffers, allocator slack): "peak" is everything, "above state" is the peak minus what stays
 allocated between steps (weights, gradients, optimizer state), i.e. activations and the working set.
@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 
 from gspo_megatron.parallel.launch import run_on_ranks
-from gspo_megatron.train.config import load_config
-from gspo_megatron.train.memory_probe import compare_with_plan, measure_layouts
+from gspo_megatron.train.startup.config import load_config
+from gspo_megatron.plan.probe import compare_with_plan, measure_layouts
 
 MIB = 2**20
 # A Qwen3-MoE of 14M parameters: 4 layers, hidden 256, 4 heads of 64 (2 KV heads), 8 experts of width 512, top-4.

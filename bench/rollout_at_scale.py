@@ -13,9 +13,9 @@ from __future__ import annotations
 import argparse
 
 from gspo_megatron.model.hf_config import read_hf_config
-from gspo_megatron.train.memory import GIB
-from gspo_megatron.train.plan import H100_GIB
-from gspo_megatron.train.plan_servers import ServerLayout, model_sync_estimate, server_memory
+from gspo_megatron.plan.memory import GIB
+from gspo_megatron.plan.layouts import H100_GIB
+from gspo_megatron.plan.servers import ServerLayout, model_sync_estimate, server_memory
 
 
 def main(argv=None) -> None:

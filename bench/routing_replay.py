@@ -35,7 +35,7 @@ def score(model_dir: str, samples) -> dict:
     from gspo_megatron.model.hf_config import read_hf_config
     from gspo_megatron.model.provider import build_gpt_model
     from gspo_megatron.rollout import logprob_mismatch, samples_to_batch
-    from gspo_megatron.train.policy_step import logprob_pass
+    from gspo_megatron.train.update.schedules import logprob_pass
 
     spec = read_hf_config(model_dir)
     model = build_gpt_model(spec, calculate_per_token_loss=True, moe_enable_routing_replay=True)

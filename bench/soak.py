@@ -5,7 +5,7 @@
     .venv/bin/python bench/soak.py --steps 60      # a quicker pass
 
 The trainer (``torchrun --nproc-per-node 2 --max-restarts 2``, data parallel, the real SGLang CPU server launched
-by rank 0) meets, at fixed steps (``train/fault_injection.py`` through ``GSPO_FAULTS``, and this script):
+by rank 0) meets, at fixed steps (``train/resilience/fault_injection.py`` through ``GSPO_FAULTS``, and this script):
 
 - the server SIGKILLed mid-generation, and again as a weight sync begins (restarted, the sync or the requests
   redone: ``rollout/server_restarts``);

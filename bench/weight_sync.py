@@ -22,7 +22,7 @@ turn, as new versions:
                     are not fsynced: the server reads them back from the page cache)
 
 Part 2 (``--ranks 2``, the default; 0 skips it): the loop's policy (``build_policy``, bf16) under EP=2 on 2 gloo
-ranks, synced alternately by ``rollout_phase``'s stage senders (experts gathered onto rank 0 only) and through
+ranks, synced alternately by ``train.weight_sync.sync``'s stage senders (experts gathered onto rank 0 only) and through
 rank 0 (``pipeline_gathered``: every rank all-gathers every expert, the way weight sync worked before). Reported:
 time, phases, and the bytes each rank received in the export's collectives.
 
@@ -130,9 +130,9 @@ def megatron_rounds(model_dir: str, server_url: str, rounds: int) -> dict:
     import torch.distributed as dist
 
     from gspo_megatron.rollout import SGLangConfig, SGLangEngine
-    from gspo_megatron.train import rollout_phase
-    from gspo_megatron.train.config import load_config
-    from gspo_megatron.train.policy import build_policy
+    from gspo_megatron.train.weight_sync import sync as weight_sync
+    from gspo_megatron.train.startup.config import load_config
+    from gspo_megatron.train.startup.policy import build_policy
 
     cfg = load_config(None, ["data.task=reverse", f"model.hf_dir={model_dir}", "model.dtype=bfloat16",
                              f"parallel.expert={dist.get_world_size()}", "parallel.distributed_optimizer=false"])
@@ -158,13 +158,13 @@ def megatron_rounds(model_dir: str, server_url: str, rounds: int) -> dict:
     out = {"stage_senders": [], "through_rank0": []}
     try:
         for r in range(rounds + 1):  # round 0 forms the senders' groups: not counted
-            for way, sync in (("stage_senders", rollout_phase._sync_from_stage_senders),
-                              ("through_rank0", rollout_phase._sync_through_rank0)):
+            for way, sync in (("stage_senders", weight_sync._sync_from_stage_senders),
+                              ("through_rank0", weight_sync._sync_through_rank0)):
                 with torch.no_grad():
                     for p in policy.model.parameters():
                         p.mul_(1.0 + 1e-3)
                 received["bytes"] = 0
-                target = rollout_phase.control.broadcast_from_rank0(engine.sync_target() if rank0 else None)
+                target = weight_sync.control.broadcast_from_rank0(engine.sync_target() if rank0 else None)
                 start = time.perf_counter()
                 args = (policy, engine, f"{way}-{r}") + ((target,) if way == "stage_senders" else ())
                 metrics = sync(*args)

@@ -15,36 +15,36 @@ import sys
 
 
 def _train(args) -> int:
-    from gspo_megatron.train.bootstrap import model_hf_config
-    from gspo_megatron.train.config import load_config
-    from gspo_megatron.train.validate import validate
+    from gspo_megatron.train.startup.bootstrap import model_hf_config
+    from gspo_megatron.train.startup.config import load_config
+    from gspo_megatron.train.startup.validate import validate
 
     cfg = load_config(args.config, args.overrides)
     # The layout against the model's config too, before any process group starts.
     validate(cfg, int(os.environ.get("WORLD_SIZE", "1")), model_hf_config(cfg))
     # Output dirs: writable, and never a used one without --resume (before anything is built or written).
-    from gspo_megatron.train import elastic
-    from gspo_megatron.train.run_dirs import check_run_dirs
+    from gspo_megatron.train.resilience import elastic
+    from gspo_megatron.train.startup.run_dirs import check_run_dirs
 
     rank = int(os.environ.get("RANK", "0"))
     note = check_run_dirs(cfg, args.resume, args.overwrite, rank, restarted=elastic.restarted())
     if note and rank == 0:
         print(note, flush=True)
-    from gspo_megatron.train.bootstrap import preflight
-    from gspo_megatron.train.data import DataError
+    from gspo_megatron.train.startup.bootstrap import preflight
+    from gspo_megatron.train.startup.data import DataError
 
     try:
         preflight(cfg, rank)  # prompt files, rewards, the model's tensors, attached servers: before the model is built
     except DataError as error:
         print(f"gspo-megatron train: DataError: {error}", file=sys.stderr)
         return 1
-    from gspo_megatron.train import preemption
-    from gspo_megatron.train.data import DataError
+    from gspo_megatron.train.resilience import preemption
+    from gspo_megatron.train.startup.data import DataError
     from gspo_megatron.rollout.errors import RolloutError, StartInterrupted
-    from gspo_megatron.train.faults import NonFiniteError
+    from gspo_megatron.train.resilience.faults import NonFiniteError
     from gspo_megatron.train.loop import train
 
-    # SIGTERM / SIGUSR1 (a scheduler's stop): every rank finishes the step, saves it and exits 0 (train.preemption);
+    # SIGTERM / SIGUSR1 (a scheduler's stop): every rank finishes the step, saves it and exits 0 (train.resilience.preemption);
     # a second one unwinds at once like Ctrl-C, so the loop's `finally` still stops the SGLang servers it launched.
     preemption.install()
     try:
@@ -68,8 +68,8 @@ def _train(args) -> int:
 
 
 def _plan(args) -> int:
-    from gspo_megatron.train.config import ConfigError, load_config
-    from gspo_megatron.train.plan import fit_options, fits, format_plan
+    from gspo_megatron.train.startup.config import ConfigError, load_config
+    from gspo_megatron.plan.layouts import fit_options, fits, format_plan
 
     if args.nodes is not None and args.nodes < 1:
         raise ConfigError(f"--nodes {args.nodes}: the number of nodes must be at least 1")
@@ -122,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
         "configured recompute and padded length, the peak working set, allocator slack and CUDA/NCCL overhead, "
         "with the assumptions it rests on.",
     )
-    from gspo_megatron.train.plan import H100_GIB
+    from gspo_megatron.plan.layouts import H100_GIB
 
     plan.add_argument("config")
     plan.add_argument("overrides", nargs="*", help="section.field=value overrides")
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     if extra:
         args.overrides = list(args.overrides) + extra
     from gspo_megatron.environment import EnvironmentMismatch
-    from gspo_megatron.train.config import ConfigError
+    from gspo_megatron.train.startup.config import ConfigError
 
     try:
         if args.command == "score":

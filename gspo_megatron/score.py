@@ -5,7 +5,7 @@ input order, ``{"logprob_sum": float, "num_tokens": int}``: the sum over respons
 log p(token | prompt and the response before it) at temperature 1, and the number of response tokens.
 
 ``--model`` is an HF directory (converted in memory through the bridge) or a Megatron checkpoint written by
-``tools/convert_hf_to_megatron.py``. The Megatron path runs ``train.policy_step.logprob_pass``, the very
+``tools/convert_hf_to_megatron.py``. The Megatron path runs ``train.update.schedules.logprob_pass``, the very
 log-prob pass the trainer uses, under any ``--tp/--pp/--ep`` layout: under torchrun it uses the launched
 ranks; from a plain shell it starts the ranks itself. ``--backend transformers`` scores an HF directory with
 ``transformers`` instead (one process), for comparison.
@@ -148,7 +148,7 @@ def score_records(model, records: list[Record], micro_batch_size: int = 4) -> li
     from megatron.core import parallel_state as ps
 
     from gspo_megatron.parallel.context import sequence_multiple
-    from gspo_megatron.train.policy_step import logprob_pass
+    from gspo_megatron.train.update.schedules import logprob_pass
 
     model.eval()
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()

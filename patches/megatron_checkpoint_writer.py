@@ -3,7 +3,7 @@
 ``dist_checkpointing.strategies.filesystem_async._get_write_results_queue`` (megatron-core 0.16.1;
 ``get_write_results_queue(mp_mode)`` in 0.19.2: ``QUEUE_FUNCTION`` names it per tested version) starts a ``multiprocessing`` Manager, a spawned server process, at a
 rank's first torch_dist save and keeps it for the rank's life. A clean exit stops it; a rank that is SIGKILLed (a
-crash, the OOM killer, torchrun stopping a failed attempt, ``train.elastic``) leaves it running, one per rank and
+crash, the OOM killer, torchrun stopping a failed attempt, ``train.resilience.elastic``) leaves it running, one per rank and
 attempt, holding the rank's stdout and stderr open. ``apply()`` gives the queue a Manager whose process asks the
 kernel for SIGKILL when the rank dies (PR_SET_PDEATHSIG, Linux); the queue is the same kind of object. On other
 versions (or systems) it changes nothing and warns once, naming the tested ones: the leak is a nuisance, not a reason
@@ -47,7 +47,7 @@ def _results_queue(mp_mode: str = "spawn"):
 
 
 def apply() -> None:
-    """Idempotent; call before the first checkpoint save (``train.checkpoint.save`` does)."""
+    """Idempotent; call before the first checkpoint save (``train.records.checkpoint.save`` does)."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     from patches.megatron_cpu import _installed_megatron_version

@@ -528,7 +528,7 @@ def _patch_mla_rope_key_grad() -> None:
     """MLA with megatron's local spec under TP (its down projections column-parallel, then gathered): the shared
     rope key ``k_pos_emb`` is cut from the gathered down projection and used by every rank's heads, but nothing sums
     its gradient over the TP ranks, so each rank's slice of ``linear_kv_down_proj`` (and everything before it) gets
-    only its own heads' share (tests/train/test_family_steps.py: grad norm 2.70 vs 2.83 at TP2). TE's duplicated down
+    only its own heads' share (tests/train/update/test_family_steps.py: grad norm 2.70 vs 2.83 at TP2). TE's duplicated down
     projection takes the other branch (a sequence-parallel gather, whose backward sums). Insert the missing identity
     with an all-reduce backward (megatron's ``copy_to_tensor_model_parallel_region``) on that branch."""
     from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region

@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 
 from gspo_megatron import cli
-from gspo_megatron.train import rollout_phase
+from gspo_megatron.train.sampling import broadcast
 
-_collect = rollout_phase.collect
+_collect = broadcast.collect
 
 
 def collect(engine, prompts, cfg, step, *args, **kwargs):
@@ -29,7 +29,7 @@ def collect(engine, prompts, cfg, step, *args, **kwargs):
     return rollout
 
 
-rollout_phase.collect = collect  # the loop calls rollout_phase.collect
+broadcast.collect = collect  # the loop calls broadcast.collect
 
 if __name__ == "__main__":
     sys.exit(cli.main())

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gspo_megatron.parallel.launch import free_port
+from gspo_megatron.parallel.groups import free_port
 from tests.rollout.helpers import require_sglang
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -139,8 +139,8 @@ def test_script_names_what_is_missing_and_refuses_colocation(tmp_path):
 
 def test_servers_launched_on_the_training_gpus_are_refused(tmp_path):
     from gspo_megatron.rollout import SGLangConfig
-    from gspo_megatron.train.config import ConfigError
-    from gspo_megatron.train.rollout_phase import refuse_colocation
+    from gspo_megatron.train.startup.config import ConfigError
+    from gspo_megatron.train.sampling.engine import refuse_colocation
 
     two_servers = SGLangConfig(model_path=str(tmp_path), device="cuda", tp_size=4, num_servers=2)  # GPUs 0-7
     with pytest.raises(ConfigError, match=r"GPUs \[0, 1\], which this node's 2 training ranks use.*"
@@ -170,7 +170,7 @@ def test_documented_rollout_servers_fit_their_gpus(example):
     """Every SERVER_TP in the example's README leaves SGLang at least 5 GiB of KV cache per GPU next to the bf16
     weights (235B at --tp 4 would need 110 GiB per GPU for the weights alone)."""
     from gspo_megatron.model.hf_config import read_hf_config
-    from gspo_megatron.train.memory import model_parameters
+    from gspo_megatron.plan.memory import model_parameters
 
     directory = ROOT / "examples" / example
     params, _ = model_parameters(read_hf_config(directory / "hf_config/config.json"))

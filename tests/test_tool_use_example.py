@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gspo_megatron.rollout.multiturn import _CALC, calculator_observation, format_number, safe_eval
+from gspo_megatron.rollout.multiturn import _CALC, format_number, safe_eval
+from gspo_megatron.rollout.tool_calls import calculator_observation
 from gspo_megatron.rollout.synthetic import char_tokenizer
 from tests import warm_cli
 from tests.rollout.helpers import require_sglang
@@ -37,8 +38,8 @@ QUICK = ["model.warm_start_steps=120", "rollout.group_size=4", "rollout.prompts_
 def warm_model(tmp_path_factory) -> Path:
     """The example's tiny model warm-started as the trainer builds it (``bootstrap.build_tiny_model``, the QUICK
     settings), once for both tests: each copies it to its ``model.hf_dir``, where the trainer then finds it."""
-    from gspo_megatron.train.bootstrap import build_tiny_model
-    from gspo_megatron.train.config import load_config
+    from gspo_megatron.train.startup.bootstrap import build_tiny_model
+    from gspo_megatron.train.startup.config import load_config
 
     require_sglang()  # (both tests need the server: no model to build without it)
     path = tmp_path_factory.mktemp("tool_use") / "model"

@@ -13,7 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from gspo_megatron.train.plots import plot_runs
+from gspo_megatron.train.records.plots import plot_runs
 
 
 def _resolve(arg: str) -> tuple[str, Path]:

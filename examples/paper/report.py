@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from gspo_megatron.train.metrics_log import read_metrics
+from gspo_megatron.train.records.metrics_log import read_metrics
 
 START, END = "<!-- results: written by examples/paper/run.py -->", "<!-- end of results -->"
 # (title, metric, y scale); each panel shows every algorithm, the mean over seeds with the seeds' range.

@@ -8,7 +8,7 @@ A checkpoint directory holds
                                                     the layout it was saved from
     hf/                                             the HF config.json, generation config and tokenizer files
 
-A training checkpoint (train/checkpoint.py: ``checkpoint.dir/step_N/``) is one too, with optimizer, schedule and
+A training checkpoint (train/records/checkpoint.py: ``checkpoint.dir/step_N/``) is one too, with optimizer, schedule and
 trainer state beside the model's tensors; wherever a checkpoint is read, ``resolve`` also accepts the training run's
 ``latest`` pointer and its checkpoint dir (meaning its latest step).
 
@@ -38,7 +38,7 @@ FORMAT = "gspo-megatron/megatron-checkpoint/1"
 METADATA_FILE = "gspo_megatron.json"
 HF_DIR = "hf"
 SHARDED_STATE_DICT_METADATA = {"non_homogeneous_layers": True}
-# A training checkpoint (train/checkpoint.py) holds the same model tensors plus megatron's optimizer state, whose
+# A training checkpoint (train/records/checkpoint.py) holds the same model tensors plus megatron's optimizer state, whose
 # keys all start with this ("chained_N.optimizer." for MoE models' chained optimizers): it converts as it is, and
 # only model-like keys count as unexpected.
 NON_MODEL_KEY = re.compile(r"^(chained_\d+\.)?optimizer\.")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from .errors import UnsupportedModel
-from .hf_files import TensorSource
+from .tensor_source import TensorSource
 
 SCALE_SUFFIX = "_scale_inv"
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

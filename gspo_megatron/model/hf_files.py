@@ -15,6 +15,9 @@ from typing import Iterable, Mapping
 
 import torch
 
+from . import fp8
+from .tensor_source import TensorSource
+
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")
@@ -24,19 +27,6 @@ _DTYPES = {
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
-
-
-class TensorSource:
-    """Named tensors with shapes and dtypes known before reading."""
-
-    def shapes(self) -> dict[str, tuple[int, ...]]:
-        raise NotImplementedError
-
-    def dtypes(self) -> dict[str, torch.dtype]:
-        raise NotImplementedError
-
-    def read(self, name: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
-        raise NotImplementedError
 
 
 class DictSource(TensorSource):
@@ -104,8 +94,6 @@ class SafetensorsDir(TensorSource):
 
 def open_hf_dir(directory: str | Path) -> TensorSource:
     """An HF directory's tensors as the model uses them: block-scaled FP8 weights dequantized on read (``fp8``)."""
-    from . import fp8
-
     source = SafetensorsDir(directory)
     config_file = Path(directory) / "config.json"
     config = json.loads(config_file.read_text()) if config_file.is_file() else {}

@@ -67,7 +67,7 @@ def transformer_config(spec: ModelSpec, layout: Layout, dtype: torch.dtype = tor
                        grouped_gemm: bool = False, **overrides):
     """Megatron's ``TransformerConfig`` for ``spec`` under ``layout``. ``overrides`` win over the defaults.
 
-    Defaults suit RL training and scoring: no dropout, per-token-loss mode (``train.policy_step`` needs it),
+    Defaults suit RL training and scoring: no dropout, per-token-loss mode (``train.update.loss`` needs it),
     no router auxiliary loss, the alltoall token dispatcher, no weight initialisation unless ``init`` (the
     weights come from a checkpoint; ``skip_weight_init``). ``grouped_gemm``: the experts as one grouped GEMM
     (``build_gpt_model`` decides it and checks that megatron can build it).

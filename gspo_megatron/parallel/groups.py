@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -52,6 +53,13 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def free_port() -> int:
+    """A TCP port free on this host now (the world group's MASTER_PORT, a server's, a weight-sync group's)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def init_distributed(backend: str | None = None, timeout_s: float | None = None,
                      control_timeout_s: float | None = None) -> None:
     """Start torch.distributed from the torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT), and the
@@ -76,8 +84,6 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None,
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:
-        from gspo_megatron.parallel.launch import free_port
-
         os.environ["MASTER_PORT"] = str(free_port())
     backend = backend or default_backend()
     if backend == "nccl":

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import socket
 import tempfile
 import time
 import traceback
@@ -32,7 +31,7 @@ from typing import Any, Callable
 import torch
 import torch.multiprocessing as mp
 
-from gspo_megatron.parallel.groups import Layout
+from gspo_megatron.parallel.groups import Layout, free_port
 
 # What the warm ranks' server imports once (a forked rank then finds them loaded).
 WARM_IMPORTS = ["torch", "torch.distributed", "megatron.core", "megatron.core.models.gpt", "megatron.core.optimizer",
@@ -49,12 +48,6 @@ probe_reports: list[Any] = []
 
 class RankFailed(RuntimeError):
     """A rank raised, crashed or hung; the message carries that rank's traceback."""
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def quiet_rank_warnings() -> None:

@@ -1,4 +1,4 @@
-"""Rollout samples -> the trainer's token-aligned tensors (``train.policy_step``'s micro-batch layout).
+"""Rollout samples -> the trainer's token-aligned tensors (``train.update.schedules``' micro-batch layout).
 
 For a sample with prompt p (P tokens) and response r (R tokens), row b holds input_ids = p + r, right-padded, and
     labels[b, t]       = input_ids[b, t + 1]            (the next token)

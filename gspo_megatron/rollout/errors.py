@@ -51,7 +51,7 @@ class WeightSyncError(RolloutError):
 
 class StaleWeights(WeightSyncError):
     """A restarted server serves its launch weights, and the current ones came by distributed sync: only the
-    trainer can send them again (``train/rollout_phase.collect`` does, then generates again)."""
+    trainer can send them again (``train/sampling/broadcast.collect`` does, then generates again)."""
 
 
 class RewardError(RuntimeError):

@@ -39,6 +39,7 @@ import torch
 from .errors import RewardError
 from .rewards import Rewards, math_reward
 from .sandbox import Limits, run_python
+from .tool_calls import calculator_observation
 from .types import Group, Sample, SamplingParams
 from .user_code import load_named
 
@@ -288,16 +289,6 @@ def format_number(x: int | float) -> str:
     if isinstance(x, float) and x.is_integer():
         x = int(x)
     return str(x) if isinstance(x, int) else f"{x:.10g}"
-
-
-def calculator_call(expression: str) -> str:
-    """A turn that calls ``CalculatorEnv``."""
-    return f"<calc>{expression}</calc>"
-
-
-def calculator_observation(result: str) -> str:
-    """``CalculatorEnv``'s answer to a call."""
-    return f"<result>{result}</result>"
 
 
 class CalculatorEnv:

@@ -10,7 +10,7 @@ fresh worker takes the worker's place; a worker that exits mid-call (a segfault,
 replaced the same way. Both come back as a problem string, which ``rewards.score`` always masks (the response, not
 the reward's code, is usually what hangs a verifier); an exception the function raises comes back as a problem too,
 handled as ``on_error`` says. Workers start on the first ``map`` (only the rank that scores has any), ignore
-SIGTERM/SIGINT/SIGUSR1 (the trainer's to handle: train.preemption) and end with the trainer (``close`` at its exit,
+SIGTERM/SIGINT/SIGUSR1 (the trainer's to handle: train.resilience.preemption) and end with the trainer (``close`` at its exit,
 or PR_SET_PDEATHSIG if it dies). The worst case of one ``map`` is ceil(calls / workers) x ``timeout_s``.
 """
 
@@ -21,6 +21,8 @@ import multiprocessing.util as mp_util
 import time
 from collections import deque
 from multiprocessing.connection import wait
+
+from .rewards import PooledReward
 
 STARTUP_S = 300.0  # a worker's start (the fork server's imports, loading the reward)
 MAX_START_FAILURES = 8  # workers that die before they are ready (each is replaced) before the pool gives up
@@ -89,7 +91,7 @@ class _Worker:
         self.conn.close()
 
 
-class RewardPool:
+class RewardPool(PooledReward):
     def __init__(self, spec: str, workers: int, timeout_s: float, builtin: str = "BUILTIN"):
         if workers < 1 or not timeout_s > 0:
             raise ValueError(f"RewardPool needs workers >= 1 and timeout_s > 0, got {workers}, {timeout_s}")

@@ -141,6 +141,12 @@ def _name(fn) -> str:
     return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
 
 
+class PooledReward:
+    """A reward run elsewhere (``reward_pool.RewardPool``: worker processes with a time limit per call), which
+    ``score`` and ``score_segments`` hand the whole batch: ``map(calls)`` -> an outcome per call, and its ``name``.
+    Defined here, below the pool, so that scoring needs no import of it (the pool's workers import this module)."""
+
+
 def score(fn, samples: Sequence[Sample], labels: Sequence[Any], prompt_texts: Sequence[str],
           response_texts: Sequence[str], on_error: str = "raise") -> Rewards:
     """Reward of every sample (``labels``/texts aligned with ``samples``). ``on_error``: "raise" or "mask".
@@ -148,15 +154,13 @@ def score(fn, samples: Sequence[Sample], labels: Sequence[Any], prompt_texts: Se
     ``fn``: a reward function, called here, or a ``RewardPool`` (worker processes, a time limit per call). A call
     that timed out or crashed its worker is always masked and counted (``Rewards.timed_out`` / ``crashed``): the
     step goes on without it; one that raised or returned a non-number follows ``on_error``."""
-    from .reward_pool import RewardPool
-
     if on_error not in ("raise", "mask"):
         raise ValueError(f"reward on_error={on_error!r} must be 'raise' or 'mask'")
     if not len(samples) == len(labels) == len(prompt_texts) == len(response_texts):
         raise ValueError(f"score: {len(samples)} samples but {len(labels)} labels, {len(prompt_texts)} prompts, "
                          f"{len(response_texts)} responses")
     calls = list(zip(prompt_texts, response_texts, labels))
-    if isinstance(fn, RewardPool):
+    if isinstance(fn, PooledReward):
         outcomes, name = fn.map(calls), fn.name
     else:
         outcomes, name = [_call(fn, *call) for call in calls], _name(fn)
@@ -218,12 +222,10 @@ def score_segments(fn, samples: Sequence[Sample], labels: Sequence[Any],
     raises or returns a malformed list is a ``RewardError`` naming the sample, or with ``on_error="mask"`` that
     sample gets no segments and valid False (the trainer drops it, as ``score`` does). ``fn`` may be a
     ``RewardPool`` (``builtin="BUILTIN_SEGMENTS"``): a call that timed out or crashed is masked, as in ``score``."""
-    from .reward_pool import RewardPool
-
     if on_error not in ("raise", "mask"):
         raise ValueError(f"reward on_error={on_error!r} must be 'raise' or 'mask'")
     calls = [(prompt, list(tokens), label) for prompt, tokens, label in zip(prompt_texts, token_texts, labels)]
-    if isinstance(fn, RewardPool):
+    if isinstance(fn, PooledReward):
         outcomes, name = fn.map(calls), fn.name
     else:
         outcomes, name = [_call(fn, *call) for call in calls], _name(fn)

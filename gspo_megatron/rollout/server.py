@@ -5,7 +5,7 @@ does not reach it half-way; the trainer shuts it down in order instead), with th
 the trainer dies (PR_SET_PDEATHSIG), and an ``atexit`` hook that stops every server still running. On CPU the
 stand-ins of ``patches.sglang_cpu`` lead its PYTHONPATH.
 
-A *kept* server (``keep=True``: torchrun restarts the trainer's workers, ``train.elastic``) has neither: it outlives
+A *kept* server (``keep=True``: torchrun restarts the trainer's workers, ``train.resilience.elastic``) has neither: it outlives
 the process that started it, whose successor ``adopt``s it from its ``record``; ``server_watchdog`` stops it when
 the torchrun agent is gone.
 """
@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from gspo_megatron.parallel.launch import free_port
+from gspo_megatron.parallel.groups import free_port
 
 from . import server_watchdog
 from .client import HttpClient, RetryPolicy

@@ -3,7 +3,7 @@
     python gspo_megatron/rollout/server_watchdog.py --agent PID --agent-started T --record FILE
 
 Kept servers (``server.ServerProcess(keep=True)``) outlive the rank that launched them so that the next attempt's
-rank 0 adopts them (``train.elastic``). A clean end stops them (rank 0's ``engine.close``); nothing else would if the
+rank 0 adopts them (``train.resilience.elastic``). A clean end stops them (rank 0's ``engine.close``); nothing else would if the
 job ends otherwise: the agent giving up after its last restart, the last attempt's rank 0 SIGKILLed, the agent
 itself killed. This process, started with the servers in its own session, checks every ``interval`` seconds that
 the agent (pid and start time) still runs; once it is gone it stops every server the record file lists (SIGTERM to

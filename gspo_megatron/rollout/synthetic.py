@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from .tool_calls import calculator_call, calculator_observation
+
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 EOS = "<|endoftext|>"
 CHARS = "\n" + "".join(chr(c) for c in range(32, 127))
@@ -177,8 +179,6 @@ def _miscopy(number: str, rng: random.Random) -> str:
 
 def _mul(rng: random.Random) -> Problem:
     """A 3-digit by 2-digit product: a tiny model cannot compute it, but can copy it from the calculator."""
-    from gspo_megatron.rollout.multiturn import calculator_call, calculator_observation
-
     a, b = rng.randint(100, 999), rng.randint(10, 99)
     answer = str(a * b)
     if rng.random() < MUL_SKIP_TOOL:

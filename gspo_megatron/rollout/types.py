@@ -85,7 +85,7 @@ class Sample:
     # Per turn (end, reward): end counts the response tokens up to and including the turn's last model token (the
     # segments of ``algo.token_advantages=turns``); None for single-turn samples.
     turns: list[tuple[int, float]] | None = None
-    # Partial rollouts (``train.partial_rollouts``): the trainer's weight version that sampled each response token
+    # Partial rollouts (``train.sampling.partial_rollouts``): the trainer's weight version that sampled each response token
     # (a sample continued across steps spans several); None: every token is ``weight_version``'s.
     token_versions: list[int] | None = None
 

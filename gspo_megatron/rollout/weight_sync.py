@@ -12,7 +12,7 @@ Distributed (``DistributedSender``), the default: a sender and every server's ra
     for each bucket:  POST /update_weights_from_distributed (names, dtypes, shapes)  ||  broadcast it from the sender
     POST /end_weight_update, /update_weight_version, /flush_cache          (once, after every sender is done)
 
-Several senders may send parts of one update (the trainer has one per pipeline stage: ``train.rollout_phase``),
+Several senders may send parts of one update (the trainer has one per pipeline stage: ``train.weight_sync.sync``),
 each in its own group; ``SyncTarget`` is what a trainer rank needs to become one. A server handles one update call
 at a time, whichever sender it comes from.
 
@@ -123,7 +123,7 @@ class SyncTarget:
 
     def connect(self, device: torch.device, tag: str = "") -> "DistributedSender":
         """A sender from this process: its own group with every server, reached at ``address()``."""
-        from gspo_megatron.parallel.launch import free_port
+        from gspo_megatron.parallel.groups import free_port
 
         clients = [HttpClient(u, RetryPolicy(0), self.config.timeout_s) for u in self.urls]
         return DistributedSender(clients, list(self.server_ranks), self.config, self.backend, device,

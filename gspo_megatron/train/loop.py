@@ -11,8 +11,8 @@ A non-finite loss or gradient skips its update on every rank (``faults``); a SIG
 rank after the same step, saved (``preemption``); under ``torchrun --max-restarts`` a failed rank's restarted workers
 resume on their own, rank 0's servers kept (``elastic``).
 
-Every rank runs this; global rank 0 also owns the rollout engine (``rollout_phase``); the trainer's passes and
-updates, and their metrics over all ranks, are ``update_phase``.
+Every rank runs this; global rank 0 also owns the rollout engine (``sampling``); the trainer's passes and
+updates, and their metrics over all ranks, are ``update``; the weights reach the engine by ``weight_sync``.
 """
 
 from __future__ import annotations
@@ -25,14 +25,18 @@ import torch.distributed as dist
 
 from gspo_megatron.parallel import groups
 from gspo_megatron.parallel.context import sequence_multiple
-from gspo_megatron.train import checkpoint, elastic, preemption, rollout_phase, update_phase
-from gspo_megatron.train.rollout_source import RolloutSource
-from gspo_megatron.train.advantages import advantages
-from gspo_megatron.train.config import Config
-from gspo_megatron.train.faults import NonFiniteGuard
-from gspo_megatron.train.policy import build_policy, build_reference, layout_of
-from gspo_megatron.train.bootstrap import algo_config, load_prompts, prepare_model_dir, reward_function
-
+from gspo_megatron.train.startup.bootstrap import algo_config, load_prompts, prepare_model_dir, reward_function
+from gspo_megatron.train.startup.config import Config
+from gspo_megatron.train.startup.policy import build_policy, build_reference, layout_of
+from gspo_megatron.train.sampling.engine import make_engine
+from gspo_megatron.train.sampling.source import RolloutSource
+from gspo_megatron.train.update import passes
+from gspo_megatron.train.update.advantages import advantages
+from gspo_megatron.train.update.rows import row_plan
+from gspo_megatron.train.weight_sync.sync import sync_weights
+from gspo_megatron.train.resilience import elastic, preemption
+from gspo_megatron.train.resilience.faults import NonFiniteGuard
+from gspo_megatron.train.records import checkpoint
 
 def train(cfg: Config, resume: bool = False) -> dict:
     """Run ``cfg`` to ``train.steps``; returns the last step's metrics."""
@@ -47,9 +51,9 @@ def train(cfg: Config, resume: bool = False) -> dict:
     tokenizer, prompts, eval_prompts = load_prompts(cfg, hf_dir)
     reward_fn = reward_function(cfg)
     algo = algo_config(cfg)
-    engine = rollout_phase.make_engine(cfg, hf_dir, tokenizer)  # rank 0's; None elsewhere
-    from gspo_megatron.train.metrics_log import MetricsLogger
-    from gspo_megatron.train.progress import Progress
+    engine = make_engine(cfg, hf_dir, tokenizer)  # rank 0's; None elsewhere
+    from gspo_megatron.train.records.metrics_log import MetricsLogger
+    from gspo_megatron.train.records.progress import Progress
 
     logger = MetricsLogger(cfg.logging.dir, cfg.logging.tensorboard, cfg.logging.wandb_project, enabled=rank0)
     step, version, state = 0, 0, None
@@ -62,7 +66,7 @@ def train(cfg: Config, resume: bool = False) -> dict:
     # The engine started from model.hf_dir's weights: a resumed run or model.megatron_checkpoint needs its own; servers
     # kept through a restart serve the failed attempt's weights
     if resume_from or elastic.restarted() or cfg.model.megatron_checkpoint:
-        rollout_phase.sync_weights(policy, engine, elastic.resumed_version(version))
+        sync_weights(policy, engine, elastic.resumed_version(version))
     progress = Progress(cfg.train.steps, start=step, enabled=rank0)
     seq_multiple = sequence_multiple(cfg.parallel.tensor, cfg.parallel.context, cfg.parallel.sequence_parallel)
     # rollout.mode: sync (sampled when asked), one_step_off / async (sampled ahead while the trainer updates); a
@@ -86,15 +90,15 @@ def train(cfg: Config, resume: bool = False) -> dict:
             batch["advantages"] = advantages(rollout, cfg)  # a masked reward leaves its group's statistics
             batch["loss_mask"] &= rollout.reward_valid.unsqueeze(1)  # and the loss
 
-            rows = update_phase.row_plan(batch["input_ids"].shape[0], cfg)
+            rows = row_plan(batch["input_ids"].shape[0], cfg)
             # pi_old: recomputed (recording routing for Routing Replay / expert volatility, replaying the engine's
             # experts under rollout routing replay), or the rollout's (and always the rollout's for stale samples)
-            routing = update_phase.old_logprobs(policy, batch, rows, cfg, algo, metrics)
+            routing = passes.old_logprobs(policy, batch, rows, cfg, algo, metrics)
             if reference is not None:
-                update_phase.reference_logprobs(reference, batch, rows, cfg, algo, metrics)
+                passes.reference_logprobs(reference, batch, rows, cfg, algo, metrics)
 
             t = time.perf_counter()
-            metrics.update(update_phase.update(policy, batch, rows, routing, cfg, algo))  # NaN/inf: skipped
+            metrics.update(passes.update(policy, batch, rows, routing, cfg, algo))  # NaN/inf: skipped
             metrics["time/update"] = time.perf_counter() - t
             nonfinite.check(step, batch, metrics)  # saves a skipped step's batch; N in a row stop the run
 
@@ -121,7 +125,7 @@ def train(cfg: Config, resume: bool = False) -> dict:
             logger.log(step, metrics)
             progress.update(step, metrics, example)
             if rank0 and cfg.logging.plot_every and (step % cfg.logging.plot_every == 0 or step == cfg.train.steps):
-                from gspo_megatron.train.plots import plot_runs
+                from gspo_megatron.train.records.plots import plot_runs
 
                 plot_runs({"run": logger.path}, Path(cfg.logging.dir) / "metrics.png", title=f"{cfg.algo.name}")
             if stop:

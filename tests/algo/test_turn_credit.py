@@ -8,7 +8,7 @@ import torch
 
 from gspo_megatron.algo import gspo_loss, gspo_token_loss, segment_advantages
 from gspo_megatron.rollout import Sample, samples_to_batch
-from gspo_megatron.train.advantages import segment_tensors
+from gspo_megatron.train.update.advantages import segment_tensors
 
 
 def trajectory(prompt_len: int, pieces: list[tuple[str, int]], rewards: list[float], index: int) -> Sample:

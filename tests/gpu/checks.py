@@ -62,20 +62,20 @@ def dtype_name() -> str:
 
 
 def config(hf_dir: str, dtype: str, *overrides: str):
-    from gspo_megatron.train.config import load_config
+    from gspo_megatron.train.startup.config import load_config
 
     return load_config(None, [*BASE, f"model.hf_dir={hf_dir}", f"model.dtype={dtype}", *overrides])
 
 
 def rollout(cfg, hf_dir: str, seq_len: int) -> dict:
     from gspo_megatron.model.hf_config import read_hf_config
-    from gspo_megatron.train.memory_probe import synthetic_rollout
+    from gspo_megatron.plan.probe import synthetic_rollout
 
     return synthetic_rollout(cfg, read_hf_config(Path(hf_dir) / "config.json").vocab_size, seq_len)
 
 
 def update_step_memory(hf_dir: str, seq_len: int) -> dict:
-    from gspo_megatron.train.memory_probe import compare_with_plan, measure_training_memory
+    from gspo_megatron.plan.probe import compare_with_plan, measure_training_memory
 
     cfg = config(hf_dir, dtype_name())
     measured = measure_training_memory(cfg, hf_dir, seq_len)
@@ -87,16 +87,16 @@ def update_step_memory(hf_dir: str, seq_len: int) -> dict:
 
 
 def old_pass(hf_dir: str, dtype: str, batch: dict) -> torch.Tensor:
-    """The loop's old-policy pass (``update_phase.old_logprobs``) of a policy built from ``hf_dir`` in ``dtype``:
+    """The loop's old-policy pass (``update.passes.old_logprobs``) of a policy built from ``hf_dir`` in ``dtype``:
     [B, S] fp32 log-probs on the CPU."""
-    from gspo_megatron.train import update_phase
-    from gspo_megatron.train.bootstrap import algo_config
-    from gspo_megatron.train.policy import build_policy
+    from gspo_megatron.train.update import passes, rows as row_plans
+    from gspo_megatron.train.startup.bootstrap import algo_config
+    from gspo_megatron.train.startup.policy import build_policy
 
     cfg = config(hf_dir, dtype)
     policy = build_policy(cfg, hf_dir)
-    rows = update_phase.row_plan(batch["input_ids"].shape[0], cfg)
-    update_phase.old_logprobs(policy, batch, rows, cfg, algo_config(cfg), {})
+    rows = row_plans.row_plan(batch["input_ids"].shape[0], cfg)
+    passes.old_logprobs(policy, batch, rows, cfg, algo_config(cfg), {})
     return batch.pop("old_logprobs").float().cpu()
 
 
@@ -143,16 +143,16 @@ def counted_kernels(backend: str):
 def update(hf_dir: str, batch: dict, backend: str):
     """One clipped ``update_step`` on the batch's first minibatch of a fresh policy, the op's "auto" backend standing
     for ``backend``: (figures with the kernels' launch counts, the policy after the step)."""
-    from gspo_megatron.train import update_phase
-    from gspo_megatron.train.bootstrap import algo_config
-    from gspo_megatron.train.policy import build_policy
-    from gspo_megatron.train.policy_step import update_step
+    from gspo_megatron.train.update import passes, rows as row_plans
+    from gspo_megatron.train.startup.bootstrap import algo_config
+    from gspo_megatron.train.startup.policy import build_policy
+    from gspo_megatron.train.update.schedules import update_step
 
     cfg = config(hf_dir, dtype_name())
     policy = build_policy(cfg, hf_dir)
-    rows = update_phase.row_plan(batch["input_ids"].shape[0], cfg)
+    rows = row_plans.row_plan(batch["input_ids"].shape[0], cfg)
     with counted_kernels(backend) as counts:
-        out = update_step(policy.model, policy.optimizer, update_phase.micro_batches(batch, rows[0], cfg),
+        out = update_step(policy.model, policy.optimizer, row_plans.micro_batches(batch, rows[0], cfg),
                           algo_config(cfg))
     return {"kernels": dict(counts), "loss": float(out["loss"]), "grad_norm": float(out["grad_norm"]),
             "update_successful": bool(out["update_successful"]),
@@ -189,7 +189,7 @@ class CopyReceiver:
 
 
 def weight_export(policy) -> dict:
-    from gspo_megatron.train.rollout_phase import sync_weights
+    from gspo_megatron.train.weight_sync.sync import sync_weights
 
     receiver = CopyReceiver()
     rounds = [sync_weights(policy, receiver, version) for version in range(1, EXPORT_ROUNDS + 1)]

@@ -5,7 +5,7 @@
 Runs on whatever ``environment.device()`` is: the GPU test runs it once on the GPU and once with CUDA hidden
 (the CPU reference), on the same weights and batch. World of one (NCCL on the GPU, gloo on the CPU):
 
-- the trainer's policy (``train.policy.build_policy``: provider, bridge, DDP, Megatron optimizer) in fp32 with
+- the trainer's policy (``train.startup.policy.build_policy``: provider, bridge, DDP, Megatron optimizer) in fp32 with
   the plain (non-distributed) optimizer, whose MoE router weights megatron creates on the CPU;
 - a rollout minibatch of CPU tensors, as the loop has it: ``logprob_pass`` (old policy, with entropy) and one
   clipped ``update_step`` (Adam's eps at 1, so the step is continuous in the gradient and comparable across
@@ -54,9 +54,11 @@ def _exported(policy) -> dict:
 
 
 def policy_run(hf_dir: str, dtype: str, overrides: tuple[str, ...] = (), pack: bool = False) -> dict:
-    from gspo_megatron.train.config import load_config
-    from gspo_megatron.train.policy import build_policy
-    from gspo_megatron.train.policy_step import AlgoConfig, logprob_pass, schedule_packing, update_step
+    from gspo_megatron.train.startup.config import load_config
+    from gspo_megatron.train.startup.policy import build_policy
+    from gspo_megatron.train.update.loss import AlgoConfig
+    from gspo_megatron.train.update.schedules import logprob_pass, update_step
+    from gspo_megatron.train.update.batch import schedule_packing
 
     cfg = load_config(None, [f"model.dtype={dtype}", "parallel.distributed_optimizer=false", "optimizer.lr=1.0",
                              "optimizer.adam_eps=1.0", "optimizer.clip_grad=0.05", "train.steps=1",

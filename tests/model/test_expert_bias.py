@@ -38,7 +38,8 @@ def bias_steps(hf_dir: str) -> dict:
     from gspo_megatron.model.hf_config import read_hf_config
     from gspo_megatron.model.hf_files import SafetensorsDir
     from gspo_megatron.model.provider import build_gpt_model
-    from gspo_megatron.train.policy_step import AlgoConfig, logprob_pass, update_step
+    from gspo_megatron.train.update.loss import AlgoConfig
+    from gspo_megatron.train.update.schedules import logprob_pass, update_step
     from tests.megatron_tiny import wrap_ddp
 
     spec = read_hf_config(hf_dir)

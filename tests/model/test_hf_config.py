@@ -203,12 +203,12 @@ def test_unsupported_deepseek_configs_name_the_field(change, field):
 
 
 def test_plan_parameter_counts_equal_the_checkpoints(hf_models):
-    """``train.memory.model_parameters`` (what ``plan`` sizes weights and optimizer state from) counts exactly the
+    """``plan.memory.model_parameters`` (what ``plan`` sizes weights and optimizer state from) counts exactly the
     tensors the mapping reads, for every family (MLA, shared experts, router bias included; MTP layers not built)."""
     import math
 
     from gspo_megatron.model import mapping
-    from gspo_megatron.train.memory import model_parameters
+    from gspo_megatron.plan.memory import model_parameters
 
     for name, path in hf_models.items():
         spec = read_hf_config(path)

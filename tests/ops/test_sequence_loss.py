@@ -260,7 +260,7 @@ def cp2_check() -> dict:
     group, rank = ps.get_context_parallel_group(), ps.get_context_parallel_rank()
     s = 8
     hidden, weight, targets, data = _cp_case(s)
-    index = token_index(s, 2, rank)  # the model path's split (train.policy_step.batch_for_model)
+    index = token_index(s, 2, rank)  # the model path's split (train.update.batch.batch_for_model)
     out = {"index": index}
     for chunk in (8, 3):  # one sequence a chunk (one pass), and two passes per sequence
         h = hidden[index].detach().clone().requires_grad_()  # float64: the split is exact, not merely close

@@ -1,9 +1,9 @@
-"""The context-parallel split of a micro batch (``parallel.context``) and ``policy_step.batch_for_model``.
+"""The context-parallel split of a micro batch (``parallel.context``) and ``train.update.batch.batch_for_model``.
 
 The split must be megatron's load-balanced layout (what its RoPE slicing and TransformerEngine's causal CP attention
 assume), written here independently the way Megatron-LM's ``get_batch_on_this_cp_rank`` writes it (a view of
 2*cp chunks, index_select of chunks r and 2*cp-1-r). The model path under CP=2 and TP2 x CP2 is compared with
-world=1 in tests/train/test_policy_step.py.
+world=1 in tests/train/update/test_schedules.py.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def _split_and_gather() -> dict:
     from megatron.core import parallel_state as ps
 
     from gspo_megatron.parallel.context import gather_sequence
-    from gspo_megatron.train.policy_step import batch_for_model
+    from gspo_megatron.train.update.batch import batch_for_model
 
     b, s = 3, 16
     g = torch.Generator().manual_seed(0)

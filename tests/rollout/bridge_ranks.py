@@ -5,7 +5,7 @@ rank 0 attaches an SGLangEngine to the server. Rank 0's rollouts are broadcast t
 rank scores its share with ``logprob_pass`` (the fused op inside Megatron's schedule), then one GSPO
 ``update_step``, a distributed weight sync from ``Bridge.export_hf_weights`` (every rank iterates it: it
 all-gathers the experts over EP; rank 0 sends), and the same comparison on a fresh rollout; then the same for a ``LocalEngine`` fed the export.
-``stage_senders_sync``: the trainer's own sync (``rollout_phase.sync_weights``: one sender per pipeline stage, each
+``stage_senders_sync``: the trainer's own sync (``train.weight_sync.sync.sync_weights``: one sender per pipeline stage, each
 gathering its stage from the ranks that hold its shards) from the loop's policy under PP=2 x EP=2.
 """
 
@@ -41,7 +41,7 @@ def _my_share(batch: dict) -> dict:
 
 def _mismatch(model, share):
     from gspo_megatron.rollout import logprob_mismatch
-    from gspo_megatron.train.policy_step import logprob_pass
+    from gspo_megatron.train.update.schedules import logprob_pass
 
     mb = {k: share[k] for k in ("input_ids", "labels", "loss_mask")}
     ours = logprob_pass(model, [mb])["logprobs"]
@@ -59,7 +59,8 @@ def bridge_sync(model_dir: str, server_url: str, version: str) -> dict:
     from gspo_megatron.parallel.groups import Layout
     from gspo_megatron.rollout import SGLangConfig, SGLangEngine
     from gspo_megatron.rollout.weight_sync import consume
-    from gspo_megatron.train.policy_step import AlgoConfig, update_step
+    from gspo_megatron.train.update.loss import AlgoConfig
+    from gspo_megatron.train.update.schedules import update_step
 
     rank = torch.distributed.get_rank()
     spec = read_hf_config(model_dir)
@@ -116,15 +117,15 @@ def bridge_sync(model_dir: str, server_url: str, version: str) -> dict:
 
 def stage_senders_sync(model_dir: str, server_url: str | list[str], version: str, sync: dict | None = None) -> dict:
     """The loop's policy (``build_policy``) under this launch's layout: log-probs against SGLang's before, after
-    the weights move (stale) and after ``rollout_phase.sync_weights``; rank 0 returns the sync's metrics.
+    the weights move (stale) and after ``train.weight_sync.sync.sync_weights``; rank 0 returns the sync's metrics.
     ``server_url``: one server or several; ``sync``: ``WeightSyncConfig`` fields."""
     from gspo_megatron.rollout import WeightSyncConfig
     import zlib
 
     from gspo_megatron.rollout import SGLangConfig, SGLangEngine
-    from gspo_megatron.train import rollout_phase
-    from gspo_megatron.train.config import load_config
-    from gspo_megatron.train.policy import build_policy
+    from gspo_megatron.train.weight_sync import sync as weight_sync
+    from gspo_megatron.train.startup.config import load_config
+    from gspo_megatron.train.startup.policy import build_policy
 
     from megatron.core import parallel_state as ps
 
@@ -147,7 +148,7 @@ def stage_senders_sync(model_dir: str, server_url: str | list[str], version: str
                 noise = torch.randn(param.shape, generator=torch.Generator().manual_seed(zlib.crc32(name.encode())))
                 param.mul_(1 + 0.2 * noise)
         out["stale"], _ = _mismatch(policy.model, _my_share(batch))
-        out["sync"] = rollout_phase.sync_weights(policy, engine, version)
+        out["sync"] = weight_sync.sync_weights(policy, engine, version)
         samples, batch = _rollout(engine, seed=31)
         out["versions"] = sorted({s.weight_version for s in samples})
         out["after"], _ = _mismatch(policy.model, _my_share(batch))

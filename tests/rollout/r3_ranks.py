@@ -6,7 +6,7 @@ multi-turn trajectories whose routes were assembled from each turn's call). Then
 micro batch of all of them, three forwards of ``logprob_pass``: the server's routes replayed (R3), the same routes
 shifted by one position (replay that is misaligned), and free routing. Hooks on every router record the experts it
 actually used (its routing map), compared here with the server's routes for the same tokens, worked out
-independently of ``policy_step.rank_routing``: under sequence parallelism TP rank r's routers see positions
+independently of ``train.update.routing.rank_routing``: under sequence parallelism TP rank r's routers see positions
 [r * S / tp, (r + 1) * S / tp) of every row, s-major.
 """
 
@@ -57,7 +57,7 @@ def r3_replay(model_dir: str, server_url: str, layout, multiturn: bool = False) 
     from gspo_megatron.model.hf_config import read_hf_config
     from gspo_megatron.model.provider import build_gpt_model
     from gspo_megatron.rollout import SGLangConfig, SGLangEngine, logprob_mismatch, samples_to_batch
-    from gspo_megatron.train.policy_step import logprob_pass
+    from gspo_megatron.train.update.schedules import logprob_pass
 
     spec = read_hf_config(model_dir)
     model = build_gpt_model(spec, layout, calculate_per_token_loss=True, moe_enable_routing_replay=True)

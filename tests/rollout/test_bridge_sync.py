@@ -6,7 +6,7 @@ before and after a GSPO ``update_step`` followed by a distributed weight sync fr
 (experts all-gathered over EP into HF names), and the server reports the new version. The same export fed
 to a ``LocalEngine`` gives samples whose log-probs Megatron reproduces too.
 
-The trainer's own sync (``rollout_phase.sync_weights``) from the loop's policy under PP=2 x EP=2 on 4 gloo ranks:
+The trainer's own sync (``train.weight_sync.sync.sync_weights``) from the loop's policy under PP=2 x EP=2 on 4 gloo ranks:
 two senders (each stage's first rank, each in its own group with the server), experts gathered to them over EP,
 the second data-parallel replica idle; after moving every weight and syncing, SGLang's log-probs equal the
 trainer's again (<= 1e-3 per token, fp32) on every rank.

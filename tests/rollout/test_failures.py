@@ -14,7 +14,7 @@ from dataclasses import replace
 import psutil
 import pytest
 
-from gspo_megatron.parallel.launch import free_port
+from gspo_megatron.parallel.groups import free_port
 from gspo_megatron.rollout import (RequestFailed, SamplingParams, ServerDied, ServerUnresponsive, SGLangConfig,
                                    SGLangEngine)
 

@@ -107,12 +107,12 @@ def test_routed_experts_equal_one_forwards(model):
 def test_stop_token_ids_end_responses(model):
     """rollout.stop_token_ids reach the engine with the end token: a response ends at its first stop token,
     which it keeps (finish_reason stop), and none ends earlier."""
-    from gspo_megatron.train import rollout_phase
-    from gspo_megatron.train.config import load_config
+    from gspo_megatron.train.sampling import rounds
+    from gspo_megatron.train.startup.config import load_config
 
     stops = list(range(20, 60))  # a third of the tiny vocabulary: most responses stop early
     cfg = load_config(None, ["data.task=count", "rollout.max_new_tokens=12", f"rollout.stop_token_ids={stops}"])
-    sampling = rollout_phase._sampling(cfg, step=0, eos_ids=[1])
+    sampling = rounds.sampling_params(cfg, step=0, eos_ids=[1])
     assert sampling.stop_token_ids == (1, *stops)
     samples = flatten(LocalEngine(model, eos_token_ids=[]).generate(prompts(4), 4, sampling))
     stopped = [s for s in samples if s.finish_reason == "stop"]

@@ -90,7 +90,7 @@ def test_a_start_that_cannot_succeed_stops_at_its_fatal_line_and_a_wait_says_wha
 
     import pytest
 
-    from gspo_megatron.parallel.launch import free_port
+    from gspo_megatron.parallel.groups import free_port
     from gspo_megatron.rollout.errors import ServerStartError
 
     taken = [sys.executable, "-c", "import time; print('ERROR: [Errno 98] error while attempting to bind on address "

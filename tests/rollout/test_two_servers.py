@@ -7,7 +7,7 @@ reads each server's capacity from /server_info, splits the call into requests th
 in flight on a server than its cache holds (peak <= capacity); every group comes back whole. One prompt whose 24
 samples alone exceed a cache is sent alone, with a time-out of two waves.
 
-The weight sync from two pipeline-stage senders (PP2 on 2 gloo ranks, ``rollout_phase.sync_weights``, the loop's
+The weight sync from two pipeline-stage senders (PP2 on 2 gloo ranks, ``train.weight_sync.sync.sync_weights``, the loop's
 own path) to two servers: each server takes one update call at a time and broadcasts on that call's group, so if
 the stages sent at once, the two servers could take their buckets in opposite orders and each wait in one stage's
 broadcast for the other. A proxy in front of each server records the update calls in the order it forwards them

@@ -1,7 +1,7 @@
 """``gspo-megatron score`` agrees with a log-likelihood computed directly with ``transformers``.
 
 The reference here is written out independently: transformers logits -> log_softmax -> the response
-tokens' log-probs, summed. Scored through Megatron (``train.policy_step.logprob_pass``) on the converted
+tokens' log-probs, summed. Scored through Megatron (``train.update.schedules.logprob_pass``) on the converted
 checkpoint and on the HF directory, under TP=2(+SP), PP=2, EP=2 and DP=2 layouts in the shared 2-rank
 launch, and once from the command line. Tolerance: 1e-4 absolute
 on sums of up to 9 fp32 log-probs (measured ~1e-6).

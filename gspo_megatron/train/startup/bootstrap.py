@@ -1,0 +1,232 @@
+"""What the loop needs before its first step: the model directory, tokenizer, prompts, reward, loss config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from gspo_megatron.parallel import control
+from gspo_megatron.train.startup.config import Config, ConfigError
+from gspo_megatron.train.startup.data import PromptFormat, PromptStream, check_prompt_lengths, load_jsonl, task_prompts
+from gspo_megatron.train.update.loss import AlgoConfig
+
+
+def algo_config(cfg: Config) -> AlgoConfig:
+    a = cfg.algo  # an unset clip bound is the algorithm's (update.loss.CLIP_RANGES)
+    return AlgoConfig(
+        name=a.name, eps_low=a.eps_low, eps_high=a.eps_high,
+        max_log_ratio=a.max_log_ratio, grpo_aggregation=a.grpo_aggregation, kl_coef=a.kl_coef,
+        kl_estimator=a.kl_estimator, entropy_coef=a.entropy_coef, temperature=cfg.rollout.temperature,
+        fused_loss=a.fused_loss,
+    )
+
+
+def reward_function(cfg: Config, segments: bool = False):
+    """The reward (``data.reward``, or with ``segments`` ``data.segment_reward``): in ``data.reward_workers`` worker
+    processes with a time limit per call (started by rank 0's first scoring; the others never score), or with 0
+    workers the function itself."""
+    from gspo_megatron.rollout import rewards
+    from gspo_megatron.rollout.reward_pool import RewardPool
+
+    spec, builtin = (cfg.data.segment_reward, "BUILTIN_SEGMENTS") if segments else (cfg.data.reward, "BUILTIN")
+    fn = rewards.load_reward_fn(spec, getattr(rewards, builtin))  # a bad spec fails here, before anything starts
+    if not cfg.data.reward_workers:
+        return fn
+    return RewardPool(spec, cfg.data.reward_workers, cfg.data.reward_timeout_s, builtin)
+
+
+def _accepts(url: str) -> bool:
+    import socket
+    from urllib.parse import urlparse
+
+    parsed = urlparse(url if "://" in url else f"http://{url}")
+    try:
+        with socket.create_connection((parsed.hostname, parsed.port or 80), timeout=5):
+            return True
+    except OSError:
+        return False
+
+
+def wait_for_urls(urls: list[str], wait_s: float, note_every_s: float = 15.0) -> None:
+    """Attached servers (rollout.urls) accept connections, waited for up to ``wait_s`` (rollout.attached_wait_s)
+    saying what is awaited every ``note_every_s``, else a ConfigError naming them."""
+    import time
+
+    start = time.monotonic()
+    next_note = start
+    while True:
+        pending = [url for url in urls if not _accepts(url)]
+        if not pending:
+            return
+        now = time.monotonic()
+        if now - start >= wait_s:
+            raise ConfigError(f"rollout.urls: {pending} refuse connections (waited {wait_s:g} s: "
+                              "rollout.attached_wait_s); start the servers (python -m gspo_megatron.rollout.serve) "
+                              "or correct the addresses")
+        if now >= next_note:
+            print(f"gspo-megatron train: waiting up to {wait_s - (now - start):.0f} s more for {pending} to accept "
+                  "connections", flush=True)
+            next_note = now + note_every_s
+        time.sleep(min(1.0, max(0.0, wait_s - (now - start))))
+
+
+def preflight(cfg: Config, rank: int = 0) -> None:
+    """What can fail from the config and its files, checked before anything is built: the reward functions resolve,
+    attached servers (rollout.urls, rank 0) accept connections, and with an existing model directory its safetensors
+    match its config.json and every prompt line reads and tokenizes within rollout.max_prompt_tokens (a DataError
+    names the file and line). A model still to be built from model.tiny has no tokenizer yet."""
+    from gspo_megatron.rollout import rewards
+    from gspo_megatron.rollout.user_code import load_named
+
+    for name, builtin in (("reward", rewards.BUILTIN), ("segment_reward", rewards.BUILTIN_SEGMENTS)):
+        spec = getattr(cfg.data, name)
+        if spec:
+            try:
+                load_named(spec, builtin, f"data.{name}", "module:function", "callable")
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+    if cfg.rollout.engine == "sglang" and cfg.rollout.urls and rank == 0:  # only rank 0 talks to the servers
+        wait_for_urls(list(cfg.rollout.urls), cfg.rollout.attached_wait_s)
+    hf_dir = Path(cfg.model.hf_dir)
+    if not (hf_dir / "config.json").is_file():
+        return
+    if not cfg.model.megatron_checkpoint:  # the safetensors' names and shapes against the config (headers only)
+        from gspo_megatron.model.bridge import Bridge
+        from gspo_megatron.model.hf_config import read_hf_config
+        from gspo_megatron.model.hf_files import SafetensorsDir
+
+        try:
+            Bridge(read_hf_config(hf_dir)).check_hf_tensors(SafetensorsDir(hf_dir).shapes())
+        except (ValueError, FileNotFoundError) as e:
+            raise ConfigError(f"model.hf_dir={cfg.model.hf_dir!r}: {e}") from None
+    if cfg.data.prompts:
+        load_prompts(cfg, hf_dir, quiet=True)
+
+
+def model_hf_config(cfg: Config) -> dict:
+    """The model's Hugging Face config without building or loading it: ``model.hf_dir``'s config.json, or the
+    config ``model.tiny`` will build there. For checking the layout against the model before anything starts."""
+    from gspo_megatron.model.hf_config import load_config_json
+
+    config = Path(cfg.model.hf_dir) / "config.json" if cfg.model.hf_dir else None
+    if config is not None and config.is_file():
+        try:
+            return load_config_json(config)
+        except ValueError as e:
+            raise ConfigError(f"model.hf_dir: {e}") from None
+    if cfg.model.tiny:
+        from gspo_megatron.rollout.synthetic import tiny_config
+
+        try:
+            return tiny_config(**cfg.model.tiny).to_dict()
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"model.tiny: {e}") from None
+    if not cfg.model.hf_dir:
+        raise ConfigError("model.hf_dir must be set (a Hugging Face model directory, or where to build model.tiny)")
+    raise ConfigError(f"model.hf_dir={cfg.model.hf_dir!r} has no config.json and model.tiny is empty")
+
+
+def prepare_model_dir(cfg: Config) -> Path:
+    """``model.hf_dir``, built first (on rank 0) from ``model.tiny`` when it does not exist yet."""
+    hf_dir = Path(cfg.model.hf_dir)
+    if not cfg.model.hf_dir:
+        raise ConfigError("model.hf_dir must be set (a Hugging Face model directory, or where to build model.tiny)")
+    if not (hf_dir / "config.json").is_file():
+        if not cfg.model.tiny:
+            raise ConfigError(f"model.hf_dir={cfg.model.hf_dir!r} has no config.json and model.tiny is empty")
+        if dist.get_rank() == 0:
+            build_tiny_model(cfg, hf_dir)
+        control.barrier()  # the others wait for rank 0's build and warm start where no NCCL watchdog fires
+    return hf_dir
+
+
+def build_tiny_model(cfg: Config, hf_dir: Path) -> None:
+    """A random Qwen3-MoE of ``model.tiny``'s sizes with the character tokenizer, optionally warm-started."""
+    from gspo_megatron.rollout.synthetic import save_tiny_model
+
+    tmp = hf_dir.with_name(hf_dir.name + ".tmp")
+    save_tiny_model(tmp, seed=cfg.train.seed, **cfg.model.tiny)
+    if cfg.model.warm_start_steps:
+        if not cfg.data.task:
+            raise ConfigError("model.warm_start_steps needs data.task (it trains on the task's examples)")
+        warm_start(tmp, cfg)
+    tmp.rename(hf_dir)
+
+
+def warm_start(hf_dir: Path, cfg: Config) -> None:
+    """Supervised steps on the task's demonstrations, 32 per step, with transformers, in place."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from gspo_megatron.rollout.synthetic import make_problems
+
+    tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.model.warm_start_lr)
+    # Examples disjoint from the RL prompts' seed, so the warm start does not see the training prompts.
+    problems = make_problems(cfg.data.task, 32 * cfg.model.warm_start_steps, seed=cfg.data.seed + 10_007)
+    # One thread: a tiny model's ops are too small to share, and a second thread waiting for a busy core slows every
+    # op (20 steps of the tool-use example: 1.6 s on one thread, 15.7 s on two, 2 cores with one kept busy).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model.train()
+        for step in range(cfg.model.warm_start_steps):
+            ids, labels = demonstration_batch(problems[step * 32:(step + 1) * 32], tokenizer)
+            loss = model(input_ids=ids, labels=labels).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    finally:
+        torch.set_num_threads(threads)
+    model.eval()
+    model.save_pretrained(str(hf_dir))
+
+
+def demonstration_batch(problems, tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
+    """The problems' demonstrations (``synthetic.demonstration``: the prompt, then the answer and EOS, or a
+    multi-turn transcript) as input ids [B, S] (padded with EOS) and labels [B, S]: the model's turns' tokens, -100
+    on the prompt, the observations and the padding (learn what the model says, not what it is told)."""
+    from gspo_megatron.rollout.synthetic import demonstration
+
+    rows = []
+    for problem in problems:
+        ids, labels = [], []
+        for text, trained in demonstration(problem):
+            segment = tokenizer(text, add_special_tokens=False)["input_ids"]
+            ids += segment
+            labels += segment if trained else [-100] * len(segment)
+        rows.append((ids, labels))
+    width = max(len(ids) for ids, _ in rows)
+    ids = torch.full((len(rows), width), tokenizer.eos_token_id)
+    labels = torch.full((len(rows), width), -100)
+    for i, (row, row_labels) in enumerate(rows):
+        ids[i, :len(row)] = torch.tensor(row)
+        labels[i, :len(row)] = torch.tensor(row_labels)
+    return ids, labels
+
+
+def load_prompts(cfg: Config, hf_dir: Path, quiet: bool = False):
+    """(tokenizer, training PromptStream, eval prompts)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
+    d = cfg.data
+    limit, drop_long = cfg.rollout.max_prompt_tokens, d.long_prompts == "drop"
+    if d.task:
+        train = task_prompts(d.task, tokenizer, 4096, seed=d.seed)
+        evals = task_prompts(d.task, tokenizer, 64, seed=d.seed + 1) if cfg.train.eval_every else []
+        check_prompt_lengths(train + evals, limit, f"data.task={d.task!r}")
+    else:
+        fmt = PromptFormat(prompt_key=d.prompt_key, label_key=d.label_key, tools_key=d.tools_key,
+                           system_prompt=d.system_prompt, chat_template_kwargs=d.chat_template_kwargs,
+                           apply_chat_template=d.apply_chat_template)
+        train, skipped = load_jsonl(d.prompts, tokenizer, d.skip_malformed, limit, drop_long, fmt)
+        evals, eval_skipped = load_jsonl(d.eval_prompts, tokenizer, d.skip_malformed, limit, drop_long, fmt,
+                                         "data.eval_prompts") if d.eval_prompts else ([], {})
+        for name, counts in (("data.prompts", skipped), ("data.eval_prompts", eval_skipped)):
+            if any(counts.values()) and not quiet and dist.get_rank() == 0:
+                print(f"{name}: skipped {counts['malformed']} malformed lines (data.skip_malformed=true) and "
+                      f"dropped {counts['too_long']} prompts over rollout.max_prompt_tokens (data.long_prompts=drop)")
+    return tokenizer, PromptStream(train, seed=d.seed), evals

@@ -1,0 +1,149 @@
+"""The trainer's passes over a step's rollout: the old-policy (and reference) log-prob passes and the minibatch
+updates, and the metrics of all of it over every rank. The passes return per-row results (routing records too) in
+row order (``rows``), so the update's micro batches may group rows differently.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from gspo_megatron import algo
+from gspo_megatron.algo import kl_penalty
+from gspo_megatron.train.startup.config import Config, measures_volatility, runs_old_pass
+from gspo_megatron.train.update.loss import AlgoConfig
+from gspo_megatron.train.update.rows import all_rows, micro_batch_rows, micro_batches
+from gspo_megatron.train.update.schedules import logprob_pass, update_step
+
+
+def _pass(model, batch: dict, rows: torch.Tensor, cfg: Config, rollout_routing: bool = True, **kwargs) -> dict:
+    """``logprob_pass`` over ``rows``, its per-row results back in the order of ``rows`` (micro batches may
+    regroup them); ``rollout_routing``: as ``micro_batches`` (the frozen reference routes freely)."""
+    parts = micro_batch_rows(batch, rows, cfg)
+    micro = micro_batches(batch, rows, cfg, parts=parts, rollout_routing=rollout_routing)
+    out = logprob_pass(model, micro, pack=cfg.parallel.pack_sequences, **kwargs)
+    order = torch.cat(parts)
+    if torch.equal(order, torch.arange(rows.numel())):
+        return out
+    inverse = torch.argsort(order)
+    return {k: v[inverse.to(v.device)] if torch.is_tensor(v) and v.dim() and v.shape[0] == rows.numel() else v
+            for k, v in out.items()}
+
+
+def old_logprobs(policy, batch: dict, rows: list[torch.Tensor], cfg: Config, algo_config: AlgoConfig,
+                 metrics: dict):
+    """pi_old into ``batch["old_logprobs"]``: the trainer's pass over this rank's rows, or the engine's log-probs
+    with rollout.reuse_rollout_logprobs (no pass). The pass also gives the policy's entropy and the
+    rollout-vs-trainer mismatch over the whole batch (under rollout routing replay, with the engine's experts
+    replayed). Rows of ``batch["stale"]`` (sampled by older weights than the policy's: ``rollout.mode`` one_step_off
+    or async, partial rollouts) take the engine's log-probs, their behaviour policy's, or with algo.decoupled_clip
+    keep this pass's and have their advantages weighted (``_weight_stale``). Returns this rank's recorded routing
+    when Routing Replay (all its rows, in the order of ``rows``) or expert volatility (the second minibatch's rows)
+    needs it, else None."""
+    if not runs_old_pass(cfg):
+        batch["old_logprobs"] = batch["rollout_logprobs"]  # the mismatch is measured by the first update instead
+        return None
+    total = batch["input_ids"].shape[0]
+    record = cfg.algo.replays_old_routing or measures_volatility(cfg, policy.spec)
+    t = time.perf_counter()
+    trainer = _pass(policy.model, batch, torch.cat(rows), cfg, temperature=algo_config.temperature,
+                    record_routing=record, with_entropy=True)
+    trainer_logprobs = all_rows(trainer["logprobs"], total, cfg)
+    metrics["time/old_logprobs"] = time.perf_counter() - t
+    mask = batch["loss_mask"]
+    # The policy's entropy per response token: a collapsing policy stops exploring (and learning).
+    metrics["entropy"] = float(all_rows(trainer["entropy"], total, cfg)[mask].mean()) if mask.any() else 0.0
+    metrics.update(algo.mismatch_metrics(algo.sequence_stats(trainer_logprobs, batch["rollout_logprobs"], mask)))
+    batch["old_logprobs"] = batch["rollout_logprobs"] if cfg.rollout.reuse_rollout_logprobs else trainer_logprobs
+    stale = batch.get("stale")
+    if stale is not None and stale.any():
+        if cfg.algo.decoupled_clip:  # clipped around this pass (the proximal policy), weighted by the engine's
+            _weight_stale(batch, trainer_logprobs, stale, cfg, metrics)
+        else:
+            batch["old_logprobs"] = torch.where(stale.unsqueeze(1), batch["rollout_logprobs"], batch["old_logprobs"])
+    if record and not cfg.algo.replays_old_routing:  # volatility compares the second minibatch's rows only
+        first = rows[0].numel()
+        return trainer["routing"][first:first + rows[1].numel()].clone()
+    return trainer.get("routing")
+
+
+def _weight_stale(batch: dict, prox_logprobs: torch.Tensor, stale: torch.Tensor, cfg: Config,
+                  metrics: dict) -> None:
+    """algo.decoupled_clip: the stale rows' advantages times min(pi_prox / pi_behaviour, cap) (``algo.decoupled``;
+    per token for GRPO, whose ratio is), and the weights' range and capped share over those rows' responses."""
+    mask = batch["loss_mask"]
+    per_token = cfg.algo.name == "grpo"
+    weights = algo.behaviour_weights(prox_logprobs, batch["rollout_logprobs"], mask, per_token=per_token,
+                                     cap=cfg.algo.behaviour_weight_cap)
+    batch["advantages"] = algo.decoupled_advantages(batch["advantages"], weights, stale)
+    held = (mask & stale.unsqueeze(1)) if per_token else (stale & mask.any(dim=1))
+    if held.any():
+        held_weights = weights[held]
+        metrics.update(behaviour_weight_min=float(held_weights.min()), behaviour_weight_max=float(held_weights.max()),
+                       behaviour_weight_capped=float((held_weights >= cfg.algo.behaviour_weight_cap).float().mean()))
+
+
+def reference_logprobs(reference, batch: dict, rows: list[torch.Tensor], cfg: Config, algo_config: AlgoConfig,
+                       metrics: dict) -> None:
+    """The frozen reference's log-probs into ``batch["ref_logprobs"]`` and ``kl_ref``: KL(policy || reference)
+    before this step's updates, as the loss estimates it."""
+    t = time.perf_counter()
+    ref = _pass(reference, batch, torch.cat(rows), cfg, rollout_routing=False,
+                temperature=algo_config.temperature)
+    batch["ref_logprobs"] = all_rows(ref["logprobs"], batch["input_ids"].shape[0], cfg)
+    metrics["time/ref_logprobs"] = time.perf_counter() - t
+    metrics["kl_ref"] = float(kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], batch["loss_mask"],
+                                         algo_config.kl_estimator, max_log_ratio=algo_config.max_log_ratio))
+
+
+def _padding_fraction(positions: torch.Tensor) -> float:
+    """The share of the update's computed token positions, over every data-parallel rank, that are padding
+    (padded rows: all but each sequence's tokens; packed rows: the row's rounding, and each sequence's rounding to
+    2 * cp chunks under context parallelism)."""
+    from megatron.core import parallel_state as ps
+
+    from gspo_megatron import environment
+
+    totals = positions.to(environment.device())
+    dist.all_reduce(totals, group=ps.get_data_parallel_group())
+    real, computed = totals.tolist()
+    return 1.0 - real / computed if computed else 0.0
+
+
+def update(policy, batch: dict, rows: list[torch.Tensor], routing, cfg: Config, algo_config: AlgoConfig) -> dict:
+    """``algo.minibatches`` optimizer steps over the rollout batch, and their metrics over every sequence of every
+    rank (``algo.update_metrics``). ``routing``: this rank's old-policy record (``old_logprobs``), replayed with
+    Routing Replay, else the second minibatch's, compared with its own routing (expert_volatility: after one step).
+    Under rollout routing replay every micro batch carries the engine's experts instead (``micro_batches``)."""
+    losses, norms, stats = [], [], []
+    skipped, offset, metrics = 0, 0, {}
+    positions = torch.zeros(2, dtype=torch.float64)  # (sequence tokens, computed positions) of this rank's rows
+    for m, minibatch_rows in enumerate(rows):
+        if cfg.algo.replays_old_routing:
+            record = routing[offset:offset + minibatch_rows.numel()]
+            micro = micro_batches(batch, minibatch_rows, cfg, record, "routing")
+        else:  # the second minibatch's forward runs on weights one step past the old policy's
+            micro = micro_batches(batch, minibatch_rows, cfg, routing if m == 1 else None, "old_routing")
+        offset += minibatch_rows.numel()
+        out = update_step(policy.model, policy.optimizer, micro, algo_config, pack=cfg.parallel.pack_sequences)
+        if out["update_successful"]:  # a skipped (non-finite) update leaves the LR schedule too, as megatron does
+            policy.scheduler.step(increment=1)
+        positions += torch.tensor(out["token_positions"], dtype=torch.float64)
+        losses.append(float(out["loss"]))
+        if out["update_successful"]:  # a skipped update's norm is NaN/inf: the metric averages the applied ones
+            norms.append(out["grad_norm"])
+        stats.append(out["stats"])
+        skipped += not out["update_successful"]
+        if "routing_changes" in out:
+            changed, decisions = out["routing_changes"].tolist()
+            metrics["expert_volatility"] = changed / max(decisions, 1.0)
+        if m == 0 and not runs_old_pass(cfg):
+            # pi_old is the engine's and the weights are still the rollout's: the first minibatch's ratios are the
+            # rollout-vs-trainer mismatch (over its sequences), measured without an old-policy pass.
+            metrics.update(algo.mismatch_metrics(out["stats"]))
+    metrics.update(algo.update_metrics(torch.cat(stats), algo_config.unit, algo_config.max_log_ratio))
+    metrics.update(loss=sum(losses) / len(losses), grad_norm=sum(norms) / len(norms) if norms else float("nan"),
+                   skipped_updates=float(skipped), padding_frac=_padding_fraction(positions))
+    return metrics

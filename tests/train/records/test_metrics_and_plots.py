@@ -1,0 +1,46 @@
+"""Metrics JSONL round trip (NaN as a gap, last record of a step wins) and the PNG plots."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+from gspo_megatron.train.records.metrics_log import MetricsLogger, read_metrics
+from gspo_megatron.train.records.plots import plot_runs
+from tests import warm_cli
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def fake_run(directory: Path, slope: float) -> Path:
+    logger = MetricsLogger(directory, tensorboard=False)
+    for step in range(1, 11):
+        logger.log(step, {"reward_mean": slope * step, "clip_frac_tokens": 0.1, "clip_frac_seqs": 0.2, "expert_volatility": 0.1,
+                          "seq_ratio_min": 0.999, "seq_ratio_mean": 1.0, "seq_ratio_max": 1.001,
+                          "approx_kl": 1e-4 * step, "logprob_diff_mean": 1e-5, "logprob_diff_max": float("nan")})
+    logger.log(10, {"reward_mean": 99.0})  # a resumed run re-logs step 10
+    return directory / "metrics.jsonl"
+
+
+def test_jsonl_round_trip(tmp_path):
+    records = read_metrics(fake_run(tmp_path, 0.1))
+    assert [r["step"] for r in records] == list(range(1, 11))
+    assert math.isclose(records[0]["reward_mean"], 0.1) and records[-1]["reward_mean"] == 99.0
+    assert records[0]["logprob_diff_max"] is None
+
+
+def _is_png(path: Path) -> bool:
+    return path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+
+
+def test_plot_and_compare(tmp_path):
+    a, b = fake_run(tmp_path / "gspo", 0.1), fake_run(tmp_path / "grpo", 0.05)
+    assert _is_png(plot_runs({"gspo": a}, tmp_path / "gspo.png"))
+    out = warm_cli.run([sys.executable, str(ROOT / "tools/compare_runs.py"), str(tmp_path / "gspo"), f"grpo={b}",
+                      "--out", str(tmp_path / "cmp.png")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert _is_png(tmp_path / "cmp.png")
+    bad = warm_cli.run([sys.executable, str(ROOT / "tools/compare_runs.py"), str(tmp_path / "nope")],
+                     capture_output=True, text=True)
+    assert bad.returncode != 0 and "no metrics.jsonl" in bad.stderr

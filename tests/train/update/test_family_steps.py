@@ -1,0 +1,235 @@
+"""The GSPO update step on the tiny GLM-4.5 and DeepSeek-V3 models equals world=1 under TP2 (+SP), EP2, PP2 (the dense
+first layer on stage 0) and TP2 x EP2 (expert-TP 1).
+
+The policy is built as the trainer builds it (``provider.build_gpt_model`` + the bridge, from the HF files). One step
+of SGD (lr 1, no momentum history: the update is exactly -grad) on 8 sequences (split over data-parallel ranks, micro
+batches of 2); the updated weights are exported through the bridge as full HF tensors, so every gradient is compared
+in HF terms across layouts: loss (1e-6 absolute: GSPO's loss with zero-mean advantages is ~1e-4, a difference of
+fp32 log-ratios of sequences whose log-probs are ~5), gradient norm (1e-5 relative), every updated tensor (2e-6 absolute
+on weights of ~0.1-1 and steps of ~1e-2). The frozen expert bias is exported bit-identical to the file.
+
+GRPO + Routing Replay, at world=1, TP2 (+SP), PP2 and TP2 x EP2: an old policy whose routers' weights and expert biases
+drifted (seeded per layer, so alike under every layout) records its experts; the update replays them. Hooks on every
+router show it used exactly the recorded experts for every token (the drift changed over 20% of them, so free routing
+would not), and the step equals world=1's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gspo_megatron.parallel.groups import Layout
+from gspo_megatron.parallel.launch import run_on_ranks
+from tests.model import hf_tiny
+from tests.model.conftest import hf_models  # noqa: F401  (the tiny HF models, session-scoped)
+
+FAMILIES = ("glm4_moe", "deepseek_v3")
+SEQUENCES, SEQ, MICRO = 8, 12, 2
+RTOL, ATOL, LOSS_ATOL = 1e-5, 2e-6, 1e-6
+RR_LAYOUTS = ("tp2", "pp2", "tp2_ep2")  # GRPO + Routing Replay: sequence shards, a dense first stage, both
+LAYOUTS = {"tp2": Layout(tensor=2, sequence_parallel=True), "ep2": Layout(expert=2), "pp2": Layout(pipeline=2),
+           "tp2_ep2": Layout(tensor=2, expert=2, expert_tensor=1, sequence_parallel=True)}
+
+
+def _rollout(vocab: int) -> dict:
+    from gspo_megatron.algo import group_advantages
+
+    g = torch.Generator().manual_seed(21)
+    tokens = torch.randint(0, vocab, (SEQUENCES, SEQ + 1), generator=g)
+    prompt = torch.randint(2, 7, (SEQUENCES, 1), generator=g)
+    return {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": torch.arange(SEQ) + 1 >= prompt,
+            "advantages": group_advantages(torch.rand(SEQUENCES, generator=g), 4)}
+
+
+def _policy(hf_dir: str, layout: Layout, routing_replay: bool = False):
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from gspo_megatron.model.bridge import Bridge
+    from gspo_megatron.model.hf_config import read_hf_config
+    from gspo_megatron.model.process_groups import ensure_model_parallel
+    from gspo_megatron.model.provider import build_gpt_model
+    from tests.megatron_tiny import wrap_ddp
+
+    ensure_model_parallel(layout)
+    if routing_replay:  # megatron keeps every replaying router in one global registry: this model's only
+        from megatron.core.transformer.moe.router_replay import RouterReplay
+
+        RouterReplay.clear_global_router_replay_instances()
+    spec = read_hf_config(hf_dir)
+    bridge = Bridge(spec)
+    model = build_gpt_model(spec, layout, **({"moe_enable_routing_replay": True} if routing_replay else {}))
+    bridge.load_hf_weights(model, hf_dir)
+    ddp = wrap_ddp(model)
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="sgd", lr=1.0, sgd_momentum=0.0, weight_decay=0.0,
+                                                       clip_grad=0.0), [ddp])
+    return spec, bridge, model, ddp, optimizer
+
+
+def _routers(ddp) -> list:
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    return sorted((m for m in ddp.modules() if isinstance(m, TopKRouter)), key=lambda r: r.layer_number)
+
+
+def _drifted_routing(ddp, micro: list[dict]) -> torch.Tensor:
+    """The experts this rank's routers choose after a drift of every router's weight and expert bias, seeded by its
+    layer number (the same drift under every layout), recorded by the log-prob pass, then undone: an old policy
+    that routes otherwise. [n, L_local, s_local, k]."""
+    from gspo_megatron.train.update.schedules import logprob_pass
+
+    saved = []
+    with torch.no_grad():
+        for router in _routers(ddp):
+            g = torch.Generator().manual_seed(router.layer_number)
+            saved.append((router.weight.detach().clone(), router.expert_bias.detach().clone()))
+            router.weight.add_(0.5 * torch.randn(router.weight.shape, generator=g))
+            router.expert_bias.add_(0.5 * torch.randn(router.expert_bias.shape, generator=g))
+    routing = logprob_pass(ddp, micro, record_routing=True)["routing"]
+    with torch.no_grad():
+        for router, (weight, bias) in zip(_routers(ddp), saved):
+            router.weight.copy_(weight)
+            router.expert_bias.copy_(bias)
+    return routing
+
+
+def step_case(hf_dir: str, layout: Layout, rollout: dict, algo: str = "gspo") -> dict:
+    """One update step of ``algo``: gspo, or grpo_rr (GRPO + Routing Replay: the update replays the routes an old,
+    drifted policy recorded; every router's choices in the update are compared with them)."""
+    from megatron.core import parallel_state as ps
+
+    from gspo_megatron.train.update.loss import AlgoConfig
+    from gspo_megatron.train.update.schedules import update_step
+
+    _, bridge, model, ddp, optimizer = _policy(hf_dir, layout, routing_replay=algo == "grpo_rr")
+    dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    share = SEQUENCES // dp
+    micro = [{k: v[i : i + MICRO] for k, v in rollout.items()} for i in range(rank * share, (rank + 1) * share, MICRO)]
+    result = {}
+    if algo == "grpo_rr":
+        from gspo_megatron.train.update.schedules import logprob_pass
+
+        routing = _drifted_routing(ddp, micro)
+        free = logprob_pass(ddp, micro, record_routing=True)["routing"]  # what the routers choose without replay
+        result["changed"] = (routing.sort(dim=-1).values != free.sort(dim=-1).values).any(dim=-1).float().mean().item()
+        for i, mb in enumerate(micro):
+            mb["routing"] = routing[i * MICRO:(i + 1) * MICRO]
+        used: list = []  # (layer, routing map [s_local * b, E]) of every router call of the update
+
+        def hook(router):
+            return lambda _m, _i, output: used.append((router.layer_number, output[1].detach().clone()))
+
+        handles = [r.register_forward_hook(hook(r)) for r in _routers(ddp)]
+        out = update_step(ddp, optimizer, micro, AlgoConfig.grpo())
+        for h in handles:
+            h.remove()
+        result["routes_same"], result["routes_total"] = _replayed(used, routing, _routers(ddp))
+    else:
+        out = update_step(ddp, optimizer, micro, AlgoConfig())
+    return {**result, "loss": float(out["loss"]), "grad_norm": float(out["grad_norm"]),
+            "exported": {n: t.clone() for n, t in bridge.export_hf_weights(model)}}
+
+
+def _replayed(used: list, routing: torch.Tensor, routers: list) -> tuple[int, int]:
+    """(tokens x layers whose experts in the update were the recorded ones, out of how many): the router calls come
+    micro batch by micro batch, each layer in order; ``routing`` [n, L_local, s_local, k] holds them in that order."""
+    layers = [r.layer_number for r in routers]
+    same = total = 0
+    for call, (layer, routing_map) in enumerate(used):
+        micro, local = divmod(call, len(layers))
+        assert layers[local] == layer, (call, layer, layers)
+        recorded = routing[micro * MICRO:(micro + 1) * MICRO, local].long()  # [b, s_local, k]
+        b, s_local, _ = recorded.shape
+        hot = torch.zeros(b, s_local, routing_map.shape[-1], dtype=torch.bool).scatter_(2, recorded, True)
+        chosen = routing_map.view(s_local, b, -1).transpose(0, 1)
+        same += int((chosen == hot).all(dim=-1).sum())
+        total += b * s_local
+    return same, total
+
+
+def reference(hf_dirs: dict) -> dict:
+    """world=1: the rollout (old log-probs from the loaded model, perturbed by 1e-3) and the step."""
+    from gspo_megatron.train.update.schedules import logprob_pass
+
+    results = {}
+    for family, hf_dir in hf_dirs.items():
+        spec, _, _, ddp, _ = _policy(hf_dir, Layout())
+        rollout = _rollout(spec.vocab_size)
+        micro = [{k: v[i : i + MICRO] for k, v in rollout.items()} for i in range(0, SEQUENCES, MICRO)]
+        logprobs = logprob_pass(ddp, micro)["logprobs"]
+        noise = 1e-3 * torch.randn(logprobs.shape, generator=torch.Generator().manual_seed(3))
+        rollout["old_logprobs"] = logprobs + noise
+        results[family] = {"rollout": rollout, **step_case(hf_dir, Layout(), rollout)}
+        results[family]["grpo_rr"] = step_case(hf_dir, Layout(), rollout, "grpo_rr")
+    return results
+
+
+def layouts(hf_dirs: dict, rollouts: dict) -> dict:
+    results = {}
+    for kind, layout in LAYOUTS.items():  # one group shape at a time, both families in each
+        for family, hf_dir in hf_dirs.items():
+            results[(family, kind)] = step_case(hf_dir, layout, rollouts[family])
+            if kind in RR_LAYOUTS:
+                results[(family, kind, "grpo_rr")] = step_case(hf_dir, layout, rollouts[family], "grpo_rr")
+    return results
+
+
+@pytest.fixture(scope="module")
+def results(hf_models):
+    hf_dirs = {family: str(hf_models[family]) for family in FAMILIES}
+    (world1,) = run_on_ranks(reference, 1, Layout(), hf_dirs, timeout=300)
+    per_rank = run_on_ranks(layouts, 2, Layout(), hf_dirs, {f: r["rollout"] for f, r in world1.items()}, timeout=480)
+    return world1, per_rank
+
+
+@pytest.mark.megatron
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("kind", list(LAYOUTS))
+def test_update_step_equals_world1(family, kind, results, hf_models):
+    from gspo_megatron.model.hf_files import SafetensorsDir
+
+    world1, per_rank = results
+    expected = world1[family]
+    original = SafetensorsDir(hf_models[family])
+    moved = max((expected["exported"][n] - original.read(n)).abs().max().item() for n in expected["exported"])
+    assert moved > 1e-3, f"the reference step moved no weight by more than {moved:.1e}"
+    exported = {}
+    for rank, r in enumerate(per_rank):
+        r = r[(family, kind)]
+        assert abs(r["loss"] - expected["loss"]) <= LOSS_ATOL, (rank, r["loss"], expected["loss"])
+        assert abs(r["grad_norm"] - expected["grad_norm"]) <= RTOL * expected["grad_norm"], (rank, r["grad_norm"])
+        exported.update(r["exported"])
+    assert set(exported) == set(expected["exported"])
+    diffs = {n: (exported[n] - t).abs().max().item() for n, t in expected["exported"].items()}
+    worst = max(diffs, key=diffs.get)
+    assert diffs[worst] <= ATOL, f"{worst} differs by {diffs[worst]:.2e} from world=1 after the step"
+    bias = [n for n in exported if n.endswith("e_score_correction_bias")]
+    assert bias and all(hf_tiny.same_bits(exported[n], original.read(n)) for n in bias), "the frozen bias moved"
+
+
+@pytest.mark.megatron
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("kind", ["world1", *RR_LAYOUTS])
+def test_grpo_routing_replay_replays_every_route_and_equals_world1(family, kind, results):
+    """GRPO + Routing Replay with the sigmoid, bias-corrected, group-limited routers: in the update, every router
+    uses exactly the experts the drifted old policy recorded, for every token (the drift changed them: the update
+    would otherwise route differently), and the step equals world=1's under each layout."""
+    world1, per_rank = results
+    expected = world1[family]["grpo_rr"]
+    runs = [expected] if kind == "world1" else [r[(family, kind, "grpo_rr")] for r in per_rank]
+    assert sum(r["routes_total"] for r in runs) > 0
+    for rank, r in enumerate(runs):
+        if r["routes_total"] == 0:  # PP2's first stage: the dense first layer alone, no router
+            continue
+        assert r["routes_same"] == r["routes_total"], (rank, r["routes_same"], r["routes_total"])
+        assert r["changed"] > 0.2, f"rank {rank}: the drift changed only {r['changed']:.0%} of the routes"
+    if kind == "world1":
+        return
+    exported = {}
+    for rank, r in enumerate(runs):
+        assert abs(r["loss"] - expected["loss"]) <= LOSS_ATOL, (rank, r["loss"], expected["loss"])
+        assert abs(r["grad_norm"] - expected["grad_norm"]) <= RTOL * expected["grad_norm"], (rank, r["grad_norm"])
+        exported.update(r["exported"])
+    diffs = {n: (exported[n] - t).abs().max().item() for n, t in expected["exported"].items()}
+    worst = max(diffs, key=diffs.get)
+    assert diffs[worst] <= ATOL, f"{worst} differs by {diffs[worst]:.2e} from world=1 after the step"
