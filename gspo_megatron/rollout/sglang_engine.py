@@ -443,7 +443,8 @@ class SGLangEngine:
 
     def update_weights(self, named_tensors: NamedTensors, version: str, method: str | None = None) -> SyncStats:
         """Load the trainer's weights (``(hf_name, full tensor)`` pairs) into every worker as ``version``, by
-        distributed broadcast (default) or from disk, then check each worker reports ``version``."""
+        distributed broadcast (default), tensor handles (colocated servers: ``colocate``) or from disk, then check each
+        worker reports ``version``."""
         method = method or self.config.weight_sync.method
         version = self._check_new_version(version)
         self.ensure_servers()
@@ -457,6 +458,11 @@ class SGLangEngine:
             phases = {"begin": begun - start, **stats.phases, "end": time.perf_counter() - t}
             stats = SyncStats("distributed", version, time.perf_counter() - start, stats.num_tensors, stats.num_bytes,
                               stats.num_buckets, phases)
+        elif method == "tensor":  # colocated servers (rollout.colocate): tensor handles, no process group
+            from .colocate import send_tensors
+
+            sync_clients = [HttpClient(u, RetryPolicy(0), self.config.weight_sync.timeout_s) for u in self.worker_urls]
+            stats = send_tensors(sync_clients, self._server_ranks(), named_tensors, version, self.config.weight_sync)
         elif method == "disk":
             sync_clients = [HttpClient(u, RetryPolicy(0), self.config.weight_sync.timeout_s) for u in self.worker_urls]
             attempt = time.monotonic()
@@ -468,7 +474,7 @@ class SGLangEngine:
                 self._load_from_disk(self.worker_urls, version)
                 stats = SyncStats("disk", version, time.monotonic() - attempt, 0, 0, 0, {})
         else:
-            raise ValueError(f"weight sync method={method!r} is not 'distributed' or 'disk'")
+            raise ValueError(f"weight sync method={method!r} is not 'distributed', 'tensor' or 'disk'")
         self._check_served(version, method, stats)
         return stats
 
