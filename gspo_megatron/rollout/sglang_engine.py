@@ -42,6 +42,7 @@ import torch
 
 from . import weight_sync
 from .client import HttpClient, RetryPolicy
+from .colocate import Colocation, check_generating_allowed, send_tensors
 from .config import SGLangConfig
 from .errors import (BadResponse, RequestFailed, RolloutError, ServerDied, ServerStartError, ServerUnresponsive,
                      StaleWeights, TooManyRestarts, WeightSyncError)
@@ -100,6 +101,9 @@ class SGLangEngine:
         self.on_relaunch = None  # called after a server was relaunched (a new process): e.g. to record it
         self._routed_shape = routed_experts_shape(self.model_path) if config.return_routed_experts else None
         self._budget = TokenBudget(self._capacities())
+        # config.colocate: the servers share the trainer's GPUs; their memory is released and resumed (``colocate``)
+        self.colocation = Colocation(self.worker_urls, config.device, config.weight_sync.timeout_s,
+                                     config.request_timeout_s) if config.colocate else None
 
     def _wait_healthy(self, url: str) -> None:
         """GET /health_generate until 200. A server still starting answers 503: wait for it up to
@@ -151,6 +155,7 @@ class SGLangEngine:
         """n samples for every prompt: one Group per prompt, in order, each with its n Samples (prompt-major).
         A server that fails meanwhile is restarted (or, attached, waited for) and the unanswered requests resent."""
         prompts = check_prompts(prompts, n)
+        check_generating_allowed(self.colocation)  # colocated: not while training holds the servers' memory
         self.ensure_servers()
         chunks = request_chunks(prompts, n, sampling.max_new_tokens, self.config.prompts_per_request,
                                 self._budget.smallest)
@@ -458,11 +463,13 @@ class SGLangEngine:
             phases = {"begin": begun - start, **stats.phases, "end": time.perf_counter() - t}
             stats = SyncStats("distributed", version, time.perf_counter() - start, stats.num_tensors, stats.num_bytes,
                               stats.num_buckets, phases)
-        elif method == "tensor":  # colocated servers (rollout.colocate): tensor handles, no process group
-            from .colocate import send_tensors
-
+        elif method == "tensor":  # colocated servers: weights resumed, tensor handles written in, then the KV cache
+            if self.colocation is not None:
+                self.colocation.resume_weights()
             sync_clients = [HttpClient(u, RetryPolicy(0), self.config.weight_sync.timeout_s) for u in self.worker_urls]
             stats = send_tensors(sync_clients, self._server_ranks(), named_tensors, version, self.config.weight_sync)
+            if self.colocation is not None:
+                self.colocation.resume_kv_cache()
         elif method == "disk":
             sync_clients = [HttpClient(u, RetryPolicy(0), self.config.weight_sync.timeout_s) for u in self.worker_urls]
             attempt = time.monotonic()

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from gspo_megatron.parallel import groups
 from gspo_megatron.parallel.context import sequence_multiple
-from gspo_megatron.train import checkpoint, elastic, preemption, rollout_phase, update_phase
+from gspo_megatron.train import checkpoint, colocate, elastic, preemption, rollout_phase, update_phase
 from gspo_megatron.train.rollout_source import RolloutSource
 from gspo_megatron.train.advantages import advantages
 from gspo_megatron.train.config import Config
@@ -79,6 +79,7 @@ def train(cfg: Config, resume: bool = False) -> dict:
             # (with rollout.filter_zero_variance_groups: groups without reward variance dropped, more prompts drawn)
             rollout = source.next(step, version)  # staleness: version minus each sample's weight version
             metrics = dict(rollout.metrics)
+            metrics.update(colocate.release(engine, cfg))  # rollout.colocate: the servers' memory to training
             batch = rollout.batch
             batch["stale"] = rollout.versions != version  # sampled by older weights: pi_old is the engine's
             if cfg.rollout.partial_mask == "old_tokens":  # partial rollouts: only this version's tokens train
