@@ -177,6 +177,9 @@ def format_plan(cfg: Config, world_size: int, gpu_memory_gib: float = H100_GIB, 
         shown = ", ".join(fmt(g) for g in ranks[:4]) + (f", ... ({len(ranks)} groups)" if len(ranks) > 4 else "")
         lines.append(f"  {name:<14} groups: {shown}")
     lines += memory_lines(cfg, estimate, world_size, gpu_memory_gib)
+    if cfg.rollout.colocate:  # [colocate hook] both sides' memory per phase (train/colocate.py)
+        from gspo_megatron.train import colocate
+        lines += colocate.plan_lines(colocate.colocated_plan(cfg, spec, estimate, gpu_memory_gib))
     return "\n".join(lines)
 
 
@@ -185,8 +188,12 @@ def fits(cfg: Config, world_size: int, gpu_memory_gib: float = H100_GIB, impl: s
          overhead: Overhead = Overhead()) -> bool:
     from gspo_megatron.model.hf_config import read_hf_config as model_spec
 
-    estimate = estimate_memory(model_spec(read_hf_config(cfg)), cfg, world_size, padded_length(cfg), impl=impl,
-                               overhead=overhead)
+    spec = model_spec(read_hf_config(cfg))
+    estimate = estimate_memory(spec, cfg, world_size, padded_length(cfg), impl=impl, overhead=overhead)
+    if cfg.rollout.colocate:  # [colocate hook] the servers' share too, in every phase (train/colocate.py)
+        from gspo_megatron.train import colocate
+        if not colocate.colocated_plan(cfg, spec, estimate, gpu_memory_gib).fits:
+            return False
     return estimate.total_bytes <= gpu_memory_gib * GIB
 
 

@@ -54,3 +54,41 @@ def test_colocate_refuses_what_it_cannot_do(override, message):
     with pytest.raises(ConfigError, match=message):
         colocate.validate(cfg)
     colocate.validate(load_config(ROOT / "examples/tiny_moe_cpu.yaml", ["rollout.colocate=true"]))
+
+
+def test_plan_gives_both_sides_peaks_and_refuses_naming_the_knob():
+    """Qwen3-30B-A3B on 2 x 8 H100s with its servers colocated (estimates: no GPU here): the trainer keeps ~49 GiB
+    through the rollout, so the servers' static pool must stay under ~0.36 of the GPU; one engine per 8 GPUs
+    (tp_size 8) holds 7.1 GiB of weights per GPU, and 0.3 leaves 16.6 GiB of KV cache per GPU."""
+    from gspo_megatron.model.hf_config import read_hf_config as model_spec
+    from gspo_megatron.train import colocate
+    from gspo_megatron.train.memory import GIB, estimate_memory, padded_length
+    from gspo_megatron.train.plan import fits, format_plan, read_hf_config
+
+    base = ["rollout.colocate=true", "rollout.urls=[]"]
+    config = ROOT / "examples/qwen3_30b_a3b/train.yaml"
+
+    def plan(*overrides):
+        cfg = load_config(config, [*base, *overrides])
+        spec = model_spec(read_hf_config(cfg))
+        return cfg, colocate.colocated_plan(cfg, spec, estimate_memory(spec, cfg, 16, padded_length(cfg)), 79.1)
+
+    cfg, good = plan("rollout.server_args.tp_size=8", "rollout.server_args.mem_fraction_static=0.3")
+    assert good.fits and fits(cfg, 16), good.problems
+    phases = {p.phase: p for p in good.phases}
+    assert phases["train"].engine == colocate.ENGINE_RESIDUAL_GIB * GIB  # released while training
+    assert phases["sync"].engine == pytest.approx(good.engine_weights + colocate.ENGINE_RESIDUAL_GIB * GIB)
+    assert 0.3 < good.largest_fraction < 0.4 and good.kv_cache > good.kv_needed
+    assert all(p.total <= 79.1 * GIB for p in good.phases)
+    text = format_plan(cfg, 16)
+    assert "colocated (rollout.colocate)" in text and "colocated: fits" in text
+
+    cfg, greedy = plan("rollout.server_args.tp_size=8", "rollout.server_args.mem_fraction_static=0.6")
+    assert not fits(cfg, 16)
+    assert any("mem_fraction_static=0.6 (--mem-fraction-static) leaves the trainer too little" in p for p in greedy.problems), greedy.problems
+    _, small = plan("rollout.server_args.tp_size=8", "rollout.server_args.mem_fraction_static=0.1")
+    assert any("KV cache" in p for p in small.problems), small.problems
+    _, unset = plan("rollout.server_args.tp_size=8")
+    assert any("needs rollout.server_args.mem_fraction_static" in p for p in unset.problems), unset.problems
+    _, one_gpu_engine = plan("rollout.server_args.mem_fraction_static=0.3")  # 57 GiB of weights per GPU
+    assert any("rollout.server_args.tp_size" in p for p in one_gpu_engine.problems), one_gpu_engine.problems
