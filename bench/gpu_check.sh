@@ -9,7 +9,10 @@
 # every parameter and batch on the device (megatron's CPU-created router weights included), bf16 with the
 # non-distributed optimizer, `score` against transformers, the trainer for two steps on NCCL, the triton log-prob
 # backend in bf16 against float64 (tests/gpu/test_logprob_kernel.py) and, where TransformerEngine is installed, the
-# grouped-GEMM experts' step against SequentialMLP's and TE's fused permutation and RoPE against the unfused step. Then bench/logprob_gpu.py: the triton backend against naive
+# grouped-GEMM experts' step against SequentialMLP's and TE's fused permutation and RoPE against the unfused step, and
+# colocation's trainer side (tests/gpu/test_colocate_ipc.py: the bucketed export's CUDA IPC handles opened by a second
+# process, the optimizer state offloaded and regained per torch.cuda.memory_reserved; written in a session without a
+# GPU, not run yet; SGLang's side of colocation is not on the check machine at all). Then bench/logprob_gpu.py: the triton backend against naive
 # bf16 logits + log_softmax at T=8192, H=2048, V=151936 (time, peak memory, TFLOP/s against a GEMM peak measured
 # in the same run). What it printed goes into bench/RESULTS.md. Without TransformerEngine, megatron-core 0.16.1's
 # router needs patches/megatron_no_te on the GPU too: the model provider applies it to every build without TE.

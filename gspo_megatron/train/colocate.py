@@ -153,3 +153,46 @@ def plan_lines(plan: ColocatedPlan) -> list[str]:
                  f"mem_fraction_static {plan.mem_fraction_static} (at most {plan.largest_fraction:.2f} fits)")
     lines += [f"  DOES NOT FIT: {p}" for p in plan.problems] or ["  colocated: fits"]
     return lines
+
+
+# ---- the trainer's own memory between updates (GPU check only: not wired into the loop yet) ------------------
+
+
+def _torch_optimizers(optimizer) -> list:
+    """The torch optimizers inside a Megatron optimizer (``ChainedOptimizer``, ``.optimizer`` wrappers) or itself."""
+    if hasattr(optimizer, "chained_optimizers"):
+        return [t for o in optimizer.chained_optimizers for t in _torch_optimizers(o)]
+    inner = getattr(optimizer, "optimizer", None)
+    return _torch_optimizers(inner) if inner is not None and inner is not optimizer else [optimizer]
+
+
+def offload_optimizer_state(optimizer) -> int:
+    """Move every optimizer-state tensor to pinned host memory (for the rollout, when the servers need the GPU);
+    returns the bytes moved. ``reload_optimizer_state`` brings them back to where they were."""
+    import torch
+
+    moved = 0
+    for opt in _torch_optimizers(optimizer):
+        for state in opt.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value.is_cuda:
+                    host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+                    host.copy_(value, non_blocking=True)
+                    state[key] = (host, value.device)
+                    moved += value.numel() * value.element_size()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # the caching allocator's blocks go back to the driver, for SGLang to take
+    return moved
+
+
+def reload_optimizer_state(optimizer) -> None:
+    import torch
+
+    for opt in _torch_optimizers(optimizer):
+        for state in opt.state.values():
+            for key, value in state.items():
+                if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], torch.Tensor):
+                    state[key] = value[0].to(value[1], non_blocking=True)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
