@@ -92,3 +92,28 @@ def test_plan_gives_both_sides_peaks_and_refuses_naming_the_knob():
     assert any("needs rollout.server_args.mem_fraction_static" in p for p in unset.problems), unset.problems
     _, one_gpu_engine = plan("rollout.server_args.mem_fraction_static=0.3")  # 57 GiB of weights per GPU
     assert any("rollout.server_args.tp_size" in p for p in one_gpu_engine.problems), one_gpu_engine.problems
+
+
+@pytest.mark.megatron  # trains the Megatron policy under torchrun
+def test_colocated_under_torchrun_tp2_ep2(tmp_path):
+    """Four gloo ranks at TP=2 x EP=2 with rank 0's colocated server: the export gathers every shard, rank 0 writes
+    the whole update through update_weights_from_tensor, the other ranks wait for the release in the control group."""
+    import shutil
+    import subprocess
+
+    require_sglang()
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"
+    cmd = [torchrun, "--standalone", "--nproc-per-node", "4", "-m", "gspo_megatron.cli", "train",
+           str(ROOT / "examples/tiny_moe_cpu.yaml"), "rollout.colocate=true", "parallel.tensor=2", "parallel.expert=2",
+           "train.steps=2", "train.eval_every=0", "model.warm_start_steps=5", "rollout.prompts_per_step=4",
+           "parallel.micro_batch_size=8", f"model.hf_dir={tmp_path / 'model'}", f"logging.dir={tmp_path / 'run'}",
+           "checkpoint.dir=", "logging.plot_every=0"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    out = subprocess.run(cmd, cwd=ROOT, env=dict(env, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                         timeout=900)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    diffs = [r["logprob_diff_max"] for r in records]
+    print("colocated TP2 x EP2: logprob_diff_max per step", diffs)
+    assert [r["step"] for r in records] == [1, 2] and max(diffs) < 1e-4, diffs
+    assert all(r["weight_sync/tensors"] > 0 and "colocate/release_seconds" in r for r in records), records
