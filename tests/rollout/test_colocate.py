@@ -98,7 +98,10 @@ def test_release_waits_for_idle_and_refuses_a_busy_server(engine):
     started.wait()
     colocation = Colocation(engine.worker_urls, "cpu", timeout_s=60, idle_timeout_s=0.2)
     try:
-        time.sleep(0.5)  # the requests reach the server
+        deadline = time.monotonic() + 60
+        while not any(engine._budget.in_flight.values()) and time.monotonic() < deadline:
+            time.sleep(0.05)  # the requests are being sent
+        time.sleep(1.0)  # and reach the server (400 tokens x 32 samples take several seconds there)
         with pytest.raises(ColocationError, match="not idle"):
             colocation.release()
         assert colocation.released == ()
