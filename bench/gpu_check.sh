@@ -19,6 +19,8 @@
 #                                  two steps on NCCL with the local engine (TE's grouped GEMM and fusions: skipped
 #                                  without TransformerEngine)
 #   tests/gpu/test_logprob_kernel.py  the log-prob op's Triton backend in bf16 against float64
+#   tests/gpu/test_colocate_ipc.py colocation's trainer side: the bucketed export's CUDA IPC handles opened by a
+#                                  second process, the optimizer state offloaded and regained (memory_reserved)
 #   bench/logprob_gpu.py           the Triton backend against naive bf16 logits + log_softmax at T=8192, H=2048,
 #                                  V=151936: time, peak memory, TFLOP/s against a GEMM peak measured in the same run
 # GSPO_GPU_TESTS_ON_CPU=1 runs this script on a machine without CUDA (tests/gpu's CPU mode, the bench's

@@ -21,9 +21,15 @@
 #    rank's node: its fully qualified name (rollout.weight_sync_address=ADDR for rank 0's node when that name does
 #    not resolve from the rollout nodes).
 #
-# Colocated rollouts (servers on the training GPUs) are not supported: the weight-sync group would put a server
-# rank and a trainer rank on one GPU, which NCCL refuses, and SGLang sizes its KV cache from the memory free at
-# its start, which training then needs. Give the servers their own GPUs or nodes (ROLE=rollout).
+# 3. Colocated rollouts (ROLLOUT=colocated, one node): no rollout nodes; rank 0 launches SGLang on the training GPUs
+#    (rollout.colocate=true: --enable-memory-saver, the servers release their memory while training and take the
+#    new weights as CUDA IPC handles through update_weights_from_tensor, not a process group, which NCCL would
+#    refuse with a server rank and a trainer rank on one GPU). The config sizes the servers' share
+#    (rollout.server_args.mem_fraction_static, tp_size); `plan` checks both sides in every phase.
+#      ROLLOUT=colocated VENV=/envs/gspo CONFIG=examples/qwen3_30b_a3b/colocated.yaml HF_DIR=/models/Qwen3-30B-A3B \
+#        bash examples/launch_cluster.sh
+#    NNODES > 1 is refused: the handles reach servers on rank 0's node only (a sender per node is not built).
+#    Not run on GPUs yet (docs/colocation.md): the protocol ran against SGLang's CPU server.
 #
 # Environment (defaults in brackets):
 #   VENV           required: the environment to run, with CUDA torch, this package and SGLang
@@ -40,6 +46,10 @@
 #                  SERVER_WAIT_S [900] (how long to wait for the servers to answer before starting),
 #                  MEGATRON_DIR (a checkpoint of tools/convert_hf_to_megatron.py: a faster start than resharding
 #                  the safetensors at every launch).
+#   ROLLOUT        separate [default]: servers started with ROLE=rollout, attached through ROLLOUT_URLS;
+#                  colocated: on the training GPUs (3. above; ROLLOUT_URLS unused).
+#   DRY_RUN=1      print the commands (plan, torchrun) instead of running them.
+#   GPU_MEMORY_GIB what `plan` checks against (its default: an H100's 79.1; 139 for an H200).
 #   ROLE=rollout:  SERVER_TP [8] (GPUs per server), SERVER_HOST [0.0.0.0], SERVER_PORT [30000], DTYPE [bfloat16],
 #                  DEVICE [cuda] (cpu: SGLang's CPU backend with this repo's stand-ins, for tests).
 # Set here for the training ranks (not the servers, which manage their memory and streams themselves):
@@ -52,11 +62,21 @@ VENV_HELP="set VENV to the environment to run (CUDA torch + this package + SGLan
 : "${VENV:?$VENV_HELP tools/install.sh builds a CPU-only .venv, for CPU tests}"
 : "${HF_DIR:?set HF_DIR to the Hugging Face checkpoint directory}"
 ROLE="${ROLE:-train}"
-if [[ "${ROLLOUT:-separate}" != separate ]]; then
-  echo "ROLLOUT=${ROLLOUT}: colocated rollouts were removed (see the top of $0); start the servers with" \
-       "ROLE=rollout on their own GPUs or nodes and pass ROLLOUT_URLS" >&2
-  exit 2
-fi
+ROLLOUT="${ROLLOUT:-separate}"
+case "$ROLLOUT" in
+  separate) ;;
+  colocated)
+    if [[ "$ROLE" != train || "${NNODES:-1}" != 1 ]]; then
+      echo "ROLLOUT=colocated runs training and its servers on one node (ROLE=train, NNODES=1; got ROLE=$ROLE" \
+           "NNODES=${NNODES:-1}): the weights reach the servers as CUDA IPC handles, on rank 0's node only. For" \
+           "more nodes start the servers with ROLE=rollout and pass ROLLOUT_URLS (ROLLOUT=separate)" >&2
+      exit 2
+    fi ;;
+  *) echo "ROLLOUT must be separate or colocated, got $ROLLOUT" >&2; exit 2 ;;
+esac
+# DRY_RUN=1: say what would run (one line per command), run nothing
+run() { if [[ "${DRY_RUN:-0}" == 1 ]]; then printf '%q ' "$@"; echo; else "$@"; fi; }
+launch() { if [[ "${DRY_RUN:-0}" == 1 ]]; then run "$@"; else exec "$@"; fi; }
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
@@ -79,11 +99,15 @@ case "$ROLE" in
 esac
 
 : "${CONFIG:?set CONFIG to an example train.yaml}"
-: "${ROLLOUT_URLS:?set ROLLOUT_URLS to the SGLang servers (comma separated), started with ROLE=rollout}"
 NNODES="${NNODES:-1}"
 NODE_RANK="${NODE_RANK:-0}"
 GPUS_PER_NODE="${GPUS_PER_NODE:-8}"
-overrides=("model.hf_dir=$HF_DIR" "rollout.urls=$ROLLOUT_URLS")
+if [[ "$ROLLOUT" == colocated ]]; then
+  overrides=("model.hf_dir=$HF_DIR" "rollout.colocate=true" "rollout.urls=")
+else
+  : "${ROLLOUT_URLS:?set ROLLOUT_URLS to the SGLang servers (comma separated), started with ROLE=rollout}"
+  overrides=("model.hf_dir=$HF_DIR" "rollout.urls=$ROLLOUT_URLS")
+fi
 if [[ -n "${MEGATRON_DIR:-}" ]]; then overrides+=("model.megatron_checkpoint=$MEGATRON_DIR"); fi
 if [[ -n "${ROUTER_URL:-}" ]]; then overrides+=("rollout.server_args={router_url: $ROUTER_URL}"); fi
 
@@ -91,10 +115,13 @@ export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:T
 export CUDA_DEVICE_MAX_CONNECTIONS=1
 
 # The layout check and memory estimate first: a wrong layout fails here, not after minutes of start-up.
-"$PYTHON" -m gspo_megatron.cli plan "$CONFIG" --nodes "$NNODES" --gpus-per-node "$GPUS_PER_NODE" "${overrides[@]}" "$@"
-# Servers started in the same job may still be loading their weights: wait until each generates.
-"$PYTHON" -m gspo_megatron.rollout.serve --wait-for "$ROLLOUT_URLS" --timeout "${SERVER_WAIT_S:-900}"
+run "$PYTHON" -m gspo_megatron.cli plan "$CONFIG" --nodes "$NNODES" --gpus-per-node "$GPUS_PER_NODE" "${overrides[@]}" \
+  ${GPU_MEMORY_GIB:+--gpu-memory-gib "$GPU_MEMORY_GIB"} "$@"
+if [[ "$ROLLOUT" == separate ]]; then
+  # Servers started in the same job may still be loading their weights: wait until each generates.
+  run "$PYTHON" -m gspo_megatron.rollout.serve --wait-for "$ROLLOUT_URLS" --timeout "${SERVER_WAIT_S:-900}"
+fi
 
-exec "$PYTHON" -m torch.distributed.run --nnodes "$NNODES" --node-rank "$NODE_RANK" \
+launch "$PYTHON" -m torch.distributed.run --nnodes "$NNODES" --node-rank "$NODE_RANK" \
   --nproc-per-node "$GPUS_PER_NODE" --master-addr "${MASTER_ADDR:-127.0.0.1}" --master-port "${MASTER_PORT:-29500}" \
   -m gspo_megatron.cli train "$CONFIG" "${overrides[@]}" "$@"

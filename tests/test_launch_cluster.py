@@ -123,7 +123,7 @@ def test_slurm_script_plans_each_node(tmp_path):
     assert out.returncode == 2 and "need 4 nodes, the allocation has 3: sbatch --nodes=4" in out.stderr
 
 
-def test_script_names_what_is_missing_and_refuses_colocation(tmp_path):
+def test_script_names_what_is_missing_and_refuses_multi_node_colocation(tmp_path):
     def run(**env):
         base = {k: v for k, v in os.environ.items() if k not in ("VENV", "HF_DIR", "ROLLOUT", "CONFIG", "ROLLOUT_URLS")}
         return subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, env=dict(base, **env), capture_output=True, text=True,
@@ -131,10 +131,35 @@ def test_script_names_what_is_missing_and_refuses_colocation(tmp_path):
 
     out = run(HF_DIR=str(tmp_path))
     assert out.returncode != 0 and "set VENV to the environment to run (CUDA torch" in out.stderr
-    out = run(VENV=sys.prefix, HF_DIR=str(tmp_path), ROLLOUT="colocated")
-    assert out.returncode == 2 and "ROLLOUT=colocated: colocated rollouts were removed" in out.stderr
+    out = run(VENV=sys.prefix, HF_DIR=str(tmp_path), ROLLOUT="colocated", NNODES="2")
+    assert out.returncode == 2 and "ROLLOUT=colocated runs training and its servers on one node" in out.stderr
+    out = run(VENV=sys.prefix, HF_DIR=str(tmp_path), ROLLOUT="shared")
+    assert out.returncode == 2 and "ROLLOUT must be separate or colocated, got shared" in out.stderr
     out = run(VENV=sys.prefix, HF_DIR=str(tmp_path), ROLE="trainer")
     assert out.returncode == 2 and "ROLE must be train or rollout, got trainer" in out.stderr
+
+
+def test_colocated_dry_run_plans_the_example_and_starts_no_servers():
+    """ROLLOUT=colocated DRY_RUN=1: the plan and torchrun commands, with rollout.colocate=true and no server wait;
+    the printed plan command, run, finds the one-node colocated example fitting 8 H200s (both sides, every phase)."""
+    import shlex
+
+    hf = ROOT / "examples/qwen3_30b_a3b/hf_config"
+    env = {k: v for k, v in os.environ.items() if k not in ("ROLLOUT_URLS", "NNODES")}
+    env.update(DRY_RUN="1", ROLLOUT="colocated", VENV=sys.prefix, HF_DIR=str(hf), GPU_MEMORY_GIB="139",
+               CONFIG="examples/qwen3_30b_a3b/colocated.yaml")
+    out = subprocess.run(["bash", str(SCRIPT), "train.steps=2"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    plan, train = out.stdout.strip().splitlines()
+    assert " -m gspo_megatron.cli plan " in plan and "--gpu-memory-gib 139" in plan
+    assert " -m torch.distributed.run " in train and "--nnodes 1 " in train and train.endswith("train.steps=2")
+    for line in (plan, train):
+        assert "rollout.colocate=true" in line and "rollout.urls= " in line
+    assert "--wait-for" not in out.stdout  # no separate servers to wait for
+    planned = subprocess.run(shlex.split(plan), cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert planned.returncode == 0, planned.stdout[-3000:] + planned.stderr[-2000:]
+    assert "colocated: fits" in planned.stdout and "mem_fraction_static 0.3 (at most 0.48 fits)" in planned.stdout
 
 
 def test_servers_launched_on_the_training_gpus_are_refused(tmp_path):

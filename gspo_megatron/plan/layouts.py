@@ -180,6 +180,9 @@ def format_plan(cfg: Config, world_size: int, gpu_memory_gib: float = H100_GIB, 
         lines.append(f"  {name:<14} groups: {shown}")
     lines += memory_lines(cfg, estimate, world_size, gpu_memory_gib)
     lines += server_lines(spec)
+    if cfg.rollout.colocate:  # [colocate hook] both sides' memory per phase (plan/colocated.py)
+        from gspo_megatron.plan import colocated
+        lines += colocated.plan_lines(colocated.colocated_plan(cfg, spec, estimate, gpu_memory_gib))
     return "\n".join(lines)
 
 
@@ -214,8 +217,12 @@ def fits(cfg: Config, world_size: int, gpu_memory_gib: float = H100_GIB, impl: s
          overhead: Overhead = Overhead()) -> bool:
     from gspo_megatron.model.hf_config import read_hf_config as model_spec
 
-    estimate = estimate_memory(model_spec(read_hf_config(cfg)), cfg, world_size, padded_length(cfg), impl=impl,
-                               overhead=overhead)
+    spec = model_spec(read_hf_config(cfg))
+    estimate = estimate_memory(spec, cfg, world_size, padded_length(cfg), impl=impl, overhead=overhead)
+    if cfg.rollout.colocate:  # [colocate hook] the servers' share too, in every phase (plan/colocated.py)
+        from gspo_megatron.plan import colocated
+        if not colocated.colocated_plan(cfg, spec, estimate, gpu_memory_gib).fits:
+            return False
     return estimate.total_bytes <= gpu_memory_gib * GIB
 
 

@@ -8,6 +8,8 @@ transformers), weight sync into the servers after each update, rewards.
   errors on a dead or hung server (``errors``).
 - ``weight_sync``: distributed broadcast (bucketed, ``flattened_bucket``) or disk, from an iterator of
   ``(hf_name, tensor)``; ``process_group``: the trainer's end of the sync group.
+- ``colocate``: servers on the trainer's GPUs: memory released / resumed around the update, weights as tensor
+  handles through ``update_weights_from_tensor`` (``weight_sync.method="tensor"``).
 - ``local_engine.LocalEngine``: the same interface on a transformers model in this process.
 - ``rewards``: math verifier, exact match, the synthetic tasks (``synthetic``), ``module:function``; ``score``.
 - ``multiturn``: multi-turn, tool-using rollouts: an environment (``reset(prompt)``, ``step(text, token_ids) ->

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 DEVICES = ("cpu", "cuda")
-SYNC_METHODS = ("distributed", "disk")
+SYNC_METHODS = ("distributed", "tensor", "disk")  # tensor: colocated servers (rollout/colocate.py)
 
 
 def _default_device() -> str:
@@ -20,7 +20,8 @@ def _default_device() -> str:
 class WeightSyncConfig:
     """How the trainer's weights reach the servers after each update."""
 
-    method: str = "distributed"  # broadcast over a process group; "disk": save safetensors + reload
+    method: str = "distributed"  # broadcast over a process group; "tensor": handles to colocated servers
+    # (update_weights_from_tensor, rollout/colocate.py); "disk": save safetensors + reload
     bucket_bytes: int = 256 << 20  # peak extra trainer memory is about one bucket (plus one tensor above it)
     # True: pack each bucket into one byte buffer, one broadcast per bucket (SGLang's flattened_bucket); False:
     # one broadcast per tensor of the bucket, no packing copy. None: True on NCCL (one collective per bucket), False
@@ -95,6 +96,9 @@ class SGLangConfig:
     # Rollout routing replay: every sample carries the experts the server routed each token to. Launched servers
     # get --enable-return-routed-experts; attached ones must have been started with it.
     return_routed_experts: bool = False
+    # Colocated with the trainer (rollout/colocate.py): launched CUDA servers get --enable-memory-saver (needs
+    # torch_memory_saver, CUDA-only) so that release_memory_occupation frees their memory; CPU servers do not.
+    colocate: bool = False
     extra_args: tuple[str, ...] = ()  # passed to sglang.launch_server verbatim
     log_dir: str | None = None  # server logs; None: a temporary directory
     startup_timeout_s: float = 300.0

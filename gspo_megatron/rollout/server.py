@@ -59,6 +59,8 @@ def launch_command(config: SGLangConfig, port: int, gpus: list[int]) -> list[str
         cmd.append("--sleep-on-idle")
     if config.return_routed_experts:
         cmd.append("--enable-return-routed-experts")
+    if config.colocate and config.device == "cuda":  # release_memory_occupation frees memory only with it
+        cmd.append("--enable-memory-saver")
     for flag, value in (("--max-total-tokens", config.max_total_tokens),
                         ("--max-running-requests", config.max_running_requests),
                         ("--mem-fraction-static", config.mem_fraction_static),

@@ -42,6 +42,7 @@ import torch
 
 from . import weight_sync
 from .client import HttpClient, RetryPolicy
+from .colocate import Colocation, check_generating_allowed, send_tensors
 from .config import SGLangConfig
 from .errors import (BadResponse, RequestFailed, RolloutError, ServerDied, ServerStartError, ServerUnresponsive,
                      StaleWeights, StartInterrupted, TooManyRestarts, WeightSyncError)
@@ -101,6 +102,9 @@ class SGLangEngine:
         self.on_relaunch = None  # called after a server was relaunched (a new process): e.g. to record it
         self._routed_shape = routed_experts_shape(self.model_path) if config.return_routed_experts else None
         self._budget = TokenBudget(self._capacities())
+        # config.colocate: the servers share the trainer's GPUs; their memory is released and resumed (``colocate``)
+        self.colocation = Colocation(self.worker_urls, config.device, config.weight_sync.timeout_s,
+                                     config.request_timeout_s) if config.colocate else None
 
     def _wait_healthy(self, url: str, stop: Stop = None) -> None:
         """GET /health_generate until 200. A server still starting answers 503, and one that accepts connections
@@ -164,6 +168,7 @@ class SGLangEngine:
         """n samples for every prompt: one Group per prompt, in order, each with its n Samples (prompt-major).
         A server that fails meanwhile is restarted (or, attached, waited for) and the unanswered requests resent."""
         prompts = check_prompts(prompts, n)
+        check_generating_allowed(self.colocation)  # colocated: not while training holds the servers' memory
         self.ensure_servers()
         chunks = request_chunks(prompts, n, sampling.max_new_tokens, self.config.prompts_per_request,
                                 self._budget.smallest)
@@ -456,7 +461,8 @@ class SGLangEngine:
 
     def update_weights(self, named_tensors: NamedTensors, version: str, method: str | None = None) -> SyncStats:
         """Load the trainer's weights (``(hf_name, full tensor)`` pairs) into every worker as ``version``, by
-        distributed broadcast (default) or from disk, then check each worker reports ``version``."""
+        distributed broadcast (default), tensor handles (colocated servers: ``colocate``) or from disk, then check each
+        worker reports ``version``."""
         method = method or self.config.weight_sync.method
         version = self._check_new_version(version)
         self.ensure_servers()
@@ -470,6 +476,13 @@ class SGLangEngine:
             phases = {"begin": begun - start, **stats.phases, "end": time.perf_counter() - t}
             stats = SyncStats("distributed", version, time.perf_counter() - start, stats.num_tensors, stats.num_bytes,
                               stats.num_buckets, phases)
+        elif method == "tensor":  # colocated servers: weights resumed, tensor handles written in, then the KV cache
+            if self.colocation is not None:
+                self.colocation.resume_weights()
+            sync_clients = [HttpClient(u, RetryPolicy(0), self.config.weight_sync.timeout_s) for u in self.worker_urls]
+            stats = send_tensors(sync_clients, self._server_ranks(), named_tensors, version, self.config.weight_sync)
+            if self.colocation is not None:
+                self.colocation.resume_kv_cache()
         elif method == "disk":
             sync_clients = [HttpClient(u, RetryPolicy(0), self.config.weight_sync.timeout_s) for u in self.worker_urls]
             attempt = time.monotonic()
@@ -481,7 +494,7 @@ class SGLangEngine:
                 self._load_from_disk(self.worker_urls, version)
                 stats = SyncStats("disk", version, time.monotonic() - attempt, 0, 0, 0, {})
         else:
-            raise ValueError(f"weight sync method={method!r} is not 'distributed' or 'disk'")
+            raise ValueError(f"weight sync method={method!r} is not 'distributed', 'tensor' or 'disk'")
         self._check_served(version, method, stats)
         return stats
 

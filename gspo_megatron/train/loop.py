@@ -28,6 +28,7 @@ from gspo_megatron.parallel.context import sequence_multiple
 from gspo_megatron.train.startup.bootstrap import algo_config, load_prompts, prepare_model_dir, reward_function
 from gspo_megatron.train.startup.config import Config
 from gspo_megatron.train.startup.policy import build_policy, build_reference, layout_of
+from gspo_megatron.train.sampling import colocate
 from gspo_megatron.train.sampling.engine import make_engine
 from gspo_megatron.train.sampling.source import RolloutSource
 from gspo_megatron.train.update import passes
@@ -83,6 +84,7 @@ def train(cfg: Config, resume: bool = False) -> dict:
             # (with rollout.filter_zero_variance_groups: groups without reward variance dropped, more prompts drawn)
             rollout = source.next(step, version)  # staleness: version minus each sample's weight version
             metrics = dict(rollout.metrics)
+            metrics.update(colocate.release(engine, cfg))  # rollout.colocate: the servers' memory to training
             batch = rollout.batch
             batch["stale"] = rollout.versions != version  # sampled by older weights: pi_old is the engine's
             if cfg.rollout.partial_mask == "old_tokens":  # partial rollouts: only this version's tokens train

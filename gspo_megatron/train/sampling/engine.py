@@ -4,6 +4,7 @@ kept) or the local engine; every other rank gets None and waits in the control g
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -43,6 +44,8 @@ def _engine(cfg: Config, hf_dir: str | Path, tokenizer):
         weight_sync=WeightSyncConfig(method=cfg.rollout.weight_sync, master_address=cfg.rollout.weight_sync_address),
         **server_args,
     )
+    if cfg.rollout.colocate:  # servers on the trainer's GPUs, weights as tensor handles (sampling/colocate.py)
+        config = replace(config, colocate=True, weight_sync=replace(config.weight_sync, method="tensor"))
     refuse_colocation(config, trainer_gpus=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     # under torchrun --max-restarts: servers kept through a restart of the workers (adopted), or launched to be kept
     servers = None if config.urls else elastic.servers(cfg, config)
@@ -57,7 +60,7 @@ def refuse_colocation(config, trainer_gpus: int) -> None:
     """Servers that rank 0 would launch on GPUs its node's training ranks use (GPUs 0..trainer_gpus-1) are refused:
     the weight-sync group would put a server rank and a trainer rank on one GPU, which NCCL refuses, and SGLang
     sizes its KV cache from the memory free at its start, which training then needs."""
-    if config.urls or config.device != "cuda":
+    if config.urls or config.device != "cuda" or config.colocate:  # colocate: shared on purpose (rollout.colocate)
         return
     shared = sorted({gpu for group in config.gpu_groups for gpu in group} & set(range(trainer_gpus)))
     if shared:

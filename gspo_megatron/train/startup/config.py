@@ -179,6 +179,12 @@ class RolloutConfig:
     sampled ahead; weight syncs pause the servers' requests in flight and continue them on the new weights).
     Samples from older weights than the trainer's take the engine's log-probs as pi_old (or, with
     algo.decoupled_clip, clip around the trainer's and are weighted by the engine's)."""
+    colocate: bool = False
+    """Colocated rollouts (``rollout/colocate.py``, ``train/sampling/colocate.py``): the launched SGLang servers share the
+    trainer's GPUs. After each rollout they release their weights and KV cache to training; after the update they
+    resume them and take the new weights through update_weights_from_tensor (tensor handles, no process group:
+    ``rollout.weight_sync`` does not apply). Needs rollout.mode=sync; size the servers' share with
+    rollout.server_args.mem_fraction_static (``plan`` prints both sides' peaks)."""
     max_staleness: int = 1
     """With mode=async: batches sampled ahead, so a sample is at most this many weight versions older than the
     weights it is trained on (one_step_off is 1 without pausing)."""

@@ -274,6 +274,8 @@ def validate(cfg: Config, world_size: int, hf: dict | None = None) -> None:
                               "module:function returning [(end, reward), ...] per response)")
     validate_env(cfg)
     validate_rollout_mode(cfg)
+    from gspo_megatron.train.sampling import colocate  # rollout.colocate's rules
+    colocate.validate(cfg)
     if a.routing_replay not in (False, True, "rollout"):
         raise ConfigError(f"algo.routing_replay={a.routing_replay!r} is not one of false, true (or old: replay the "
                           "old policy's experts), rollout (replay the experts the rollout engine routed to)")
