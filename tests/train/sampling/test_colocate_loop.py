@@ -17,7 +17,7 @@ from gspo_megatron.train.startup.config import ConfigError, load_config
 from tests import warm_cli
 from tests.rollout.helpers import require_sglang
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.mark.megatron  # trains the Megatron policy through the CLI
