@@ -190,6 +190,7 @@ def run_tool(script: str, *args: str) -> subprocess.CompletedProcess:
                       cwd=ROOT, env=env, timeout=300)
 
 
+@pytest.mark.megatron  # the converters build the Megatron model (reported by the warm CLI's probe)
 def test_command_line_round_trip_in_one_process(hf_models, tmp_path):
     megatron_dir, back = tmp_path / "qwen3_moe_megatron", tmp_path / "qwen3_moe_back"
     started = time.perf_counter()
