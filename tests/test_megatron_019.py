@@ -30,7 +30,8 @@ SELECTION = "megatron or triton"
 TIMEOUT_S = 30 * 60
 # Why a selected test may skip in this environment: no SGLang (tests/rollout/helpers.require_sglang) and no GPU.
 EXPECTED_SKIPS = ("sglang is not installed", "needs CUDA", "auto picks the kernels for CUDA inputs only",
-                  "the CPU's chunk size is fixed", "TransformerEngine is not installed")
+                  "the CPU's chunk size is fixed", "TransformerEngine is not installed",
+                  "the trainer on the CPU runs in tests/train")  # tests/gpu's trainer test: GPU-only by design
 
 
 def _python312() -> Path:
