@@ -99,11 +99,11 @@ def run_modes(cfgs: list, hf_dir: str, batches: list[dict]) -> list[list[dict]]:
     from gspo_megatron.parallel import groups
     from gspo_megatron.train.update import passes
     from gspo_megatron.train.update.rows import micro_batch_rows, row_plan, sequence_lengths
-    from gspo_megatron.train.startup.bootstrap import algo_config
+    from gspo_megatron.train.startup.bootstrap import loss_config
     from gspo_megatron.train.startup.policy import build_policy, layout_of
 
     groups.init_model_parallel(layout_of(cfgs[0]), seed=cfgs[0].train.seed)
-    algo = algo_config(cfgs[0])
+    algo = loss_config(cfgs[0])
     policies = [build_policy(cfg, hf_dir) for cfg in cfgs]
     out = []
     for batch in batches:

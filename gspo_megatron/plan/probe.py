@@ -168,11 +168,11 @@ def measure_training_memory(cfg, hf_dir: str, seq_len: int, update_steps: int = 
     from gspo_megatron.model.hf_config import read_hf_config
     from gspo_megatron.train.update import passes
     from gspo_megatron.train.update.rows import micro_batches, row_plan
-    from gspo_megatron.train.startup.bootstrap import algo_config
+    from gspo_megatron.train.startup.bootstrap import loss_config
     from gspo_megatron.train.startup.policy import build_policy, build_reference
     from gspo_megatron.train.update.schedules import update_step
 
-    algo = algo_config(cfg)
+    algo = loss_config(cfg)
     spec = read_hf_config(Path(hf_dir) / "config.json")
     batch = synthetic_rollout(cfg, spec.vocab_size, seq_len)
     if cfg.algo.replays_rollout_routing:  # the engine's experts: k distinct random ones per token and layer

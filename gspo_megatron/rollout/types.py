@@ -19,7 +19,7 @@ FINISH_REASONS = ("stop", "length")
 class SamplingParams:
     """How responses are sampled. Log-probs are always of the *temperature-scaled* distribution,
     log softmax(logits / temperature), before top-p / top-k filtering (SGLang's convention), so the trainer
-    computes the same quantity with ``temperature`` (``AlgoConfig.temperature``)."""
+    computes the same quantity with ``temperature`` (``LossConfig.temperature``)."""
 
     max_new_tokens: int = 64
     temperature: float = 1.0

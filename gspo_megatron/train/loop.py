@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from gspo_megatron.parallel import groups
 from gspo_megatron.parallel.context import sequence_multiple
-from gspo_megatron.train.startup.bootstrap import algo_config, load_prompts, prepare_model_dir, reward_function
+from gspo_megatron.train.startup.bootstrap import load_prompts, loss_config, prepare_model_dir, reward_function
 from gspo_megatron.train.startup.config import Config
 from gspo_megatron.train.startup.policy import build_policy, build_reference, layout_of
 from gspo_megatron.train.sampling import colocate
@@ -51,7 +51,7 @@ def train(cfg: Config, resume: bool = False) -> dict:
     reference = build_reference(cfg, policy) if cfg.algo.kl_coef else None
     tokenizer, prompts, eval_prompts = load_prompts(cfg, hf_dir)
     reward_fn = reward_function(cfg)
-    algo = algo_config(cfg)
+    loss_cfg = loss_config(cfg)
     engine = make_engine(cfg, hf_dir, tokenizer)  # rank 0's; None elsewhere
     from gspo_megatron.train.records.metrics_log import MetricsLogger
     from gspo_megatron.train.records.progress import Progress
@@ -95,12 +95,12 @@ def train(cfg: Config, resume: bool = False) -> dict:
             rows = row_plan(batch["input_ids"].shape[0], cfg)
             # pi_old: recomputed (recording routing for Routing Replay / expert volatility, replaying the engine's
             # experts under rollout routing replay), or the rollout's (and always the rollout's for stale samples)
-            routing = passes.old_logprobs(policy, batch, rows, cfg, algo, metrics)
+            routing = passes.old_logprobs(policy, batch, rows, cfg, loss_cfg, metrics)
             if reference is not None:
-                passes.reference_logprobs(reference, batch, rows, cfg, algo, metrics)
+                passes.reference_logprobs(reference, batch, rows, cfg, loss_cfg, metrics)
 
             t = time.perf_counter()
-            metrics.update(passes.update(policy, batch, rows, routing, cfg, algo))  # NaN/inf: skipped
+            metrics.update(passes.update(policy, batch, rows, routing, cfg, loss_cfg))  # NaN/inf: skipped
             metrics["time/update"] = time.perf_counter() - t
             nonfinite.check(step, batch, metrics)  # saves a skipped step's batch; N in a row stop the run
 

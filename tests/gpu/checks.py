@@ -90,13 +90,13 @@ def old_pass(hf_dir: str, dtype: str, batch: dict) -> torch.Tensor:
     """The loop's old-policy pass (``update.passes.old_logprobs``) of a policy built from ``hf_dir`` in ``dtype``:
     [B, S] fp32 log-probs on the CPU."""
     from gspo_megatron.train.update import passes, rows as row_plans
-    from gspo_megatron.train.startup.bootstrap import algo_config
+    from gspo_megatron.train.startup.bootstrap import loss_config
     from gspo_megatron.train.startup.policy import build_policy
 
     cfg = config(hf_dir, dtype)
     policy = build_policy(cfg, hf_dir)
     rows = row_plans.row_plan(batch["input_ids"].shape[0], cfg)
-    passes.old_logprobs(policy, batch, rows, cfg, algo_config(cfg), {})
+    passes.old_logprobs(policy, batch, rows, cfg, loss_config(cfg), {})
     return batch.pop("old_logprobs").float().cpu()
 
 
@@ -144,7 +144,7 @@ def update(hf_dir: str, batch: dict, backend: str):
     """One clipped ``update_step`` on the batch's first minibatch of a fresh policy, the op's "auto" backend standing
     for ``backend``: (figures with the kernels' launch counts, the policy after the step)."""
     from gspo_megatron.train.update import passes, rows as row_plans
-    from gspo_megatron.train.startup.bootstrap import algo_config
+    from gspo_megatron.train.startup.bootstrap import loss_config
     from gspo_megatron.train.startup.policy import build_policy
     from gspo_megatron.train.update.schedules import update_step
 
@@ -153,7 +153,7 @@ def update(hf_dir: str, batch: dict, backend: str):
     rows = row_plans.row_plan(batch["input_ids"].shape[0], cfg)
     with counted_kernels(backend) as counts:
         out = update_step(policy.model, policy.optimizer, row_plans.micro_batches(batch, rows[0], cfg),
-                          algo_config(cfg))
+                          loss_config(cfg))
     return {"kernels": dict(counts), "loss": float(out["loss"]), "grad_norm": float(out["grad_norm"]),
             "update_successful": bool(out["update_successful"]),
             "seq_log_ratio": out["seq_log_ratio"].float().cpu().tolist()}, policy

@@ -56,7 +56,7 @@ def _exported(policy) -> dict:
 def policy_run(hf_dir: str, dtype: str, overrides: tuple[str, ...] = (), pack: bool = False) -> dict:
     from gspo_megatron.train.startup.config import load_config
     from gspo_megatron.train.startup.policy import build_policy
-    from gspo_megatron.train.update.loss import AlgoConfig
+    from gspo_megatron.train.update.loss import LossConfig
     from gspo_megatron.train.update.schedules import logprob_pass, update_step
     from gspo_megatron.train.update.batch import schedule_packing
 
@@ -69,7 +69,7 @@ def policy_run(hf_dir: str, dtype: str, overrides: tuple[str, ...] = (), pack: b
     passes = logprob_pass(policy.model, micro_batches(batch), with_entropy=True, pack=pack)
     noise = 1e-3 * torch.randn(passes["logprobs"].shape, generator=torch.Generator().manual_seed(3))
     batch["old_logprobs"] = passes["logprobs"].cpu() + noise
-    out = update_step(policy.model, policy.optimizer, micro_batches(batch), AlgoConfig(), pack=pack)
+    out = update_step(policy.model, policy.optimizer, micro_batches(batch), LossConfig(), pack=pack)
     end = _exported(policy)
     config = policy.model.config
     packed = schedule_packing(policy.model, micro_batches(batch), pack)

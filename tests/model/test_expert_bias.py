@@ -38,7 +38,7 @@ def bias_steps(hf_dir: str) -> dict:
     from gspo_megatron.model.hf_config import read_hf_config
     from gspo_megatron.model.hf_files import SafetensorsDir
     from gspo_megatron.model.provider import build_gpt_model
-    from gspo_megatron.train.update.loss import AlgoConfig
+    from gspo_megatron.train.update.loss import LossConfig
     from gspo_megatron.train.update.schedules import logprob_pass, update_step
     from tests.megatron_tiny import wrap_ddp
 
@@ -58,7 +58,7 @@ def bias_steps(hf_dir: str) -> dict:
         router = model.get_submodule(ROUTER)
         bias_before = router.expert_bias.detach().clone()
         weight_before = router.weight.detach().clone()
-        out = update_step(ddp, optimizer, micro, AlgoConfig())
+        out = update_step(ddp, optimizer, micro, LossConfig())
         exported = dict(bridge.export_hf_weights(model))
         results[update] = {
             "loss": float(out["loss"]),

@@ -59,7 +59,7 @@ def bridge_sync(model_dir: str, server_url: str, version: str) -> dict:
     from gspo_megatron.parallel.groups import Layout
     from gspo_megatron.rollout import SGLangConfig, SGLangEngine
     from gspo_megatron.rollout.weight_sync import consume
-    from gspo_megatron.train.update.loss import AlgoConfig
+    from gspo_megatron.train.update.loss import LossConfig
     from gspo_megatron.train.update.schedules import update_step
 
     rank = torch.distributed.get_rank()
@@ -83,7 +83,7 @@ def bridge_sync(model_dir: str, server_url: str, version: str) -> dict:
         micro = {k: share[k] for k in ("input_ids", "labels", "loss_mask")}
         # Old log-probs from the rollout (GSPO tolerates the engine's); wide clip so the step moves the weights.
         micro.update(old_logprobs=share["rollout_logprobs"], advantages=share_adv)
-        step = update_step(ddp, optimizer, [micro], AlgoConfig(eps_low=0.2, eps_high=0.2))
+        step = update_step(ddp, optimizer, [micro], LossConfig(eps_low=0.2, eps_high=0.2))
         out["update_successful"] = step["update_successful"]
         out["stale"], _ = _mismatch(ddp, share)  # new weights vs the old rollout
         exported = bridge.export_hf_weights(model)

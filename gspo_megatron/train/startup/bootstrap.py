@@ -10,12 +10,12 @@ import torch.distributed as dist
 from gspo_megatron.parallel import control
 from gspo_megatron.train.startup.config import Config, ConfigError
 from gspo_megatron.train.startup.data import PromptFormat, PromptStream, check_prompt_lengths, load_jsonl, task_prompts
-from gspo_megatron.train.update.loss import AlgoConfig
+from gspo_megatron.train.update.loss import LossConfig
 
 
-def algo_config(cfg: Config) -> AlgoConfig:
+def loss_config(cfg: Config) -> LossConfig:
     a = cfg.algo  # an unset clip bound is the algorithm's (update.loss.CLIP_RANGES)
-    return AlgoConfig(
+    return LossConfig(
         name=a.name, eps_low=a.eps_low, eps_high=a.eps_high,
         max_log_ratio=a.max_log_ratio, grpo_aggregation=a.grpo_aggregation, kl_coef=a.kl_coef,
         kl_estimator=a.kl_estimator, entropy_coef=a.entropy_coef, temperature=cfg.rollout.temperature,

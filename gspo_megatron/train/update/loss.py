@@ -12,7 +12,7 @@ Context parallelism (GSPO): each CP rank holds megatron's load-balanced share of
 partial sums are all-reduced as scalars (``parallel.reductions``), every CP rank computes the same loss, and only CP
 rank 0 counts the sequences (the count is summed over the DP x CP group).
 
-``AlgoConfig`` is the loss's configuration, and ``CLIP_RANGES`` the one place the papers' clip ranges live.
+``LossConfig`` is the loss's configuration, and ``CLIP_RANGES`` the one place the papers' clip ranges live.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ CLIP_RANGES = {"gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4), "grpo": (0.2, 0
 
 
 @dataclass(frozen=True)
-class AlgoConfig:
+class LossConfig:
     """The policy loss. Defaults are the GSPO paper's; an unset clip bound is the algorithm's (``CLIP_RANGES``)."""
 
     name: str = "gspo"
@@ -67,7 +67,7 @@ class AlgoConfig:
         return "sequence" if self.name == "gspo" else "token"
 
     @classmethod
-    def grpo(cls, **kwargs) -> "AlgoConfig":
+    def grpo(cls, **kwargs) -> "LossConfig":
         """The paper's GRPO baseline (token-level clip: ``CLIP_RANGES["grpo"]`` unless given)."""
         return cls(name="grpo", **kwargs)
 
@@ -89,11 +89,11 @@ def token_logprobs(output_tensor: torch.Tensor, captured, labels: torch.Tensor, 
     return (out[0].t(), out[1].t()) if with_entropy else out.t()
 
 
-def _loss_terms(algo_config: AlgoConfig, batch: dict, logprobs: torch.Tensor):
+def _loss_terms(loss_config: LossConfig, batch: dict, logprobs: torch.Tensor):
     """(loss summed over this micro batch's units, number of units, per-sequence stats [b, len(SEQUENCE_STATS)])
     for one micro batch (or a chunk of its sequences)."""
     _, cp_group, ps = megatron_groups()
-    cfg = algo_config
+    cfg = loss_config
     mask, old = batch["loss_mask"], batch["old_logprobs"]
     ref = batch.get("ref_logprobs")
     kl = dict(ref_logprobs=ref, kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator)
@@ -144,7 +144,7 @@ def _token_advantages(batch: dict) -> torch.Tensor:
     return advantages
 
 
-def _entropy_sum(entropy: torch.Tensor, mask: torch.Tensor, cfg: AlgoConfig) -> torch.Tensor:
+def _entropy_sum(entropy: torch.Tensor, mask: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
     """This micro batch's entropy, summed over the loss's units: response tokens for GRPO token-mean, else each
     sequence's mean over its response tokens (so the bonus is normalised exactly as the policy loss is)."""
     masked = entropy * mask
@@ -153,7 +153,7 @@ def _entropy_sum(entropy: torch.Tensor, mask: torch.Tensor, cfg: AlgoConfig) -> 
     return (masked.sum(dim=-1) / mask.sum(dim=-1).clamp_min(1)).sum()
 
 
-def _sequences_loss(cfg: AlgoConfig, batch: dict, sequences: slice, logprobs: torch.Tensor,
+def _sequences_loss(cfg: LossConfig, batch: dict, sequences: slice, logprobs: torch.Tensor,
                     entropy: torch.Tensor | None):
     """The loss of the micro batch's ``sequences`` (a sum over them: the normaliser is applied after the schedule)
     from their log-probs [k, S] (and entropies), with the per-sequence statistics and the unit count."""
@@ -167,7 +167,7 @@ def _sequences_loss(cfg: AlgoConfig, batch: dict, sequences: slice, logprobs: to
     return loss, extras
 
 
-def _packed_sequences_loss(cfg: AlgoConfig, batch: dict, index: torch.Tensor, sequences: slice,
+def _packed_sequences_loss(cfg: LossConfig, batch: dict, index: torch.Tensor, sequences: slice,
                            logprobs: torch.Tensor, entropy: torch.Tensor | None):
     """``_sequences_loss`` of every sequence of a packed row ([1, N] log-probs: the op's one "sequence"), unpacked
     to the padded layout by ``index`` [b, S]."""
@@ -175,8 +175,8 @@ def _packed_sequences_loss(cfg: AlgoConfig, batch: dict, index: torch.Tensor, se
     return _sequences_loss(cfg, batch, slice(None), padded(unpacked, logprobs), padded(unpacked, entropy))
 
 
-def policy_loss(algo_config: AlgoConfig, batch: dict, captured, output_tensor: torch.Tensor):
-    cfg = algo_config
+def policy_loss(loss_config: LossConfig, batch: dict, captured, output_tensor: torch.Tensor):
+    cfg = loss_config
     bonus = bool(cfg.entropy_coef)
     packed = "unpack_index" in batch
     # The loss sees the padded per-sequence tensors (the model's packed row is not sliced by sequence).

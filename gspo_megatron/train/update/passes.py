@@ -13,7 +13,7 @@ import torch.distributed as dist
 from gspo_megatron import algo
 from gspo_megatron.algo import kl_penalty
 from gspo_megatron.train.startup.config import Config, measures_volatility, runs_old_pass
-from gspo_megatron.train.update.loss import AlgoConfig
+from gspo_megatron.train.update.loss import LossConfig
 from gspo_megatron.train.update.rows import all_rows, micro_batch_rows, micro_batches
 from gspo_megatron.train.update.schedules import logprob_pass, update_step
 
@@ -32,7 +32,7 @@ def _pass(model, batch: dict, rows: torch.Tensor, cfg: Config, rollout_routing: 
             for k, v in out.items()}
 
 
-def old_logprobs(policy, batch: dict, rows: list[torch.Tensor], cfg: Config, algo_config: AlgoConfig,
+def old_logprobs(policy, batch: dict, rows: list[torch.Tensor], cfg: Config, loss_config: LossConfig,
                  metrics: dict):
     """pi_old into ``batch["old_logprobs"]``: the trainer's pass over this rank's rows, or the engine's log-probs
     with rollout.reuse_rollout_logprobs (no pass). The pass also gives the policy's entropy and the
@@ -48,7 +48,7 @@ def old_logprobs(policy, batch: dict, rows: list[torch.Tensor], cfg: Config, alg
     total = batch["input_ids"].shape[0]
     record = cfg.algo.replays_old_routing or measures_volatility(cfg, policy.spec)
     t = time.perf_counter()
-    trainer = _pass(policy.model, batch, torch.cat(rows), cfg, temperature=algo_config.temperature,
+    trainer = _pass(policy.model, batch, torch.cat(rows), cfg, temperature=loss_config.temperature,
                     record_routing=record, with_entropy=True)
     trainer_logprobs = all_rows(trainer["logprobs"], total, cfg)
     metrics["time/old_logprobs"] = time.perf_counter() - t
@@ -85,17 +85,17 @@ def _weight_stale(batch: dict, prox_logprobs: torch.Tensor, stale: torch.Tensor,
                        behaviour_weight_capped=float((held_weights >= cfg.algo.behaviour_weight_cap).float().mean()))
 
 
-def reference_logprobs(reference, batch: dict, rows: list[torch.Tensor], cfg: Config, algo_config: AlgoConfig,
+def reference_logprobs(reference, batch: dict, rows: list[torch.Tensor], cfg: Config, loss_config: LossConfig,
                        metrics: dict) -> None:
     """The frozen reference's log-probs into ``batch["ref_logprobs"]`` and ``kl_ref``: KL(policy || reference)
     before this step's updates, as the loss estimates it."""
     t = time.perf_counter()
     ref = _pass(reference, batch, torch.cat(rows), cfg, rollout_routing=False,
-                temperature=algo_config.temperature)
+                temperature=loss_config.temperature)
     batch["ref_logprobs"] = all_rows(ref["logprobs"], batch["input_ids"].shape[0], cfg)
     metrics["time/ref_logprobs"] = time.perf_counter() - t
     metrics["kl_ref"] = float(kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], batch["loss_mask"],
-                                         algo_config.kl_estimator, max_log_ratio=algo_config.max_log_ratio))
+                                         loss_config.kl_estimator, max_log_ratio=loss_config.max_log_ratio))
 
 
 def _padding_fraction(positions: torch.Tensor) -> float:
@@ -112,7 +112,7 @@ def _padding_fraction(positions: torch.Tensor) -> float:
     return 1.0 - real / computed if computed else 0.0
 
 
-def update(policy, batch: dict, rows: list[torch.Tensor], routing, cfg: Config, algo_config: AlgoConfig) -> dict:
+def update(policy, batch: dict, rows: list[torch.Tensor], routing, cfg: Config, loss_config: LossConfig) -> dict:
     """``algo.minibatches`` optimizer steps over the rollout batch, and their metrics over every sequence of every
     rank (``algo.update_metrics``). ``routing``: this rank's old-policy record (``old_logprobs``), replayed with
     Routing Replay, else the second minibatch's, compared with its own routing (expert_volatility: after one step).
@@ -127,7 +127,7 @@ def update(policy, batch: dict, rows: list[torch.Tensor], routing, cfg: Config, 
         else:  # the second minibatch's forward runs on weights one step past the old policy's
             micro = micro_batches(batch, minibatch_rows, cfg, routing if m == 1 else None, "old_routing")
         offset += minibatch_rows.numel()
-        out = update_step(policy.model, policy.optimizer, micro, algo_config, pack=cfg.parallel.pack_sequences)
+        out = update_step(policy.model, policy.optimizer, micro, loss_config, pack=cfg.parallel.pack_sequences)
         if out["update_successful"]:  # a skipped (non-finite) update leaves the LR schedule too, as megatron does
             policy.scheduler.step(increment=1)
         positions += torch.tensor(out["token_positions"], dtype=torch.float64)
@@ -143,7 +143,7 @@ def update(policy, batch: dict, rows: list[torch.Tensor], routing, cfg: Config, 
             # pi_old is the engine's and the weights are still the rollout's: the first minibatch's ratios are the
             # rollout-vs-trainer mismatch (over its sequences), measured without an old-policy pass.
             metrics.update(algo.mismatch_metrics(out["stats"]))
-    metrics.update(algo.update_metrics(torch.cat(stats), algo_config.unit, algo_config.max_log_ratio))
+    metrics.update(algo.update_metrics(torch.cat(stats), loss_config.unit, loss_config.max_log_ratio))
     metrics.update(loss=sum(losses) / len(losses), grad_norm=sum(norms) / len(norms) if norms else float("nan"),
                    skipped_updates=float(skipped), padding_frac=_padding_fraction(positions))
     return metrics

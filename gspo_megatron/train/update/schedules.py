@@ -44,7 +44,7 @@ from gspo_megatron.parallel.reductions import all_gather_rows, broadcast_from_la
 from gspo_megatron.train.resilience.faults import guarded_step
 from gspo_megatron.train.update.batch import (Packing, batch_for_model, computed_positions, megatron_groups,
                                               schedule_packing)
-from gspo_megatron.train.update.loss import AlgoConfig, logprob_results, policy_loss
+from gspo_megatron.train.update.loss import LossConfig, logprob_results, policy_loss
 from gspo_megatron.train.update.routing import (end_routing_replay, packed_routing, rank_routing, replay,
                                                 routing_changes, router_token_mask, sequence_routing,
                                                 set_routing_action)
@@ -58,7 +58,7 @@ def _forward(model, batch: dict):
     return output, captured
 
 
-def policy_forward_step(algo_config: AlgoConfig, packed: Packing | None = None):
+def policy_forward_step(loss_config: LossConfig, packed: Packing | None = None):
     """A ``forward_step_func`` for ``get_forward_backward_func`` computing the policy loss."""
 
     def forward_step(data_iterator, model):
@@ -76,7 +76,7 @@ def policy_forward_step(algo_config: AlgoConfig, packed: Packing | None = None):
             if packed is not None and packed.sequence_parallel and tp_rank:
                 changes = torch.zeros_like(changes)  # every TP rank holds the gathered record: count it once
             volatility.append(changes)
-        return output, partial(policy_loss, algo_config, batch, captured)
+        return output, partial(policy_loss, loss_config, batch, captured)
 
     volatility: list[torch.Tensor] = []
     forward_step.volatility = volatility
@@ -100,7 +100,7 @@ def _run_schedule(model, forward_step, micro_batches: list[dict], forward_only: 
     )
 
 
-def update_step(model, optimizer, micro_batches: list[dict], algo_config: AlgoConfig, pack: bool = False) -> dict:
+def update_step(model, optimizer, micro_batches: list[dict], loss_config: LossConfig, pack: bool = False) -> dict:
     """One optimizer step on one minibatch (its share on this data-parallel rank, as micro batches); with
     ``pack``, each micro batch runs as one packed row (micro batches carry ``seq_lengths``).
 
@@ -120,7 +120,7 @@ def update_step(model, optimizer, micro_batches: list[dict], algo_config: AlgoCo
     model.zero_grad_buffer()
     optimizer.zero_grad()
     packed = schedule_packing(model, micro_batches, pack)
-    forward_step = policy_forward_step(algo_config, packed)
+    forward_step = policy_forward_step(loss_config, packed)
     volatility = "old_routing" in micro_batches[0] and "routing" not in micro_batches[0]
     if volatility:
         set_routing_action("RECORD")

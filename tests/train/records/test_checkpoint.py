@@ -18,7 +18,7 @@ import torch
 from gspo_megatron.parallel.groups import Layout
 from gspo_megatron.parallel.launch import RankFailed, run_on_ranks
 from gspo_megatron.train.records import checkpoint
-from gspo_megatron.train.update.loss import AlgoConfig
+from gspo_megatron.train.update.loss import LossConfig
 from gspo_megatron.train.update.schedules import update_step
 from tests import megatron_tiny as tiny
 from tests.train.update.test_schedules import NUM_SEQUENCES, make_rollout, micro_batches
@@ -52,7 +52,7 @@ def _step(model, optimizer, scheduler, step: int):
     first = ps.get_data_parallel_rank() * per_dp
     # Something random inside the step, so RNG state is part of what resume must restore.
     rollout["advantages"] = rollout["advantages"] + 0.01 * torch.randn(rollout["advantages"].shape)
-    update_step(model, optimizer, micro_batches(rollout, first, per_dp, 2), AlgoConfig(eps_low=0.2, eps_high=0.2))
+    update_step(model, optimizer, micro_batches(rollout, first, per_dp, 2), LossConfig(eps_low=0.2, eps_high=0.2))
     scheduler.step(increment=1)
 
 

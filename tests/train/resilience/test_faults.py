@@ -52,14 +52,14 @@ def nonfinite_steps(hf_dir: str, log_dir: str) -> dict:
 
     from gspo_megatron.train.update import passes
     from gspo_megatron.train.update.rows import row_plan
-    from gspo_megatron.train.startup.bootstrap import algo_config
+    from gspo_megatron.train.startup.bootstrap import loss_config
     from gspo_megatron.train.resilience.faults import NonFiniteError, NonFiniteGuard
     from gspo_megatron.plan.probe import synthetic_rollout
     from gspo_megatron.train.startup.policy import build_policy
 
     rank = dist.get_rank()
     cfg = load_config(None, BASE + [f"model.hf_dir={hf_dir}", f"logging.dir={log_dir}"])
-    algo = algo_config(cfg)
+    algo = loss_config(cfg)
     policy = build_policy(cfg, hf_dir)
     batch = synthetic_rollout(cfg, 128, SEQ)
     batch["old_logprobs"] = batch["rollout_logprobs"]

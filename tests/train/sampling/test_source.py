@@ -169,7 +169,7 @@ def _old_logprobs(hf_dir: str) -> dict:
     from gspo_megatron.parallel import groups
     from gspo_megatron.train.update import passes
     from gspo_megatron.train.update.rows import row_plan
-    from gspo_megatron.train.startup.bootstrap import algo_config
+    from gspo_megatron.train.startup.bootstrap import loss_config
     from gspo_megatron.train.startup.config import load_config
     from gspo_megatron.plan.probe import synthetic_rollout
     from gspo_megatron.train.startup.policy import build_policy, layout_of
@@ -184,7 +184,7 @@ def _old_logprobs(hf_dir: str) -> dict:
     stale = torch.tensor([True, False] * 4)
     for name, extra in (("fresh", {}), ("stale", {"stale": stale})):
         b = dict(batch, **extra)
-        passes.old_logprobs(policy, b, rows, cfg, algo_config(cfg), {})
+        passes.old_logprobs(policy, b, rows, cfg, loss_config(cfg), {})
         out[name] = b["old_logprobs"]
     out["stale_rows"] = stale
     return out

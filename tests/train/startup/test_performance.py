@@ -56,7 +56,7 @@ def run_cases(hf_dir: str) -> dict:
     """Each setting on this rank: what reached megatron, two update steps, the parameters after them."""
     from gspo_megatron.model.hidden_output import unwrap
     from gspo_megatron.train.update.rows import micro_batches, row_plan
-    from gspo_megatron.train.startup.bootstrap import algo_config
+    from gspo_megatron.train.startup.bootstrap import loss_config
     from gspo_megatron.plan.probe import synthetic_rollout
     from gspo_megatron.train.startup.policy import build_policy
     from gspo_megatron.train.update.schedules import update_step
@@ -64,7 +64,7 @@ def run_cases(hf_dir: str) -> dict:
     results = {}
     for name, overrides, _ in CASES:
         cfg = load_config(None, BASE + overrides + [f"model.hf_dir={hf_dir}"])
-        algo = algo_config(cfg)
+        algo = loss_config(cfg)
         batch = synthetic_rollout(cfg, 128, SEQ)
         policy = build_policy(cfg, hf_dir)
         gpt = unwrap(policy.model)

@@ -98,7 +98,7 @@ def step_case(hf_dir: str, layout: Layout, rollout: dict, algo: str = "gspo") ->
     drifted policy recorded; every router's choices in the update are compared with them)."""
     from megatron.core import parallel_state as ps
 
-    from gspo_megatron.train.update.loss import AlgoConfig
+    from gspo_megatron.train.update.loss import LossConfig
     from gspo_megatron.train.update.schedules import update_step
 
     _, bridge, model, ddp, optimizer = _policy(hf_dir, layout, routing_replay=algo == "grpo_rr")
@@ -120,12 +120,12 @@ def step_case(hf_dir: str, layout: Layout, rollout: dict, algo: str = "gspo") ->
             return lambda _m, _i, output: used.append((router.layer_number, output[1].detach().clone()))
 
         handles = [r.register_forward_hook(hook(r)) for r in _routers(ddp)]
-        out = update_step(ddp, optimizer, micro, AlgoConfig.grpo())
+        out = update_step(ddp, optimizer, micro, LossConfig.grpo())
         for h in handles:
             h.remove()
         result["routes_same"], result["routes_total"] = _replayed(used, routing, _routers(ddp))
     else:
-        out = update_step(ddp, optimizer, micro, AlgoConfig())
+        out = update_step(ddp, optimizer, micro, LossConfig())
     return {**result, "loss": float(out["loss"]), "grad_norm": float(out["grad_norm"]),
             "exported": {n: t.clone() for n, t in bridge.export_hf_weights(model)}}
 

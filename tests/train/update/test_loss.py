@@ -1,13 +1,13 @@
 """The loss's configuration: each algorithm's clip range defined once (``update.loss.CLIP_RANGES``) and read by
-``AlgoConfig``, ``AlgoConfig.grpo`` and the trainer's ``bootstrap.algo_config`` alike."""
+``LossConfig``, ``LossConfig.grpo`` and the trainer's ``bootstrap.loss_config`` alike."""
 
 from __future__ import annotations
 
 import pytest
 
-from gspo_megatron.train.startup.bootstrap import algo_config
+from gspo_megatron.train.startup.bootstrap import loss_config
 from gspo_megatron.train.startup.config import load_config
-from gspo_megatron.train.update.loss import ALGORITHMS, CLIP_RANGES, AlgoConfig
+from gspo_megatron.train.update.loss import ALGORITHMS, CLIP_RANGES, LossConfig
 
 
 def test_clip_ranges_are_the_papers():
@@ -17,14 +17,14 @@ def test_clip_ranges_are_the_papers():
 
 @pytest.mark.parametrize("name", ALGORITHMS)
 def test_an_unset_clip_bound_is_the_algorithms(name):
-    algo = AlgoConfig(name=name)
+    algo = LossConfig(name=name)
     assert (algo.eps_low, algo.eps_high) == CLIP_RANGES[name]
-    trainer = algo_config(load_config(None, [f"algo.name={name}"]))
+    trainer = loss_config(load_config(None, [f"algo.name={name}"]))
     assert (trainer.eps_low, trainer.eps_high) == CLIP_RANGES[name]
 
 
 def test_a_set_clip_bound_is_kept():
-    assert (AlgoConfig(eps_low=0.1).eps_low, AlgoConfig(eps_low=0.1).eps_high) == (0.1, 4e-4)
-    assert AlgoConfig.grpo(eps_high=0.3).eps_low == 0.2 and AlgoConfig.grpo(eps_high=0.3).eps_high == 0.3
-    trainer = algo_config(load_config(None, ["algo.name=grpo", "algo.eps_low=0.1"]))
+    assert (LossConfig(eps_low=0.1).eps_low, LossConfig(eps_low=0.1).eps_high) == (0.1, 4e-4)
+    assert LossConfig.grpo(eps_high=0.3).eps_low == 0.2 and LossConfig.grpo(eps_high=0.3).eps_high == 0.3
+    trainer = loss_config(load_config(None, ["algo.name=grpo", "algo.eps_low=0.1"]))
     assert (trainer.eps_low, trainer.eps_high) == (0.1, 0.27)

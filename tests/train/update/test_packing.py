@@ -30,7 +30,7 @@ from gspo_megatron.algo import group_advantages
 from gspo_megatron.parallel import packing
 from gspo_megatron.parallel.groups import Layout
 from gspo_megatron.parallel.launch import run_on_ranks
-from gspo_megatron.train.update.loss import AlgoConfig
+from gspo_megatron.train.update.loss import LossConfig
 from gspo_megatron.train.update.schedules import logprob_pass, update_step
 from tests import megatron_tiny as tiny
 
@@ -38,10 +38,10 @@ NUM_SEQUENCES, GROUP, MICRO = 8, 4, 2
 LOGPROB_ATOL, RTOL, GRAD_RTOL = 2e-5, 1e-5, 1e-5
 # The losses are means of advantage-weighted ratios (terms ~1) that nearly cancel: compared absolutely.
 LOSS_ATOL = 1e-6
-GSPO = AlgoConfig(eps_low=3e-4, eps_high=4e-4)
-GRPO = AlgoConfig(name="grpo", eps_low=1e-3, eps_high=1e-3)
+GSPO = LossConfig(eps_low=3e-4, eps_high=4e-4)
+GRPO = LossConfig(name="grpo", eps_low=1e-3, eps_high=1e-3)
 # Under context parallelism only GSPO's terms reduce over CP ranks: the replay cases run it, with GRPO's clipping.
-GSPO_REPLAY = AlgoConfig(eps_low=1e-3, eps_high=1e-3)
+GSPO_REPLAY = LossConfig(eps_low=1e-3, eps_high=1e-3)
 
 
 def test_pack_and_unpack():
@@ -248,7 +248,7 @@ def run_phases(hf_dir: str) -> dict:
     from gspo_megatron.train.weight_sync import pipeline
     from gspo_megatron.train.update import passes
     from gspo_megatron.train.update.rows import micro_batch_rows, row_plan, sequence_lengths
-    from gspo_megatron.train.startup.bootstrap import algo_config
+    from gspo_megatron.train.startup.bootstrap import loss_config
     from gspo_megatron.train.startup.config import load_config
     from gspo_megatron.plan.probe import synthetic_rollout
     from gspo_megatron.train.startup.policy import build_policy, layout_of
@@ -268,8 +268,8 @@ def run_phases(hf_dir: str) -> dict:
                 rows = row_plan(batch["input_ids"].shape[0], cfg)
                 plan = [[p.numel() for p in micro_batch_rows(batch, r, cfg)] for r in rows]
                 metrics = {}
-                routing = passes.old_logprobs(policy, batch, rows, cfg, algo_config(cfg), metrics)
-                metrics.update(passes.update(policy, batch, rows, routing, cfg, algo_config(cfg)))
+                routing = passes.old_logprobs(policy, batch, rows, cfg, loss_config(cfg), metrics)
+                metrics.update(passes.update(policy, batch, rows, routing, cfg, loss_config(cfg)))
                 grads = torch.cat([p.main_grad.detach().flatten().clone() for p in policy.model.parameters()])
                 results[f"{layout_name}/{algo_name}/{name}"] = {
                     "metrics": metrics, "grads": grads, "plan": plan, "old": batch["old_logprobs"][batch["loss_mask"]],

@@ -37,7 +37,7 @@ def run_cases(hf_dir: str, layout_overrides: list[str]) -> dict:
     from gspo_megatron.model.hidden_output import unwrap
     from gspo_megatron.train.update import passes
     from gspo_megatron.train.update.rows import micro_batches, row_plan
-    from gspo_megatron.train.startup.bootstrap import algo_config
+    from gspo_megatron.train.startup.bootstrap import loss_config
     from gspo_megatron.plan.probe import peak_memory, synthetic_rollout
     from gspo_megatron.train.startup.policy import build_policy
     from gspo_megatron.train.update.schedules import update_step
@@ -45,7 +45,7 @@ def run_cases(hf_dir: str, layout_overrides: list[str]) -> dict:
     results = {}
     for name, overrides in CASES:
         cfg = load_config(None, BASE + layout_overrides + overrides + [f"model.hf_dir={hf_dir}"])
-        algo = algo_config(cfg)
+        algo = loss_config(cfg)
         batch = synthetic_rollout(cfg, 128, SEQ)
         policy = build_policy(cfg, hf_dir)
         gpt = unwrap(policy.model)

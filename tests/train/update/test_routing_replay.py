@@ -14,14 +14,14 @@ import torch
 
 from gspo_megatron.parallel.groups import Layout
 from gspo_megatron.parallel.launch import run_on_ranks
-from gspo_megatron.train.update.loss import AlgoConfig
+from gspo_megatron.train.update.loss import LossConfig
 from gspo_megatron.train.update.schedules import logprob_pass, update_step
 from tests import megatron_tiny as tiny
 from tests.train.update.test_schedules import NUM_SEQUENCES, make_rollout, micro_batches
 
 pytestmark = pytest.mark.megatron  # builds a Megatron model
 
-GRPO = AlgoConfig.grpo()
+GRPO = LossConfig.grpo()
 
 
 def _changed_fraction(a: torch.Tensor, b: torch.Tensor) -> float:

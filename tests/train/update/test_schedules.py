@@ -28,7 +28,7 @@ import torch
 from gspo_megatron.algo import SEQUENCE_STATS, group_advantages, update_metrics
 from gspo_megatron.parallel.groups import Layout
 from gspo_megatron.parallel.launch import run_on_ranks
-from gspo_megatron.train.update.loss import AlgoConfig
+from gspo_megatron.train.update.loss import LossConfig
 from gspo_megatron.train.update.schedules import logprob_pass, update_step
 from gspo_megatron.train.update.routing import routing_changes
 from tests import megatron_tiny as tiny
@@ -42,15 +42,15 @@ PASS_ATOL = 2e-5
 # A clipped step's weight changes, relative to the largest change (~1e-2 at lr 1 with Adam's eps 1, clipped to half
 # the norm): fp32 rounding of the weights is ~1e-9; a wrong global norm changes every step by its ratio (~10%+).
 CLIPPED_RTOL = 1e-5
-ALGO = AlgoConfig(eps_low=3e-4, eps_high=4e-4)
+ALGO = LossConfig(eps_low=3e-4, eps_high=4e-4)
 ENTROPY_COEF = 0.5
 # Token-level clips at 1e-3: the old log-probs' 1e-3 noise clips some tokens (0.2 would clip none).
 TOKEN_CLIP = dict(eps_low=1e-3, eps_high=1e-3)
 ALGORITHMS = {
-    "grpo": AlgoConfig(name="grpo", **TOKEN_CLIP),
-    "grpo_seq_mean": AlgoConfig(name="grpo", grpo_aggregation="seq-mean-token-mean", **TOKEN_CLIP),
-    "gspo_token": AlgoConfig(name="gspo_token"),  # with per-token advantages
-    "grpo_routing_replay": AlgoConfig(name="grpo", **TOKEN_CLIP),  # replays experts recorded under drifted routers
+    "grpo": LossConfig(name="grpo", **TOKEN_CLIP),
+    "grpo_seq_mean": LossConfig(name="grpo", grpo_aggregation="seq-mean-token-mean", **TOKEN_CLIP),
+    "gspo_token": LossConfig(name="gspo_token"),  # with per-token advantages
+    "grpo_routing_replay": LossConfig(name="grpo", **TOKEN_CLIP),  # replays experts recorded under drifted routers
     "gspo_volatility": ALGO,  # records its routing, compared with that record
     "gspo_rollout_routing": ALGO,  # replays the engine's experts (R3): rollout_routes, whole sequences, every layer
 }
@@ -249,7 +249,7 @@ def reference(ckpt_dir: str):
     torch.save({name: o for name, (o, _) in algos.items()}, f"{ckpt_dir}/algorithms.pt")
     # GSPO-token with the sequence advantage on every token is GSPO: loss, clipping and gradient.
     same_weights = {}
-    for name, cfg in (("gspo", ALGO), ("gspo_token", AlgoConfig(name="gspo_token"))):
+    for name, cfg in (("gspo", ALGO), ("gspo_token", LossConfig(name="gspo_token"))):
         o = update_step(ddp, optimizer, micro_batches(rollout, 0, NUM_SEQUENCES, MICRO), cfg)
         same_weights[name] = (o, tiny.flat(tiny.grads_sharded_state_dict(ddp.module)))
     (gspo, gspo_grads), (token, token_grads) = same_weights["gspo"], same_weights["gspo_token"]
