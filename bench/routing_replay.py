@@ -42,12 +42,12 @@ def score(model_dir: str, samples) -> dict:
     Bridge(spec).load_hf_weights(model, model_dir)
     batch = samples_to_batch(samples)
     plain = {k: batch[k] for k in ("input_ids", "labels", "loss_mask")}
-    free = logprob_pass(model, [plain], record_routing=True)
+    free = logprob_pass(model, [plain], record_old_routing=True)
     replayed = logprob_pass(model, [dict(plain, rollout_routing=batch["rollout_routing"])])
-    ours = free["routing"].transpose(1, 2)  # [b, S, L, k], like rollout_routing
+    ours = free["old_routing"].transpose(1, 2)  # [b, S, L, k], like rollout_routing
     routed = torch.zeros(ours.shape[:2], dtype=torch.bool)
     for b, s in enumerate(samples):
-        routed[b, :s.routed_experts.shape[0]] = True
+        routed[b, :s.rollout_routing.shape[0]] = True
     differs = (ours.sort(-1).values != batch["rollout_routing"].sort(-1).values).any(-1)[routed]  # [tokens, L]
     return {"routes_differ": differs.float().mean().item(), "decisions": differs.numel(),
             "tokens_with_a_differing_route": differs.any(-1).float().mean().item(),

@@ -33,7 +33,7 @@ RUNS = {
     "gspo_token": ("GSPO-token (per-character rewards)",
                    ["algo.name=gspo_token", "algo.token_advantages=segments", "data.segment_reward=synthetic"]),
     "grpo": ("GRPO", ["algo.name=grpo"]),
-    "grpo_rr": ("GRPO + Routing Replay", ["algo.name=grpo", "algo.routing_replay=true"]),
+    "grpo_rr": ("GRPO + Routing Replay", ["algo.name=grpo", "algo.routing_replay=old"]),
     "gspo_bf16": ("GSPO, bf16 rollouts as pi_old",
                   ["rollout.server_args.dtype=bfloat16", "rollout.reuse_rollout_logprobs=true"]),
     "grpo_bf16": ("GRPO, bf16 rollouts as pi_old",

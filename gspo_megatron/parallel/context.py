@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-# Recorded per rank for Routing Replay: already this rank's tokens, never split again.
-_LOCAL_KEYS = ("routing", "old_routing")
+# The old-policy pass's record (Routing Replay, expert volatility): already this rank's tokens, never split again.
+_LOCAL_KEYS = ("old_routing",)
 
 
 def token_index(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:

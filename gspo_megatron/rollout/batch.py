@@ -9,10 +9,10 @@ For a sample with prompt p (P tokens) and response r (R tokens), row b holds inp
     token_versions     = the weight version that sampled labels[b, t] (partial rollouts only; -1 off responses)
 so the log-prob the trainer computes at position t is comparable with the engine's, token for token.
 
-Samples with routed experts (rollout routing replay) add rollout_routing [B, S, layers, top-k] int16: row t is the
-experts the engine routed input_ids[b, t] to, for t <= P + R - 2 (every position whose label is a token). The last
-token and the padding were never routed by the engine; they get experts 0..k-1 (any valid choice: causal
-attention keeps them from the positions that count, and no loss is taken there).
+Samples with ``rollout_routing`` (the engine's experts: rollout routing replay) add rollout_routing [B, S, layers,
+top-k] int16: row t is the experts the engine routed input_ids[b, t] to, for t <= P + R - 2 (every position whose
+label is a token). The last token and the padding were never routed by the engine; they get experts 0..k-1 (any
+valid choice: causal attention keeps them from the positions that count, and no loss is taken there).
 """
 
 from __future__ import annotations
@@ -62,20 +62,20 @@ def samples_to_batch(samples: Sequence[Sample], pad_id: int = 0, pad_to_multiple
             P, R = len(s.prompt_ids), len(s.response_ids)
             if R and s.token_versions is not None:
                 out["token_versions"][b, P - 1:P + R - 1] = torch.tensor(s.token_versions, dtype=torch.long)
-    if any(s.routed_experts is not None for s in samples):
-        out["rollout_routing"] = routing_batch(samples, S)
+    if any(s.rollout_routing is not None for s in samples):
+        out["rollout_routing"] = rollout_routing_batch(samples, S)
     return out
 
 
-def routing_batch(samples: Sequence[Sample], S: int) -> torch.Tensor:
-    """The samples' routed experts as rollout_routing [B, S, layers, top-k] int16 (see the module docstring)."""
-    shapes = {tuple(s.routed_experts.shape[1:]) for s in samples if s.routed_experts is not None}
-    missing = [s.name for s in samples if s.routed_experts is None]
+def rollout_routing_batch(samples: Sequence[Sample], S: int) -> torch.Tensor:
+    """The samples' rollout_routing as the batch's [B, S, layers, top-k] int16 (see the module docstring)."""
+    shapes = {tuple(s.rollout_routing.shape[1:]) for s in samples if s.rollout_routing is not None}
+    missing = [s.name for s in samples if s.rollout_routing is None]
     if missing or len(shapes) != 1:
         raise ValueError(f"rollout routing: every sample needs routed experts of one [layers, top-k] shape; "
                          f"missing for {missing[:4]}, shapes {sorted(shapes)}")
     layers, topk = shapes.pop()
     routing = torch.arange(topk, dtype=torch.int16).expand(len(samples), S, layers, topk).clone()
     for b, s in enumerate(samples):
-        routing[b, :s.routed_experts.shape[0]] = s.routed_experts
+        routing[b, :s.rollout_routing.shape[0]] = s.rollout_routing
     return routing

@@ -93,8 +93,9 @@ class SGLangConfig:
     # OMP_NUM_THREADS of a CPU server (None: torch's default, all cores). 1 suits tiny models on a machine the
     # trainer shares: torch's intra-op threads spin-wait, and oversubscribed they make small ops ~50x slower.
     cpu_threads: int | None = None
-    # Rollout routing replay: every sample carries the experts the server routed each token to. Launched servers
-    # get --enable-return-routed-experts; attached ones must have been started with it.
+    # Rollout routing replay: every sample carries the experts the server routed each token to (Sample.rollout_routing;
+    # SGLang's names: the request's return_routed_experts). Launched servers get --enable-return-routed-experts;
+    # attached ones must have been started with it.
     return_routed_experts: bool = False
     # Colocated with the trainer (rollout/colocate.py): launched CUDA servers get --enable-memory-saver (needs
     # torch_memory_saver, CUDA-only) so that release_memory_occupation frees their memory; CPU servers do not.

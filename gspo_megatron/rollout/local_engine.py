@@ -4,9 +4,10 @@
 The weights come from the trainer like a server's do: ``update_weights`` takes the ``(hf_name, tensor)`` pairs
 of the bridge's export (or ``hf_weights.checkpoint_tensors``) and rebuilds the model from them. Log-probs follow
 SGLang's convention: log softmax(logits / temperature) of the sampled token, before top-k / top-p / min-p.
-With ``return_routed_experts`` each sample carries the experts the model's routers chose for every token but the
-last, as SGLang's ``--enable-return-routed-experts`` does ([P + R - 1, num_hidden_layers, top-k]; a dense layer's
-rows are 0..k-1): forward hooks on transformers' ``*TopKRouter`` modules, which return (logits, weights, experts).
+With ``rollout_routing`` each sample carries (``Sample.rollout_routing``) the experts the model's routers chose for
+every token but the last, as SGLang's ``--enable-return-routed-experts`` does ([P + R - 1, num_hidden_layers,
+top-k]; a dense layer's rows are 0..k-1): forward hooks on transformers' ``*TopKRouter`` modules, which return
+(logits, weights, experts).
 """
 
 from __future__ import annotations
@@ -42,9 +43,9 @@ class LocalEngine:
     """``generate`` / ``update_weights`` / ``weight_version`` on an in-process transformers causal LM."""
 
     def __init__(self, model: torch.nn.Module, tokenizer=None, eos_token_ids: Sequence[int] | None = None,
-                 seed: int = 0, version: str = "default", return_routed_experts: bool = False):
+                 seed: int = 0, version: str = "default", rollout_routing: bool = False):
         self.model = model.eval()
-        self.return_routed_experts = return_routed_experts
+        self.rollout_routing = rollout_routing
         self.tokenizer = tokenizer
         if eos_token_ids is None:
             eos = getattr(model.config, "eos_token_id", None)
@@ -93,8 +94,8 @@ class LocalEngine:
     @contextmanager
     def _routes(self):
         """While open, each forward of the model appends its experts [n, t, L, k] (t tokens per row) to the yielded
-        list (None without ``return_routed_experts``)."""
-        if not self.return_routed_experts:
+        list (None without ``rollout_routing``)."""
+        if not self.rollout_routing:
             yield None
             return
         config = getattr(self.model.config, "text_config", self.model.config)
@@ -102,7 +103,7 @@ class LocalEngine:
         routers = [(int(re.search(r"layers\.(\d+)\.", name).group(1)), module)
                    for name, module in self.model.named_modules() if type(module).__name__.endswith("TopKRouter")]
         if not routers:
-            raise ValueError(f"LocalEngine(return_routed_experts=True): {type(self.model).__name__} has no "
+            raise ValueError(f"LocalEngine(rollout_routing=True): {type(self.model).__name__} has no "
                              "transformers *TopKRouter modules to capture the experts from")
         routes: list[torch.Tensor] = []
         step: dict[int, torch.Tensor] = {}

@@ -150,7 +150,7 @@ def run_trajectory(engine, prompt, prompt_index: int, sample_index: int, env, sa
                          seed=_turn_seed(sampling.seed, prompt_index, sample_index, turn))
         out = engine.generate([prompt_ids + response], 1, params)[0].samples[0]  # token ids in, never text
         version = version or out.weight_version
-        routes = _extend_routes(routes, out.routed_experts)
+        routes = _extend_routes(routes, out.rollout_routing)
         response += out.response_ids
         mask += [True] * len(out.response_ids)
         logprobs += out.logprobs
@@ -174,7 +174,7 @@ def run_trajectory(engine, prompt, prompt_index: int, sample_index: int, env, sa
         mask += [False] * len(observation)
         logprobs += [0.0] * len(observation)
     return Sample(prompt_ids, response, logprobs, finish, str(version), prompt_index, sample_index,
-                  _decode(tokenizer, response), routed_experts=routes, response_mask=mask, turns=turns)
+                  _decode(tokenizer, response), rollout_routing=routes, response_mask=mask, turns=turns)
 
 
 def _extend_routes(routes: torch.Tensor | None, turn: torch.Tensor | None) -> torch.Tensor | None:
@@ -216,14 +216,14 @@ def generate_trajectories(engine, prompts: Sequence, n: int, sampling: SamplingP
     samples, values, valid, errors = [], [], [], []
     # Rollout routing replay: a dropped trajectory (no response) still needs routes for its prompt: any k distinct
     # experts (it trains nothing; the batch needs one routes shape).
-    routed = next((r.routed_experts for r, _ in results if r is not None and r.routed_experts is not None), None)
+    routed = next((r.rollout_routing for r, _ in results if r is not None and r.rollout_routing is not None), None)
     for (p, s), (sample, error) in zip(jobs, results):
         if sample is None:
             ids = [int(t) for t in prompts[p].ids]
             routes = None
             if routed is not None:
                 routes = torch.arange(routed.shape[-1], dtype=routed.dtype).expand(len(ids) - 1, *routed.shape[1:])
-            sample = Sample(ids, [], [], "length", "", p, s, "", routed_experts=routes, response_mask=[], turns=[])
+            sample = Sample(ids, [], [], "length", "", p, s, "", rollout_routing=routes, response_mask=[], turns=[])
             errors.append(error)
         samples.append(sample)
         values.append(sum(r for _, r in sample.turns))

@@ -666,7 +666,8 @@ def routed_experts_shape(model_path: str) -> tuple[int, int]:
 
 def decode_routed_experts(meta: dict, tokens: int, shape: tuple[int, int], where: str) -> torch.Tensor:
     """meta_info["routed_experts"] (base64 of int32 [tokens, layers, top-k]: the prompt's and the response's
-    tokens but the last) -> int16 [tokens, layers, top-k]; any other length is an error naming the sample."""
+    tokens but the last) -> int16 [tokens, layers, top-k], a Sample's ``rollout_routing``; any other length is an
+    error naming the sample. ``routed_experts`` (here and in the request) is SGLang's name, kept at this boundary."""
     import base64
 
     import numpy as np
@@ -689,7 +690,7 @@ def parse_generate(answer, prompts: list[list[int]], n: int, start: int, url: st
                    routed_shape: tuple[int, int] | None = None) -> list[Sample]:
     """SGLang's /generate answer for ``prompts`` x n samples (prompt-major) as Samples; every count, order and
     length is checked, and an aborted sample is an error, never a silently short group. With ``routed_shape``
-    (layers, top-k), each sample carries its routed experts."""
+    (layers, top-k), each sample carries its routed experts as ``rollout_routing``."""
     items = answer if isinstance(answer, list) else [answer]
     if len(items) != len(prompts) * n:
         raise BadResponse(f"{url}: /generate returned {len(items)} samples for {len(prompts)} prompts x n={n}")

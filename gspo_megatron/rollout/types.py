@@ -75,9 +75,10 @@ class Sample:
     prompt_index: int = 0  # position of the prompt in the generate() call
     sample_index: int = 0  # 0..n-1 within its group
     text: str | None = None  # the decoded response, when the engine has a tokenizer
-    # The experts the engine routed each token to (rollout routing replay): [P + R - 1, layers, top-k] int16, row t
-    # for the token at position t of prompt + response (the last token is never forwarded: it has no row).
-    routed_experts: torch.Tensor | None = None
+    # The experts the engine routed each token to (rollout routing replay; SGLang's meta_info "routed_experts"):
+    # [P + R - 1, layers, top-k] int16, row t for the token at position t of prompt + response (the last token is
+    # never forwarded: it has no row). The trainer's batch key of the same name stacks them (``rollout.batch``).
+    rollout_routing: torch.Tensor | None = None
     # Multi-turn trajectories (``rollout.multiturn``): response_ids holds the model's turns and the environment's
     # observations in order; response_mask[j] is True where the model sampled response_ids[j] (only those carry a
     # log-prob, a loss and an advantage; observation positions have logprobs 0). None: every token is the model's.
@@ -96,12 +97,12 @@ class Sample:
         if self.response_mask is not None and len(self.response_mask) != len(self.response_ids):
             raise ValueError(f"sample (prompt {self.prompt_index}, sample {self.sample_index}): response_mask of "
                              f"{len(self.response_mask)} for {len(self.response_ids)} response tokens")
-        if self.routed_experts is not None:
+        if self.rollout_routing is not None:
             expected = len(self.prompt_ids) + len(self.response_ids) - 1
-            if self.routed_experts.dim() != 3 or self.routed_experts.shape[0] != expected:
+            if self.rollout_routing.dim() != 3 or self.rollout_routing.shape[0] != expected:
                 raise ValueError(
-                    f"sample (prompt {self.prompt_index}, sample {self.sample_index}): routed experts of shape "
-                    f"{tuple(self.routed_experts.shape)}, expected [{expected}, layers, top-k] (prompt "
+                    f"sample (prompt {self.prompt_index}, sample {self.sample_index}): rollout_routing of shape "
+                    f"{tuple(self.rollout_routing.shape)}, expected [{expected}, layers, top-k] (prompt "
                     f"{len(self.prompt_ids)} + response {len(self.response_ids)} tokens - 1)"
                 )
         if len(self.logprobs) != len(self.response_ids):

@@ -93,14 +93,14 @@ def train(cfg: Config, resume: bool = False) -> dict:
             batch["loss_mask"] &= rollout.reward_valid.unsqueeze(1)  # and the loss
 
             rows = row_plan(batch["input_ids"].shape[0], cfg)
-            # pi_old: recomputed (recording routing for Routing Replay / expert volatility, replaying the engine's
+            # pi_old: recomputed (recording old_routing for Routing Replay / expert volatility, replaying the engine's
             # experts under rollout routing replay), or the rollout's (and always the rollout's for stale samples)
-            routing = passes.old_logprobs(policy, batch, rows, cfg, loss_cfg, metrics)
+            old_routing = passes.old_logprobs(policy, batch, rows, cfg, loss_cfg, metrics)
             if reference is not None:
                 passes.reference_logprobs(reference, batch, rows, cfg, loss_cfg, metrics)
 
             t = time.perf_counter()
-            metrics.update(passes.update(policy, batch, rows, routing, cfg, loss_cfg))  # NaN/inf: skipped
+            metrics.update(passes.update(policy, batch, rows, old_routing, cfg, loss_cfg))  # NaN/inf: skipped
             metrics["time/update"] = time.perf_counter() - t
             nonfinite.check(step, batch, metrics)  # saves a skipped step's batch; N in a row stop the run
 

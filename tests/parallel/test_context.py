@@ -68,7 +68,7 @@ def _split_and_gather() -> dict:
         "loss_mask": torch.rand(b, s, generator=g) > 0.5,
         "old_logprobs": torch.randn(b, s, generator=g),
         "advantages": torch.randn(b, generator=g),  # per sequence: not split
-        "routing": torch.randint(0, 4, (b, s, 4, 2), generator=g),  # recorded per rank: never split
+        "old_routing": torch.randint(0, 4, (b, s, 4, 2), generator=g),  # recorded per rank: never split
     }
     local = batch_for_model(batch)
     return {
@@ -89,7 +89,7 @@ def test_batch_for_model_splits_over_cp_ranks_and_gathers_back():
         # Positions are the tokens' places in the whole sequence (megatron slices RoPE the same way).
         assert torch.equal(local["position_ids"], megatron_cp_slice(torch.arange(16).expand(3, 16), 2, rank))
         assert torch.equal(local["advantages"], batch["advantages"])
-        assert torch.equal(local["routing"], batch["routing"])
+        assert torch.equal(local["old_routing"], batch["old_routing"])
         for key in ("input_ids", "loss_mask", "old_logprobs"):
             assert torch.equal(r["gathered"][key], batch[key]), key
         assert torch.equal(r["gathered"]["position_ids"], torch.arange(16).expand(3, 16))

@@ -22,8 +22,8 @@ def _server_multi_hot(samples, S: int, layer: int, experts: int) -> tuple[torch.
     hot = torch.zeros(len(samples), S, experts, dtype=torch.bool)
     routed = torch.zeros(len(samples), S, dtype=torch.bool)
     for b, s in enumerate(samples):
-        t = s.routed_experts.shape[0]
-        hot[b, :t].scatter_(1, s.routed_experts[:, layer].long(), True)
+        t = s.rollout_routing.shape[0]
+        hot[b, :t].scatter_(1, s.rollout_routing[:, layer].long(), True)
         routed[b, :t] = True
     return hot, routed
 
@@ -70,8 +70,9 @@ def r3_replay(model_dir: str, server_url: str, layout, multiturn: bool = False) 
                               return_routed_experts=True)
         with SGLangEngine(config) as engine:
             samples = _generate(engine, multiturn)
-        out["shapes"] = [(len(s.prompt_ids), len(s.response_ids), tuple(s.routed_experts.shape)) for s in samples]
-        out["distinct"] = all(len(set(row.tolist())) == len(row) for s in samples for row in s.routed_experts.flatten(0, 1))
+        out["shapes"] = [(len(s.prompt_ids), len(s.response_ids), tuple(s.rollout_routing.shape)) for s in samples]
+        out["distinct"] = all(len(set(row.tolist())) == len(row)
+                              for s in samples for row in s.rollout_routing.flatten(0, 1))
     box = [samples]
     torch.distributed.broadcast_object_list(box, src=0)
     samples = box[0]

@@ -82,10 +82,10 @@ def test_checkpoint_tensors_match_saved_files(tmp_path, model):
         torch.testing.assert_close(ours[name], saved[name], rtol=0, atol=0)
 
 
-def test_routed_experts_equal_one_forwards(model):
-    """With return_routed_experts, each sample's routes ([P + R - 1, layers, top-k], like SGLang's) are the experts
+def test_rollout_routing_equals_one_forwards(model):
+    """With rollout_routing, each sample's routes ([P + R - 1, layers, top-k], like SGLang's) are the experts
     one forward over prompt + response routes each token to: the incremental decode's hooks line up."""
-    engine = LocalEngine(model, seed=0, return_routed_experts=True, eos_token_ids=[5])  # some samples stop early
+    engine = LocalEngine(model, seed=0, rollout_routing=True, eos_token_ids=[5])  # some samples stop early
     samples = flatten(engine.generate(prompts(3), n=4, sampling=SamplingParams(max_new_tokens=10)))
     assert len({len(s.response_ids) for s in samples}) > 1
     captured = {}
@@ -97,8 +97,8 @@ def test_routed_experts_equal_one_forwards(model):
             with torch.no_grad():
                 model(torch.tensor([s.prompt_ids + s.response_ids]))
             full = torch.stack([captured[name] for name, _ in routers], dim=1)[:-1]  # every token but the last
-            assert s.routed_experts.shape == (len(s.prompt_ids) + len(s.response_ids) - 1, len(routers), 2), s.name
-            assert torch.equal(s.routed_experts.long().sort(-1).values, full.sort(-1).values), s.name
+            assert s.rollout_routing.shape == (len(s.prompt_ids) + len(s.response_ids) - 1, len(routers), 2), s.name
+            assert torch.equal(s.rollout_routing.long().sort(-1).values, full.sort(-1).values), s.name
     finally:
         for handle in handles:
             handle.remove()

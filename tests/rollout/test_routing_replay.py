@@ -50,7 +50,7 @@ def test_routes_decode_align_and_fail_by_name():
     prompt, output = [5, 6, 7], [8, 9]
     routes = np.arange(4 * 2 * 2).reshape(4, 2, 2) % 4
     (sample,) = parse_generate(_answer(3, output, routes), [prompt], 1, 0, "srv", routed_shape=(2, 2))
-    assert sample.routed_experts.dtype == torch.int16 and sample.routed_experts.tolist() == routes.tolist()
+    assert sample.rollout_routing.dtype == torch.int16 and sample.rollout_routing.tolist() == routes.tolist()
     batch = samples_to_batch([sample], min_length=7)
     r = batch["rollout_routing"]
     assert r.shape == (1, 7, 2, 2) and r[0, :4].tolist() == routes.tolist()
@@ -61,9 +61,9 @@ def test_routes_decode_align_and_fail_by_name():
     with pytest.raises(BadResponse, match=r"srv: prompt 0, sample 0: routed_experts holds 20 expert ids, expected 4 "
                                           r"tokens \(prompt \+ response - 1\) x 2 layers x top-2 = 16"):
         parse_generate(_answer(3, output, np.zeros((5, 2, 2))), [prompt], 1, 0, "srv", routed_shape=(2, 2))
-    with pytest.raises(ValueError, match=r"sample \(prompt 0, sample 1\): routed experts of shape \(5, 2, 2\), "
+    with pytest.raises(ValueError, match=r"sample \(prompt 0, sample 1\): rollout_routing of shape \(5, 2, 2\), "
                                          r"expected \[4, layers, top-k\]"):
-        Sample(prompt, output, [-1.0, -1.0], "length", "0", 0, 1, routed_experts=torch.zeros(5, 2, 2))
+        Sample(prompt, output, [-1.0, -1.0], "length", "0", 0, 1, rollout_routing=torch.zeros(5, 2, 2))
     with pytest.raises(ValueError, match=r"missing for \['prompt 0, sample 1'\]"):
         samples_to_batch([sample, Sample(prompt, output, [-1.0, -1.0], "length", "0", 0, 1)])
 

@@ -30,12 +30,12 @@ def _engine(cfg: Config, hf_dir: str | Path, tokenizer):
 
         model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
         return LocalEngine(model, tokenizer, seed=cfg.train.seed, version="0",
-                           return_routed_experts=cfg.algo.replays_rollout_routing)
+                           rollout_routing=cfg.algo.replays_rollout_routing)
     server_args = dict(cfg.rollout.server_args)
     server_args.setdefault("seed", cfg.train.seed)
     for name in ("max_server_restarts", "restart_window_s", "attached_wait_s"):  # fault tolerance
         server_args.setdefault(name, getattr(cfg.rollout, name))
-    if cfg.algo.replays_rollout_routing:  # the servers return the experts they routed every token to
+    if cfg.algo.replays_rollout_routing:  # the servers return the experts they routed every token to (SGLang's name)
         server_args["return_routed_experts"] = True
     config = SGLangConfig(
         model_path=str(hf_dir),

@@ -118,7 +118,7 @@ class PartialRollouts:
             group = _Group(prompt, [], [])
             for s in out.samples:
                 sample = replace(s, prompt_ids=list(prompt.ids), token_versions=[version] * len(s.response_ids),
-                                 routed_experts=None)
+                                 rollout_routing=None)
                 group.samples.append(sample)
                 group.running.append(self._running(sample, s.finish_reason))
             self.live.append(group)

@@ -259,10 +259,11 @@ class AlgoSection:
     rewards as the segments, each ending at its turn's last model token, discounted by ``gamma``)."""
     gamma: float = 1.0
     """With token_advantages=turns: the discount of later turns' rewards in a token's advantage (1: undiscounted)."""
-    routing_replay: bool | str = False
-    """MoE routing replay. true (or old): GRPO + Routing Replay, the old-policy pass records its experts and the
-    update replays them. rollout (R3): the SGLang engine returns the experts it routed every token to (prompt and
-    response) and the old-policy pass and the update both replay them. false: the routers choose freely."""
+    routing_replay: str | None = None
+    """MoE routing replay: false, old or rollout. old: GRPO + Routing Replay, the old-policy pass records its experts
+    (``old_routing``) and the update replays them. rollout (R3): the SGLang engine returns the experts it routed
+    every token to (prompt and response: ``rollout_routing``) and the old-policy pass and the update both replay them.
+    false: the routers choose freely. true is accepted as old (the value before rollout existed)."""
     kl_coef: float = 0.0
     """KL penalty against a frozen reference (the starting weights); GSPO uses none. > 0 adds a reference pass."""
     kl_estimator: str = "k3"
@@ -287,13 +288,16 @@ class AlgoSection:
     """With decoupled_clip: the truncation of the behaviour weight (a one-version-old sample's is ~1)."""
 
     def __post_init__(self):
-        if isinstance(self.routing_replay, str) and self.routing_replay.lower() in ("old", "rollout"):
-            self.routing_replay = True if self.routing_replay.lower() == "old" else "rollout"
+        # One value: None or the replayed routing's name. YAML true / false (read as the strings "True" / "False"),
+        # the values before rollout existed, are old / None.
+        if isinstance(self.routing_replay, (bool, str)):
+            value = str(self.routing_replay).lower()
+            self.routing_replay = {"true": "old", "yes": "old", "false": None, "no": None}.get(value, value)
 
     @property
     def replays_old_routing(self) -> bool:
         """GRPO + Routing Replay: the old-policy pass records the experts the update replays."""
-        return self.routing_replay is True
+        return self.routing_replay == "old"
 
     @property
     def replays_rollout_routing(self) -> bool:

@@ -77,7 +77,7 @@ def validate_model(cfg: Config, hf: dict) -> None:
     elif p.expert > 1:
         raise ConfigError(f"parallel.expert={p.expert} but the model has no experts; set parallel.expert=1")
     if cfg.algo.routing_replay and not experts:
-        raise ConfigError(f"algo.routing_replay={str(cfg.algo.routing_replay).lower()} replays MoE routing but the "
+        raise ConfigError(f"algo.routing_replay={cfg.algo.routing_replay} replays MoE routing but the "
                           "model has no experts; set algo.routing_replay=false")
     if hf.get("num_hidden_layers"):
         _divides(hf["num_hidden_layers"], p.pipeline, "num_hidden_layers", "parallel.pipeline")
@@ -210,7 +210,7 @@ def validate_rollout_mode(cfg: Config) -> None:
                               f"requests in flight); rollout.engine={r.engine!r} cannot pause: use "
                               "rollout.mode=one_step_off")
     if cfg.algo.replays_old_routing:
-        raise ConfigError(f"algo.routing_replay=true with rollout.mode={r.mode}: GRPO + Routing Replay replays the "
+        raise ConfigError(f"algo.routing_replay=old with rollout.mode={r.mode}: GRPO + Routing Replay replays the "
                           "experts of a recomputed old-policy pass, but a sample from older weights has no such "
                           "pass (the trainer holds newer weights and the engine's log-probs come without the old "
                           "policy's experts); set algo.routing_replay=rollout (the engine's experts) or "
@@ -241,7 +241,7 @@ def validate_partial(cfg: Config) -> None:
         (r.filter_zero_variance_groups, "rollout.filter_zero_variance_groups=true",
          "set rollout.filter_zero_variance_groups=false"),
         (bool(r.env), f"rollout.env={r.env}", "multi-turn trajectories are not cut yet: unset rollout.env"),
-        (cfg.algo.routing_replay is not False, f"algo.routing_replay={cfg.algo.routing_replay}",
+        (cfg.algo.routing_replay is not None, f"algo.routing_replay={cfg.algo.routing_replay}",
          "the experts of a sample's earlier chunks are not kept: set algo.routing_replay=false"),
     ]
     for bad, what, fix in refused:
@@ -276,14 +276,15 @@ def validate(cfg: Config, world_size: int, hf: dict | None = None) -> None:
     validate_rollout_mode(cfg)
     from gspo_megatron.train.sampling import colocate  # rollout.colocate's rules
     colocate.validate(cfg)
-    if a.routing_replay not in (False, True, "rollout"):
-        raise ConfigError(f"algo.routing_replay={a.routing_replay!r} is not one of false, true (or old: replay the "
+    if a.routing_replay not in (None, "old", "rollout"):
+        raise ConfigError(f"algo.routing_replay={a.routing_replay!r} is not one of false, old (or true: replay the "
                           "old policy's experts), rollout (replay the experts the rollout engine routed to)")
+    # return_routed_experts: SGLang's name for the engine's routes (rollout.config.SGLangConfig)
     if a.replays_rollout_routing and r.server_args.get("return_routed_experts") is False:
         raise ConfigError("algo.routing_replay=rollout needs the servers' routed experts: remove "
                           "rollout.server_args.return_routed_experts=false")
     if a.replays_old_routing and a.name != "grpo":
-        raise ConfigError(f"algo.routing_replay=true is the GRPO baseline's fix; GSPO does not need it "
+        raise ConfigError(f"algo.routing_replay=old is the GRPO baseline's fix; GSPO does not need it "
                           f"(algo.name={a.name!r}): set algo.name=grpo or algo.routing_replay=false")
     if a.decoupled_clip and r.reuse_rollout_logprobs:
         raise ConfigError("algo.decoupled_clip=true clips around the trainer's old-policy pass, but "

@@ -18,11 +18,11 @@ from gspo_megatron.train.update.rows import all_rows, micro_batch_rows, micro_ba
 from gspo_megatron.train.update.schedules import logprob_pass, update_step
 
 
-def _pass(model, batch: dict, rows: torch.Tensor, cfg: Config, rollout_routing: bool = True, **kwargs) -> dict:
+def _pass(model, batch: dict, rows: torch.Tensor, cfg: Config, with_rollout_routing: bool = True, **kwargs) -> dict:
     """``logprob_pass`` over ``rows``, its per-row results back in the order of ``rows`` (micro batches may
-    regroup them); ``rollout_routing``: as ``micro_batches`` (the frozen reference routes freely)."""
+    regroup them); ``with_rollout_routing``: as ``micro_batches`` (the frozen reference routes freely)."""
     parts = micro_batch_rows(batch, rows, cfg)
-    micro = micro_batches(batch, rows, cfg, parts=parts, rollout_routing=rollout_routing)
+    micro = micro_batches(batch, rows, cfg, parts=parts, with_rollout_routing=with_rollout_routing)
     out = logprob_pass(model, micro, pack=cfg.parallel.pack_sequences, **kwargs)
     order = torch.cat(parts)
     if torch.equal(order, torch.arange(rows.numel())):
@@ -39,9 +39,9 @@ def old_logprobs(policy, batch: dict, rows: list[torch.Tensor], cfg: Config, los
     rollout-vs-trainer mismatch over the whole batch (under rollout routing replay, with the engine's experts
     replayed). Rows of ``batch["stale"]`` (sampled by older weights than the policy's: ``rollout.mode`` one_step_off
     or async, partial rollouts) take the engine's log-probs, their behaviour policy's, or with algo.decoupled_clip
-    keep this pass's and have their advantages weighted (``_weight_stale``). Returns this rank's recorded routing
-    when Routing Replay (all its rows, in the order of ``rows``) or expert volatility (the second minibatch's rows)
-    needs it, else None."""
+    keep this pass's and have their advantages weighted (``_weight_stale``). Returns this rank's ``old_routing``
+    record when Routing Replay (all its rows, in the order of ``rows``) or expert volatility (the second
+    minibatch's rows) needs it, else None."""
     if not runs_old_pass(cfg):
         batch["old_logprobs"] = batch["rollout_logprobs"]  # the mismatch is measured by the first update instead
         return None
@@ -49,7 +49,7 @@ def old_logprobs(policy, batch: dict, rows: list[torch.Tensor], cfg: Config, los
     record = cfg.algo.replays_old_routing or measures_volatility(cfg, policy.spec)
     t = time.perf_counter()
     trainer = _pass(policy.model, batch, torch.cat(rows), cfg, temperature=loss_config.temperature,
-                    record_routing=record, with_entropy=True)
+                    record_old_routing=record, with_entropy=True)
     trainer_logprobs = all_rows(trainer["logprobs"], total, cfg)
     metrics["time/old_logprobs"] = time.perf_counter() - t
     mask = batch["loss_mask"]
@@ -65,8 +65,8 @@ def old_logprobs(policy, batch: dict, rows: list[torch.Tensor], cfg: Config, los
             batch["old_logprobs"] = torch.where(stale.unsqueeze(1), batch["rollout_logprobs"], batch["old_logprobs"])
     if record and not cfg.algo.replays_old_routing:  # volatility compares the second minibatch's rows only
         first = rows[0].numel()
-        return trainer["routing"][first:first + rows[1].numel()].clone()
-    return trainer.get("routing")
+        return trainer["old_routing"][first:first + rows[1].numel()].clone()
+    return trainer.get("old_routing")
 
 
 def _weight_stale(batch: dict, prox_logprobs: torch.Tensor, stale: torch.Tensor, cfg: Config,
@@ -90,7 +90,7 @@ def reference_logprobs(reference, batch: dict, rows: list[torch.Tensor], cfg: Co
     """The frozen reference's log-probs into ``batch["ref_logprobs"]`` and ``kl_ref``: KL(policy || reference)
     before this step's updates, as the loss estimates it."""
     t = time.perf_counter()
-    ref = _pass(reference, batch, torch.cat(rows), cfg, rollout_routing=False,
+    ref = _pass(reference, batch, torch.cat(rows), cfg, with_rollout_routing=False,
                 temperature=loss_config.temperature)
     batch["ref_logprobs"] = all_rows(ref["logprobs"], batch["input_ids"].shape[0], cfg)
     metrics["time/ref_logprobs"] = time.perf_counter() - t
@@ -112,9 +112,9 @@ def _padding_fraction(positions: torch.Tensor) -> float:
     return 1.0 - real / computed if computed else 0.0
 
 
-def update(policy, batch: dict, rows: list[torch.Tensor], routing, cfg: Config, loss_config: LossConfig) -> dict:
+def update(policy, batch: dict, rows: list[torch.Tensor], old_routing, cfg: Config, loss_config: LossConfig) -> dict:
     """``algo.minibatches`` optimizer steps over the rollout batch, and their metrics over every sequence of every
-    rank (``algo.update_metrics``). ``routing``: this rank's old-policy record (``old_logprobs``), replayed with
+    rank (``algo.update_metrics``). ``old_routing``: this rank's old-policy record (``old_logprobs``), replayed with
     Routing Replay, else the second minibatch's, compared with its own routing (expert_volatility: after one step).
     Under rollout routing replay every micro batch carries the engine's experts instead (``micro_batches``)."""
     losses, norms, stats = [], [], []
@@ -122,12 +122,13 @@ def update(policy, batch: dict, rows: list[torch.Tensor], routing, cfg: Config, 
     positions = torch.zeros(2, dtype=torch.float64)  # (sequence tokens, computed positions) of this rank's rows
     for m, minibatch_rows in enumerate(rows):
         if cfg.algo.replays_old_routing:
-            record = routing[offset:offset + minibatch_rows.numel()]
-            micro = micro_batches(batch, minibatch_rows, cfg, record, "routing")
-        else:  # the second minibatch's forward runs on weights one step past the old policy's
-            micro = micro_batches(batch, minibatch_rows, cfg, routing if m == 1 else None, "old_routing")
+            record = old_routing[offset:offset + minibatch_rows.numel()]
+        else:  # compared: the second minibatch's forward runs on weights one step past the old policy's
+            record = old_routing if m == 1 else None
+        micro = micro_batches(batch, minibatch_rows, cfg, record)
         offset += minibatch_rows.numel()
-        out = update_step(policy.model, policy.optimizer, micro, loss_config, pack=cfg.parallel.pack_sequences)
+        out = update_step(policy.model, policy.optimizer, micro, loss_config, pack=cfg.parallel.pack_sequences,
+                          replay_old_routing=cfg.algo.replays_old_routing)
         if out["update_successful"]:  # a skipped (non-finite) update leaves the LR schedule too, as megatron does
             policy.scheduler.step(increment=1)
         positions += torch.tensor(out["token_positions"], dtype=torch.float64)

@@ -64,7 +64,7 @@ def check_recompute(cfg: Config, hf: dict | None = None, transformer_engine: boo
     reroutes = r.granularity == "full" or (r.granularity == "selective" and "moe" in r.modules)
     if cfg.algo.routing_replay and reroutes:
         raise ConfigError(
-            f"algo.routing_replay={str(cfg.algo.routing_replay).lower()} with recompute.granularity={r.granularity!r}"
+            f"algo.routing_replay={cfg.algo.routing_replay} with recompute.granularity={r.granularity!r}"
             + (" and recompute.modules containing 'moe'" if r.granularity == "selective" else "")
             + ": the recomputed forward in backward would route again (under pipeline schedules with another "
             "micro batch's replay data); recompute without 'moe' or turn routing replay off"

@@ -1,9 +1,9 @@
 """Routing record and replay through megatron-core's RouterReplay (the model needs moe_enable_routing_replay=True).
 
-Three uses, each a batch key: ``routing`` [b, L_local, s_local, k], the old-policy pass's record replayed by the
-update (GRPO + Routing Replay); ``rollout_routing`` [b, S, L, k], the engine's experts of every layer replayed by
-both passes (rollout routing replay, R3); ``old_routing``, the old policy's record compared with the experts the
-update chooses (expert volatility). Records are kept per sequence, so the update may regroup rows into other micro
+Two batch keys: ``old_routing`` [b, L_local, s_local, k], the old-policy pass's record, which the update replays
+(GRPO + Routing Replay, ``update_step(replay_old_routing=True)``) or compares with the experts it chooses (expert
+volatility); ``rollout_routing`` [b, S, L, k], the engine's experts of every layer replayed by both passes (rollout
+routing replay, R3). Records are kept per sequence, so the update may regroup rows into other micro
 batches; packed rows are unpacked (gathered over TP under sequence parallelism) and packed again for replay.
 """
 

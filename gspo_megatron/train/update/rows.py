@@ -52,16 +52,16 @@ def micro_batch_rows(batch: dict, rows: torch.Tensor, cfg: Config) -> list[torch
         count = int(agreed)
 
 
-def micro_batches(batch: dict, rows: torch.Tensor, cfg: Config, routing: torch.Tensor | None = None,
-                  routing_key: str = "routing", parts: list[torch.Tensor] | None = None,
-                  rollout_routing: bool = True) -> list[dict]:
-    """``rows`` of the batch as micro batches (``micro_batch_rows``, or ``parts`` already planned); ``routing``
-    (this rank's record for exactly these rows, in their order) goes in as ``routing_key``: "routing" (replayed)
-    or "old_routing" (compared). Each carries ``seq_lengths`` (packed rows hold those tokens). With rollout
-    routing replay (and ``rollout_routing``) the batch's ``rollout_routing`` goes in too: the engine's experts."""
+def micro_batches(batch: dict, rows: torch.Tensor, cfg: Config, old_routing: torch.Tensor | None = None,
+                  parts: list[torch.Tensor] | None = None, with_rollout_routing: bool = True) -> list[dict]:
+    """``rows`` of the batch as micro batches (``micro_batch_rows``, or ``parts`` already planned); ``old_routing``
+    (this rank's old-policy record for exactly these rows, in their order) goes in as ``old_routing`` (replayed or
+    compared: ``update_step``'s ``replay_old_routing``). Each carries ``seq_lengths`` (packed rows hold those
+    tokens). With rollout routing replay (and ``with_rollout_routing``) the batch's ``rollout_routing`` goes in too:
+    the engine's experts."""
     keys = [k for k in ("input_ids", "labels", "loss_mask", "old_logprobs", "ref_logprobs", "advantages")
             if k in batch]
-    if rollout_routing and cfg.algo.replays_rollout_routing:
+    if with_rollout_routing and cfg.algo.replays_rollout_routing:
         if "rollout_routing" not in batch:
             raise ValueError("algo.routing_replay=rollout but the rollout batch has no rollout_routing: the "
                              "engine returned no routed experts")
@@ -70,8 +70,8 @@ def micro_batches(batch: dict, rows: torch.Tensor, cfg: Config, routing: torch.T
     for part in micro_batch_rows(batch, rows, cfg) if parts is None else parts:
         micro = {k: batch[k][rows[part]] for k in keys}
         micro["seq_lengths"] = sequence_lengths(batch)[rows[part]]  # what a packed row holds of each row
-        if routing is not None:
-            micro[routing_key] = routing[part.to(routing.device)]
+        if old_routing is not None:
+            micro["old_routing"] = old_routing[part.to(old_routing.device)]
         out.append(micro)
     return out
 

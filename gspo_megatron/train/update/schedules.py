@@ -9,10 +9,12 @@ A rollout minibatch is a list of micro batches, each a dict of tensors:
     old_logprobs  [b, S] float  log pi_old(labels[t]), aligned with labels (ignored where not loss_mask)
     advantages    [b] float     (or [b, S] per-token advantages for gspo_token and grpo)
     ref_logprobs  [b, S] float  optional, for a KL penalty
-    routing       [b, L, s_local, k] int  optional: experts the old policy chose (``logprob_pass`` with
-                  ``record_routing=True``); when present the update pass replays them (GRPO + Routing Replay)
-    old_routing   [b, L, s_local, k] int  optional, instead: the same record, compared with the experts the update
-                  pass chooses (expert volatility: how many routing decisions one update changed)
+    old_routing   [b, L, s_local, k] int  optional: experts the old policy chose (``logprob_pass`` with
+                  ``record_old_routing=True``); ``update_step(replay_old_routing=True)`` replays them (GRPO +
+                  Routing Replay), else they are compared with the experts the update pass chooses (expert
+                  volatility: how many routing decisions one update changed)
+    rollout_routing [b, S, L, k] int  optional: the engine's experts of every layer, replayed by both passes
+                  (rollout routing replay, R3)
 
 The loss of each micro batch, its normalisation and its context-parallel reduction: ``loss``.
 
@@ -58,17 +60,18 @@ def _forward(model, batch: dict):
     return output, captured
 
 
-def policy_forward_step(loss_config: LossConfig, packed: Packing | None = None):
-    """A ``forward_step_func`` for ``get_forward_backward_func`` computing the policy loss."""
+def policy_forward_step(loss_config: LossConfig, packed: Packing | None = None, replay_old_routing: bool = False):
+    """A ``forward_step_func`` for ``get_forward_backward_func`` computing the policy loss; a micro batch's
+    ``old_routing`` is replayed with ``replay_old_routing``, else compared (expert volatility)."""
 
     def forward_step(data_iterator, model):
         batch = batch_for_model(next(data_iterator), packed)
-        if "routing" in batch:
-            replay(packed_routing(batch, batch["routing"]))
+        if replay_old_routing and "old_routing" in batch:
+            replay(packed_routing(batch, batch["old_routing"]))
         elif "rollout_routing" in batch:
             replay(rank_routing(model, batch["rollout_routing"]))
         output, captured = _forward(model, batch)
-        if "old_routing" in batch:  # recorded by this forward (update_step set RECORD): expert volatility
+        if not replay_old_routing and "old_routing" in batch:  # recorded by this forward (update_step set RECORD)
             new = sequence_routing(batch)
             changes = routing_changes(batch["old_routing"].to(new.device), new,
                                       router_token_mask(batch["loss_mask"], new.shape[2]))
@@ -100,19 +103,21 @@ def _run_schedule(model, forward_step, micro_batches: list[dict], forward_only: 
     )
 
 
-def update_step(model, optimizer, micro_batches: list[dict], loss_config: LossConfig, pack: bool = False) -> dict:
+def update_step(model, optimizer, micro_batches: list[dict], loss_config: LossConfig, pack: bool = False,
+                replay_old_routing: bool = False) -> dict:
     """One optimizer step on one minibatch (its share on this data-parallel rank, as micro batches); with
     ``pack``, each micro batch runs as one packed row (micro batches carry ``seq_lengths``).
 
-    Micro batches may carry ``routing`` (replayed: GRPO + Routing Replay), ``rollout_routing`` [b, S, L, k] (the
-    engine's experts of every layer, replayed: rollout routing replay) or ``old_routing`` [b, L_local, s_local, k]
-    (the old policy's experts, compared with the experts this forward chooses: expert volatility).
+    Micro batches may carry ``old_routing`` [b, L_local, s_local, k] (the old policy's experts: with
+    ``replay_old_routing`` replayed, GRPO + Routing Replay; else compared with the experts this forward chooses,
+    expert volatility) or ``rollout_routing`` [b, S, L, k] (the engine's experts of every layer, replayed: rollout
+    routing replay).
 
     Returns, on every rank (CPU tensors): ``loss`` (the minibatch's mean loss per unit, over all DP ranks),
     ``stats`` [N, len(algo.SEQUENCE_STATS)] for every sequence of the minibatch (gathered over DP ranks in
     rank order: ``algo.update_metrics`` turns them into the logged metrics), ``seq_log_ratio`` and ``valid`` [N]
     from them, ``grad_norm``, ``update_successful``, ``token_positions`` (this rank's ``computed_positions``), and
-    with ``old_routing`` ``routing_changes`` [changed, decisions] summed over all ranks. If any rank's loss or
+    with ``old_routing`` compared, ``routing_changes`` [changed, decisions] summed over all ranks. If any rank's loss or
     gradient is non-finite the step is skipped on every rank (``train.resilience.faults.guarded_step``): weights and
     optimizer state are left as they were.
     """
@@ -120,14 +125,15 @@ def update_step(model, optimizer, micro_batches: list[dict], loss_config: LossCo
     model.zero_grad_buffer()
     optimizer.zero_grad()
     packed = schedule_packing(model, micro_batches, pack)
-    forward_step = policy_forward_step(loss_config, packed)
-    volatility = "old_routing" in micro_batches[0] and "routing" not in micro_batches[0]
+    forward_step = policy_forward_step(loss_config, packed, replay_old_routing)
+    replays_old = replay_old_routing and "old_routing" in micro_batches[0]
+    volatility = not replay_old_routing and "old_routing" in micro_batches[0]
     if volatility:
         set_routing_action("RECORD")
     try:
         results = _run_schedule(model, forward_step, micro_batches, forward_only=False, packed=packed)
     finally:
-        if "routing" in micro_batches[0] or "rollout_routing" in micro_batches[0] or volatility:
+        if replays_old or "rollout_routing" in micro_batches[0] or volatility:
             end_routing_replay()
     # Skipped on every rank when any loss or gradient is NaN/inf (resilience.faults: megatron's fp32/bf16 step would
     # apply it).
@@ -158,27 +164,28 @@ def update_step(model, optimizer, micro_batches: list[dict], loss_config: LossCo
 
 
 @torch.no_grad()
-def logprob_pass(model, micro_batches: Iterable[dict], temperature: float = 1.0, record_routing: bool = False,
+def logprob_pass(model, micro_batches: Iterable[dict], temperature: float = 1.0, record_old_routing: bool = False,
                  with_entropy: bool = False, pack: bool = False) -> dict:
     """Log-likelihoods of each micro batch's labels, with no gradient: the old- and reference-policy pass.
 
     Returns on every pipeline rank, on the model's device: ``logprobs`` [n, S] per token (meaningful where
     loss_mask is set), ``seq_logprob`` [n] (sum over response tokens) and ``num_tokens`` [n]; with
-    ``with_entropy``, ``entropy`` [n, S] of each position's (tempered) distribution. With ``record_routing``, also
-    ``routing`` [n, L_local, s_local, k]: the experts this rank's routers chose, to put in the update pass's
-    micro batches for Routing Replay (it stays on this rank: the same rank runs those layers in the update).
+    ``with_entropy``, ``entropy`` [n, S] of each position's (tempered) distribution. With ``record_old_routing``,
+    also ``old_routing`` [n, L_local, s_local, k]: the experts this rank's routers chose, to put in the update
+    pass's micro batches for Routing Replay or expert volatility (it stays on this rank: the same rank runs those
+    layers in the update).
     Micro batches with ``rollout_routing`` (the engine's experts) are computed under that routing instead. With
     ``pack``, micro batches run as packed rows and the record is [n, L_local, S, k] (whole sequences, every TP rank).
     """
     _, _, ps = megatron_groups()
     micro_batches = list(micro_batches)
     packed = schedule_packing(model, micro_batches, pack)
-    routing = []
+    old_routing = []
     replays = bool(micro_batches) and "rollout_routing" in micro_batches[0]
-    if record_routing and replays:
-        raise ValueError("logprob_pass: record_routing with rollout_routing in the micro batches (the routers "
+    if record_old_routing and replays:
+        raise ValueError("logprob_pass: record_old_routing with rollout_routing in the micro batches (the routers "
                          "replay the engine's experts: there is nothing of their own to record)")
-    if record_routing:
+    if record_old_routing:
         set_routing_action("RECORD")
 
     def forward_step(data_iterator, model):
@@ -186,20 +193,20 @@ def logprob_pass(model, micro_batches: Iterable[dict], temperature: float = 1.0,
         if replays:
             replay(rank_routing(model, batch["rollout_routing"]))
         output, captured = _forward(model, batch)
-        if record_routing:
-            routing.append(sequence_routing(batch))
+        if record_old_routing:
+            old_routing.append(sequence_routing(batch))
         return output, partial(logprob_results, batch, captured, temperature, with_entropy)
 
     try:
         results = _run_schedule(model, forward_step, micro_batches, forward_only=True, packed=packed)
     finally:
-        if record_routing or replays:
+        if record_old_routing or replays:
             end_routing_replay()
     out = None
     if ps.is_pipeline_last_stage():
         keys = ("logprobs", "seq_logprob", "num_tokens") + (("entropy",) if with_entropy else ())
         out = {key: torch.cat([r[key] for r in results]) for key in keys}
     out = broadcast_from_last_stage(out, ps.get_pipeline_model_parallel_group())
-    if record_routing:
-        out["routing"] = torch.cat(routing)
+    if record_old_routing:
+        out["old_routing"] = torch.cat(old_routing)
     return out

@@ -64,7 +64,7 @@ def test_bad_fields_are_named(overrides, message):
          r"n_routed_experts=160 is not divisible by parallel.expert=3"),
         (["rollout.group_size=1"], 1, None, r"rollout.group_size=1: group advantages need at least 2"),
         (["algo.minibatches=3"], 1, None, r"rollout.prompts_per_step\*group_size=64 is not divisible by algo.minibatches=3"),
-        (["algo.routing_replay=true"], 1, None, r"algo.routing_replay=true is the GRPO baseline's fix"),
+        (["algo.routing_replay=true"], 1, None, r"algo.routing_replay=old is the GRPO baseline's fix"),
         (["algo.kl_coef=-0.1"], 1, None, r"algo.kl_coef=-0.1 must be finite and >= 0"),
         (["algo.kl_coef=0.01", "parallel.context=2"], 2, None, r"algo.kl_coef=0.01 with parallel.context=2"),
         (["algo.entropy_coef=-1"], 1, None, r"algo.entropy_coef=-1.0 must be finite and >= 0"),
@@ -82,8 +82,8 @@ def test_bad_fields_are_named(overrides, message):
         (["recompute.granularity=full", "recompute.num_layers=25", "parallel.pipeline=2"], 2, QWEN3_30B_A3B,
          r"recompute.num_layers=25 must be in 1..24 \(layers per pipeline stage\)"),
         (["algo.name=grpo", "algo.routing_replay=true", "recompute.granularity=selective", "recompute.modules=[moe]"], 1, None,
-         r"algo.routing_replay=true with recompute.granularity='selective' and recompute.modules containing 'moe'"),
-        (["algo.routing_replay=sometimes"], 1, None, r"algo.routing_replay='sometimes' is not one of false, true"),
+         r"algo.routing_replay=old with recompute.granularity='selective' and recompute.modules containing 'moe'"),
+        (["algo.routing_replay=sometimes"], 1, None, r"algo.routing_replay='sometimes' is not one of false, old"),
         (["algo.routing_replay=rollout", "rollout.server_args={return_routed_experts: false}"], 1, None,
          r"remove rollout.server_args.return_routed_experts=false"),
         (["algo.routing_replay=rollout"], 1, dict(QWEN3_30B_A3B, num_experts=0), r"algo.routing_replay=rollout replays MoE "
@@ -97,7 +97,7 @@ def test_bad_fields_are_named(overrides, message):
         (["rollout.mode=often"], 1, None, r"rollout.mode='often'"),
         (["rollout.mode=async", "rollout.max_staleness=0"], 1, None, r"rollout.max_staleness=0"),
         (["rollout.mode=async", "rollout.engine=local"], 1, None, r"rollout.engine='local'"),
-        (["rollout.mode=one_step_off", "algo.name=grpo", "algo.routing_replay=true"], 1, None, r"algo.routing_replay=true"),
+        (["rollout.mode=one_step_off", "algo.name=grpo", "algo.routing_replay=true"], 1, None, r"algo.routing_replay=old"),
         (["rollout.mode=async", "rollout.filter_zero_variance_groups=true"], 1, None,
          r"rollout.filter_zero_variance_groups"),
         (["algo.decoupled_clip=true", "rollout.reuse_rollout_logprobs=true"], 1, None,
@@ -138,11 +138,14 @@ def test_layernorm_recompute_needs_transformer_engine():
 
 
 def test_routing_replay_values():
-    assert cfg("algo.routing_replay=old").algo.routing_replay is True  # an alias of true
+    old = cfg("algo.routing_replay=old").algo
+    assert old.routing_replay == "old" and old.replays_old_routing
+    assert cfg("algo.routing_replay=true").algo.routing_replay == "old"  # YAML true: an alias of old
     assert cfg("algo.routing_replay=true").algo.replays_old_routing
     r3 = cfg("algo.routing_replay=rollout").algo
     assert r3.routing_replay == "rollout" and r3.replays_rollout_routing and not r3.replays_old_routing
     assert not cfg().algo.routing_replay
+    assert cfg().algo.routing_replay is None and cfg("algo.routing_replay=false").algo.routing_replay is None
     validate(cfg("algo.routing_replay=rollout"), 1, QWEN3_30B_A3B)  # with GSPO too: R3 is about the engine's routing
 
 

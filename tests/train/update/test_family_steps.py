@@ -85,7 +85,7 @@ def _drifted_routing(ddp, micro: list[dict]) -> torch.Tensor:
             saved.append((router.weight.detach().clone(), router.expert_bias.detach().clone()))
             router.weight.add_(0.5 * torch.randn(router.weight.shape, generator=g))
             router.expert_bias.add_(0.5 * torch.randn(router.expert_bias.shape, generator=g))
-    routing = logprob_pass(ddp, micro, record_routing=True)["routing"]
+    routing = logprob_pass(ddp, micro, record_old_routing=True)["old_routing"]
     with torch.no_grad():
         for router, (weight, bias) in zip(_routers(ddp), saved):
             router.weight.copy_(weight)
@@ -110,17 +110,18 @@ def step_case(hf_dir: str, layout: Layout, rollout: dict, algo: str = "gspo") ->
         from gspo_megatron.train.update.schedules import logprob_pass
 
         routing = _drifted_routing(ddp, micro)
-        free = logprob_pass(ddp, micro, record_routing=True)["routing"]  # what the routers choose without replay
+        # what the routers choose without replay
+        free = logprob_pass(ddp, micro, record_old_routing=True)["old_routing"]
         result["changed"] = (routing.sort(dim=-1).values != free.sort(dim=-1).values).any(dim=-1).float().mean().item()
         for i, mb in enumerate(micro):
-            mb["routing"] = routing[i * MICRO:(i + 1) * MICRO]
+            mb["old_routing"] = routing[i * MICRO:(i + 1) * MICRO]
         used: list = []  # (layer, routing map [s_local * b, E]) of every router call of the update
 
         def hook(router):
             return lambda _m, _i, output: used.append((router.layer_number, output[1].detach().clone()))
 
         handles = [r.register_forward_hook(hook(r)) for r in _routers(ddp)]
-        out = update_step(ddp, optimizer, micro, LossConfig.grpo())
+        out = update_step(ddp, optimizer, micro, LossConfig.grpo(), replay_old_routing=True)
         for h in handles:
             h.remove()
         result["routes_same"], result["routes_total"] = _replayed(used, routing, _routers(ddp))

@@ -84,7 +84,7 @@ def make_rollout() -> dict:
             "advantages": group_advantages(torch.rand(NUM_SEQUENCES, generator=g), GROUP), "seq_lengths": lengths}
 
 
-def micro_batches(rollout: dict, first: int, count: int, routing=None, key="routing") -> list[dict]:
+def micro_batches(rollout: dict, first: int, count: int, routing=None, key="old_routing") -> list[dict]:
     out = []
     for i in range(first, first + count, MICRO):
         mb = {k: v[i:i + MICRO] for k, v in rollout.items()}
@@ -104,7 +104,7 @@ def _drifted_routing(ddp, rollout, first, count, pack):
         for layer, router in zip(tiny.unwrap_layers(ddp), _routers(ddp)):
             noise = torch.randn(router.weight.shape, generator=torch.Generator().manual_seed(layer.layer_number))
             router.weight.add_(0.5 * noise)
-    routing = logprob_pass(ddp, micro_batches(rollout, first, count), record_routing=True, pack=pack)["routing"]
+    routing = logprob_pass(ddp, micro_batches(rollout, first, count), record_old_routing=True, pack=pack)["old_routing"]
     with torch.no_grad():
         for router, weight in zip(_routers(ddp), saved):
             router.weight.copy_(weight)
@@ -139,8 +139,9 @@ def compare(cases) -> dict:
         old[rows] = passes[False]["logprobs"].cpu()
         batch = dict(rollout, old_logprobs=old + noise)
 
-        def step(cfg, pack, routing=None, key="routing"):
-            out = update_step(ddp, optimizer, micro_batches(batch, first, per_dp, routing, key), cfg, pack=pack)
+        def step(cfg, pack, routing=None, key="old_routing", replay_old_routing=False):
+            out = update_step(ddp, optimizer, micro_batches(batch, first, per_dp, routing, key), cfg, pack=pack,
+                              replay_old_routing=replay_old_routing)
             return out, tiny.flat(tiny.grads_sharded_state_dict(ddp.module))
 
         def diff(a, b):
@@ -154,7 +155,7 @@ def compare(cases) -> dict:
         drifted = {pack: _drifted_routing(ddp, batch, first, per_dp, pack) for pack in (False, True)}
         replay_algo = GRPO if layout.context == 1 else GSPO_REPLAY
         free = step(replay_algo, False)
-        replayed = {pack: step(replay_algo, pack, drifted[pack]) for pack in (False, True)}
+        replayed = {pack: step(replay_algo, pack, drifted[pack], replay_old_routing=True) for pack in (False, True)}
         r["replay"] = diff(replayed[True], replayed[False])
         r["replay_changes"] = diff(replayed[False], free)["stats"]  # per-sequence log-ratio sums
         # Rollout routing replay: an engine's experts for every layer of the whole sequence [N, S, L, k], packed
@@ -163,7 +164,7 @@ def compare(cases) -> dict:
         engine = {pack: step(replay_algo, pack, routes[rows], "rollout_routing") for pack in (False, True)}
         r["r3"] = diff(engine[True], engine[False])
         r["r3_changes"] = diff(engine[False], free)["stats"]
-        volatility = {pack: step(GSPO, pack, drifted[pack], "old_routing")[0]["routing_changes"].tolist()
+        volatility = {pack: step(GSPO, pack, drifted[pack])[0]["routing_changes"].tolist()
                       for pack in (False, True)}
         r["volatility"] = volatility
         results[name] = r
@@ -233,7 +234,7 @@ PHASE_CASES = {
     # the ranks); PP2's 4-row minibatches split by tokens, not by 2 rows
     "budget": ["parallel.pack_sequences=true", "parallel.max_tokens_per_micro_batch=150"],
 }
-ALGOS = {"gspo": [], "grpo_replay": ["algo.name=grpo", "algo.routing_replay=true"]}
+ALGOS = {"gspo": [], "grpo_replay": ["algo.name=grpo", "algo.routing_replay=old"]}
 
 
 PHASE_LAYOUTS = {"dp2": [], "pp2": ["parallel.pipeline=2"]}
@@ -268,8 +269,8 @@ def run_phases(hf_dir: str) -> dict:
                 rows = row_plan(batch["input_ids"].shape[0], cfg)
                 plan = [[p.numel() for p in micro_batch_rows(batch, r, cfg)] for r in rows]
                 metrics = {}
-                routing = passes.old_logprobs(policy, batch, rows, cfg, loss_config(cfg), metrics)
-                metrics.update(passes.update(policy, batch, rows, routing, cfg, loss_config(cfg)))
+                old_routing = passes.old_logprobs(policy, batch, rows, cfg, loss_config(cfg), metrics)
+                metrics.update(passes.update(policy, batch, rows, old_routing, cfg, loss_config(cfg)))
                 grads = torch.cat([p.main_grad.detach().flatten().clone() for p in policy.model.parameters()])
                 results[f"{layout_name}/{algo_name}/{name}"] = {
                     "metrics": metrics, "grads": grads, "plan": plan, "old": batch["old_logprobs"][batch["loss_mask"]],

@@ -41,19 +41,20 @@ def _check(layouts):
 
         optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=0.0), [model])
         rollout = make_rollout()
-        old = logprob_pass(model, micro_batches(rollout, 0, NUM_SEQUENCES, 4), record_routing=True)
-        rollout.update(old_logprobs=old["logprobs"], routing=old["routing"])
-        same = update_step(model, optimizer, micro_batches(rollout, 0, NUM_SEQUENCES, 2), GRPO)
+        old = logprob_pass(model, micro_batches(rollout, 0, NUM_SEQUENCES, 4), record_old_routing=True)
+        rollout.update(old_logprobs=old["logprobs"], old_routing=old["old_routing"])
+        same = update_step(model, optimizer, micro_batches(rollout, 0, NUM_SEQUENCES, 2), GRPO, replay_old_routing=True)
 
         # Router drift: the old policy's routing is no longer what the router would choose.
         with torch.no_grad():
             for layer in tiny.unwrap_layers(model):
                 layer.mlp.router.weight.add_(torch.randn_like(layer.mlp.router.weight))
-        drifted = logprob_pass(model, micro_batches(rollout, 0, NUM_SEQUENCES, 4), record_routing=True)
-        replayed = update_step(model, optimizer, micro_batches(rollout, 0, NUM_SEQUENCES, 2), GRPO)
+        drifted = logprob_pass(model, micro_batches(rollout, 0, NUM_SEQUENCES, 4), record_old_routing=True)
+        replayed = update_step(model, optimizer, micro_batches(rollout, 0, NUM_SEQUENCES, 2), GRPO,
+                               replay_old_routing=True)
         free = update_step(
-            model, optimizer, micro_batches({k: v for k, v in rollout.items() if k != "routing"}, 0, NUM_SEQUENCES, 2), GRPO
-        )
+            model, optimizer, micro_batches({k: v for k, v in rollout.items() if k != "old_routing"}, 0, NUM_SEQUENCES, 2),
+            GRPO)
         # update_step gathers every DP rank's sequences (each rank here trains on all 8): keep this rank's.
         from megatron.core import parallel_state as ps
 
@@ -62,7 +63,7 @@ def _check(layouts):
         valid = same["valid"]
         out[name] = {
             "same_ratio": same["seq_log_ratio"][valid].abs().max().item(),
-            "routing_changed": _changed_fraction(drifted["routing"], old["routing"]),
+            "routing_changed": _changed_fraction(drifted["old_routing"], old["old_routing"]),
             "replayed_vs_free": (replayed["seq_log_ratio"] - free["seq_log_ratio"])[valid].abs().max().item(),
             "free_vs_drifted_pass": (
                 free["seq_log_ratio"] - (drifted["seq_logprob"] - old["seq_logprob"]) / drifted["num_tokens"].clamp_min(1)

@@ -94,7 +94,7 @@ def drifted_routing(ddp, rollout: dict, first: int, count: int) -> torch.Tensor:
             saved.append(router.weight.detach().clone())
             noise = torch.randn(router.weight.shape, generator=torch.Generator().manual_seed(layer_number))
             router.weight.add_(0.5 * noise)
-    routing = logprob_pass(ddp, micro_batches(rollout, first, count, MICRO), record_routing=True)["routing"]
+    routing = logprob_pass(ddp, micro_batches(rollout, first, count, MICRO), record_old_routing=True)["old_routing"]
     with torch.no_grad():
         for (_, router), weight in zip(_routers(ddp), saved):
             router.weight.copy_(weight)
@@ -119,13 +119,12 @@ def algorithm_steps(ckpt_dir: str, rollout: dict, token_advantages: torch.Tensor
     for name in names:
         batch = dict(rollout, advantages=token_advantages) if name == "gspo_token" else rollout
         micro = micro_batches(batch, first, count, MICRO)
-        key = {"grpo_routing_replay": "routing", "gspo_volatility": "old_routing"}.get(name)
         for i, mb in enumerate(micro):
-            if key:
-                mb[key] = routing[i * MICRO:(i + 1) * MICRO]
+            if name in ("grpo_routing_replay", "gspo_volatility"):  # replayed, or compared (expert volatility)
+                mb["old_routing"] = routing[i * MICRO:(i + 1) * MICRO]
             if name == "gspo_rollout_routing":  # this rank's rows, whole sequences: the forward step splits them
                 mb["rollout_routing"] = rollout_routes()[first + i * MICRO:first + (i + 1) * MICRO]
-        out = update_step(ddp, optimizer, micro, ALGORITHMS[name])
+        out = update_step(ddp, optimizer, micro, ALGORITHMS[name], replay_old_routing=name == "grpo_routing_replay")
         results[name] = (out, tiny.grads_sharded_state_dict(ddp.module))
     return results, ddp, optimizer, routing
 
@@ -260,7 +259,7 @@ def reference(ckpt_dir: str):
         "clip_frac_tokens": update_metrics(gspo["stats"], "sequence")["clip_frac_tokens"],
     }
     # Expert volatility counted by the update equals the record compared by hand with a fresh pass's routing.
-    fresh = logprob_pass(ddp, micro_batches(rollout, 0, NUM_SEQUENCES, MICRO), record_routing=True)["routing"]
+    fresh = logprob_pass(ddp, micro_batches(rollout, 0, NUM_SEQUENCES, MICRO), record_old_routing=True)["old_routing"]
     volatility = {"update": algos["gspo_volatility"][0]["routing_changes"].tolist(),
                   "by_hand": routing_changes(drifted, fresh, rollout["loss_mask"]).tolist()}
     return {"out": out, "split_diff": split_diff, "ratio_one": ratio_one, "moved": moved, "entropy": entropy,
