@@ -19,6 +19,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "gspo_megatron" / "train" / "startup" / "config.py"
 OUT = ROOT / "docs" / "configuration.md"
+# Defaults the config reads from the algorithm layer (``algo.defaults``: each defined once) are shown by value.
+CONSTANTS = ROOT / "gspo_megatron" / "algo" / "defaults.py"
 COMMAND = ".venv/bin/python tools/config_reference.py"
 
 
@@ -47,8 +49,17 @@ def _default(node: ast.expr | None) -> str:
     return _yaml(node)
 
 
+def _constants() -> dict[str, ast.expr]:
+    """``NAME = value`` of ``algo/defaults.py``, read with ``ast`` like the config module."""
+    return {node.targets[0].id: node.value for node in ast.parse(CONSTANTS.read_text()).body
+            if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)}
+
+
 def _yaml(node: ast.expr) -> str:
-    """A constant as YAML writes it (true, null, "text"); anything else as Python writes it."""
+    """A constant as YAML writes it (true, null, "text"), one of ``algo/defaults.py`` by its value; anything else
+    as Python writes it."""
+    if isinstance(node, ast.Name) and node.id in _constants():
+        return _yaml(_constants()[node.id])
     if isinstance(node, ast.Constant):
         value = node.value
         if isinstance(value, bool) or value is None:

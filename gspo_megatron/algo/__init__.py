@@ -3,13 +3,15 @@
 Modules: advantages (group-relative A_i), ratios (sequence log-ratio and its CP-reducible partial sums),
 surrogate (the clipped min shared by all losses), gspo (GSPO and GSPO-token), grpo (token-level baseline),
 kl (reference-policy KL estimators), aggregation (denominators), metrics (diagnostics), decoupled (clipping
-samples from older weights around the proximal policy).
+samples from older weights around the proximal policy), defaults (the algorithms' names, clip ranges and other
+constants: the one place they live).
 """
 
 from .advantages import group_advantages, segment_advantages
 from .aggregation import AGGREGATIONS, aggregate, seq_mean_token_mean, sequence_mean, token_mean
 from .grpo import grpo_loss, grpo_terms
 from .decoupled import behaviour_weights, decoupled_advantages
+from .defaults import ALGORITHMS, CLIP_RANGES, GRPO_AGGREGATION, KL_ESTIMATOR, MAX_LOG_RATIO
 from .gspo import (GSPOTerms, TokenTerms, gspo_loss, gspo_loss_from_sums, gspo_sequence_objective, gspo_token_loss,
                    gspo_token_terms)
 from .metrics import SEQUENCE_STATS, mismatch_metrics, sequence_stats, update_metrics
@@ -19,10 +21,15 @@ from .surrogate import clipped_surrogate
 
 __all__ = [
     "AGGREGATIONS",
+    "ALGORITHMS",
+    "CLIP_RANGES",
+    "GRPO_AGGREGATION",
     "GSPOTerms",
     "SEQUENCE_STATS",
     "TokenTerms",
+    "KL_ESTIMATOR",
     "KL_ESTIMATORS",
+    "MAX_LOG_RATIO",
     "aggregate",
     "behaviour_weights",
     "clipped_surrogate",

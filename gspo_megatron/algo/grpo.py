@@ -11,6 +11,7 @@ import torch
 
 from ._checks import check_clip_range, check_sequence_vector, check_token_inputs
 from .aggregation import Denominator, aggregate, check_aggregation
+from .defaults import CLIP_RANGES, GRPO_AGGREGATION, KL_ESTIMATOR, MAX_LOG_RATIO
 from .kl import kl_loss_term
 from .masking import masked_token_log_ratio, to_compute_dtype, zero_masked
 from .metrics import approx_kl, clip_fractions, masked_stats, to_floats
@@ -38,15 +39,15 @@ def grpo_terms(
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    eps_low: float = 0.2,
-    eps_high: float = 0.27,
-    aggregation: str = "token-mean",
-    max_log_ratio: float = 10.0,
+    eps_low: float = CLIP_RANGES["grpo"][0],
+    eps_high: float = CLIP_RANGES["grpo"][1],
+    aggregation: str = GRPO_AGGREGATION,
+    max_log_ratio: float = MAX_LOG_RATIO,
     num_tokens: Denominator = None,
     num_sequences: Denominator = None,
     ref_logprobs: torch.Tensor | None = None,
     kl_coef: float = 0.0,
-    kl_estimator: str = "k3",
+    kl_estimator: str = KL_ESTIMATOR,
 ) -> TokenTerms:
     """grpo_loss without its metrics (no host transfer): the loss and the token clip masks."""
     check_aggregation(aggregation)
@@ -73,15 +74,15 @@ def grpo_loss(
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    eps_low: float = 0.2,
-    eps_high: float = 0.27,
-    aggregation: str = "token-mean",
-    max_log_ratio: float = 10.0,
+    eps_low: float = CLIP_RANGES["grpo"][0],
+    eps_high: float = CLIP_RANGES["grpo"][1],
+    aggregation: str = GRPO_AGGREGATION,
+    max_log_ratio: float = MAX_LOG_RATIO,
     num_tokens: Denominator = None,
     num_sequences: Denominator = None,
     ref_logprobs: torch.Tensor | None = None,
     kl_coef: float = 0.0,
-    kl_estimator: str = "k3",
+    kl_estimator: str = KL_ESTIMATOR,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Token-level PPO-clip loss and metrics.
 

@@ -19,6 +19,7 @@ import torch
 
 from ._checks import check_clip_range, check_sequence_vector, check_token_inputs
 from .aggregation import Denominator, seq_mean_token_mean, sequence_mean
+from .defaults import CLIP_RANGES, KL_ESTIMATOR, MAX_LOG_RATIO
 from .kl import kl_loss_term
 from .masking import to_compute_dtype, zero_masked
 from .metrics import approx_kl, clip_fractions, masked_stats, to_floats
@@ -32,9 +33,9 @@ __all__ = ["GSPOTerms", "TokenTerms", "gspo_loss", "gspo_loss_from_sums", "gspo_
 def gspo_sequence_objective(
     seq_log_ratio: torch.Tensor,
     advantages: torch.Tensor,
-    eps_low: float = 3e-4,
-    eps_high: float = 4e-4,
-    max_log_ratio: float = 10.0,
+    eps_low: float = CLIP_RANGES["gspo"][0],
+    eps_high: float = CLIP_RANGES["gspo"][1],
+    max_log_ratio: float = MAX_LOG_RATIO,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-sequence GSPO objective term min(s_i A_i, clip(s_i) A_i), s_i = exp(clamp(seq_log_ratio_i)).
 
@@ -62,9 +63,9 @@ def gspo_loss_from_sums(
     log_ratio_sum: torch.Tensor,
     token_count: torch.Tensor,
     advantages: torch.Tensor,
-    eps_low: float = 3e-4,
-    eps_high: float = 4e-4,
-    max_log_ratio: float = 10.0,
+    eps_low: float = CLIP_RANGES["gspo"][0],
+    eps_high: float = CLIP_RANGES["gspo"][1],
+    max_log_ratio: float = MAX_LOG_RATIO,
     num_sequences: Denominator = None,
 ) -> GSPOTerms:
     """GSPO loss from per-sequence partial sums (see ratios.masked_log_ratio_sums). All inputs [B].
@@ -91,13 +92,13 @@ def gspo_loss(
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    eps_low: float = 3e-4,
-    eps_high: float = 4e-4,
-    max_log_ratio: float = 10.0,
+    eps_low: float = CLIP_RANGES["gspo"][0],
+    eps_high: float = CLIP_RANGES["gspo"][1],
+    max_log_ratio: float = MAX_LOG_RATIO,
     num_sequences: Denominator = None,
     ref_logprobs: torch.Tensor | None = None,
     kl_coef: float = 0.0,
-    kl_estimator: str = "k3",
+    kl_estimator: str = KL_ESTIMATOR,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Sequence-level GSPO loss -J and metrics.
 
@@ -155,13 +156,13 @@ def gspo_token_terms(
     old_logprobs: torch.Tensor,
     token_advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    eps_low: float = 3e-4,
-    eps_high: float = 4e-4,
-    max_log_ratio: float = 10.0,
+    eps_low: float = CLIP_RANGES["gspo_token"][0],
+    eps_high: float = CLIP_RANGES["gspo_token"][1],
+    max_log_ratio: float = MAX_LOG_RATIO,
     num_sequences: Denominator = None,
     ref_logprobs: torch.Tensor | None = None,
     kl_coef: float = 0.0,
-    kl_estimator: str = "k3",
+    kl_estimator: str = KL_ESTIMATOR,
 ) -> TokenTerms:
     """gspo_token_loss without its metrics (no host transfer): the loss and the token clip masks."""
     mask = check_token_inputs(
@@ -190,13 +191,13 @@ def gspo_token_loss(
     old_logprobs: torch.Tensor,
     token_advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    eps_low: float = 3e-4,
-    eps_high: float = 4e-4,
-    max_log_ratio: float = 10.0,
+    eps_low: float = CLIP_RANGES["gspo_token"][0],
+    eps_high: float = CLIP_RANGES["gspo_token"][1],
+    max_log_ratio: float = MAX_LOG_RATIO,
     num_sequences: Denominator = None,
     ref_logprobs: torch.Tensor | None = None,
     kl_coef: float = 0.0,
-    kl_estimator: str = "k3",
+    kl_estimator: str = KL_ESTIMATOR,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """GSPO-token loss: per-token advantages A_it with the sequence ratio as each token's ratio value.
 

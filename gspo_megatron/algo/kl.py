@@ -15,6 +15,7 @@ import torch
 
 from ._checks import check_token_inputs
 from .aggregation import Denominator, aggregate, check_aggregation
+from .defaults import KL_ESTIMATOR, MAX_LOG_RATIO
 from .masking import masked_token_log_ratio
 
 __all__ = ["KL_ESTIMATORS", "kl_k1", "kl_k2", "kl_k3", "kl_loss_term", "kl_penalty"]
@@ -62,9 +63,9 @@ def kl_penalty(
     logprobs: torch.Tensor,
     ref_logprobs: torch.Tensor,
     response_mask: torch.Tensor,
-    estimator: str = "k3",
+    estimator: str = KL_ESTIMATOR,
     aggregation: str = "seq-mean-token-mean",
-    max_log_ratio: float = 10.0,
+    max_log_ratio: float = MAX_LOG_RATIO,
     num_tokens: Denominator = None,
     num_sequences: Denominator = None,
 ) -> torch.Tensor:

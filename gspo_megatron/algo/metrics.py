@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from .defaults import MAX_LOG_RATIO
 from .kl import KL_ESTIMATORS
 from .masking import masked_token_log_ratio
 
@@ -80,7 +81,7 @@ MAX_STATS = ("clipped_low", "clipped_high", "abs_diff_max")
 @torch.no_grad()
 def sequence_stats(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor,
                    clipped_low: torch.Tensor | None = None, clipped_high: torch.Tensor | None = None,
-                   max_log_ratio: float = 10.0) -> torch.Tensor:
+                   max_log_ratio: float = MAX_LOG_RATIO) -> torch.Tensor:
     """One micro batch -> [B, len(SEQUENCE_STATS)] (columns in SEQUENCE_STATS order), >= float32.
 
     logprobs, old_logprobs, mask: [B, T] (mask bool); clipped_low / clipped_high: bool [B] (sequence-level
@@ -114,7 +115,7 @@ def _columns(stats: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def update_metrics(stats: torch.Tensor, unit: str, max_log_ratio: float = 10.0) -> dict[str, float]:
+def update_metrics(stats: torch.Tensor, unit: str, max_log_ratio: float = MAX_LOG_RATIO) -> dict[str, float]:
     """The update's metrics from the per-sequence stats of every sequence it trained on (all micro batches,
     minibatches and ranks): [N, len(SEQUENCE_STATS)] -> floats.
 

@@ -14,7 +14,7 @@ from gspo_megatron.train.update.loss import LossConfig
 
 
 def loss_config(cfg: Config) -> LossConfig:
-    a = cfg.algo  # an unset clip bound is the algorithm's (update.loss.CLIP_RANGES)
+    a = cfg.algo  # an unset clip bound is the algorithm's (algo.defaults.CLIP_RANGES)
     return LossConfig(
         name=a.name, eps_low=a.eps_low, eps_high=a.eps_high,
         max_log_ratio=a.max_log_ratio, grpo_aggregation=a.grpo_aggregation, kl_coef=a.kl_coef,

@@ -22,6 +22,8 @@ from typing import Any
 
 import yaml
 
+from gspo_megatron.algo.defaults import GRPO_AGGREGATION, KL_ESTIMATOR, MAX_LOG_RATIO
+
 
 class ConfigError(ValueError):
     """A config field is wrong; the message names it (``section.field``) and says how to fix it."""
@@ -247,10 +249,10 @@ class AlgoSection:
     eps_low: float | None = None
     """Lower clip; default 3e-4 for GSPO, 0.2 for GRPO (the paper's values)."""
     eps_high: float | None = None
-    """Upper clip; default 4e-4 for GSPO, 0.27 for GRPO."""
-    max_log_ratio: float = 10.0
+    """Upper clip; default 4e-4 for GSPO, 0.27 for GRPO (both bounds: ``algo.defaults.CLIP_RANGES``)."""
+    max_log_ratio: float = MAX_LOG_RATIO
     """The log importance ratio is clamped to +-this before exp, so a ratio stays finite (algo/surrogate.py)."""
-    grpo_aggregation: str = "token-mean"
+    grpo_aggregation: str = GRPO_AGGREGATION
     """GRPO's normalisation: token-mean (every token weighs the same) or seq-mean-token-mean (every sequence)."""
     token_advantages: str = "sequence"
     """Where per-token advantages come from (gspo_token, grpo): sequence (A_i on every token; GSPO-token then equals
@@ -266,7 +268,7 @@ class AlgoSection:
     false: the routers choose freely. true is accepted as old (the value before rollout existed)."""
     kl_coef: float = 0.0
     """KL penalty against a frozen reference (the starting weights); GSPO uses none. > 0 adds a reference pass."""
-    kl_estimator: str = "k3"
+    kl_estimator: str = KL_ESTIMATOR
     """With kl_coef > 0: the KL estimator, k1, k2 or k3 (Schulman's; k3 is non-negative and unbiased)."""
     entropy_coef: float = 0.0
     """Entropy bonus: the loss minus entropy_coef x the policy's mean entropy per response token (normalised like

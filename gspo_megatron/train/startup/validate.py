@@ -7,7 +7,7 @@ import math
 from gspo_megatron.algo import AGGREGATIONS, KL_ESTIMATORS
 from gspo_megatron.environment import transformer_engine_available
 from gspo_megatron.train.startup.config import Config, ConfigError, unknown_names
-from gspo_megatron.train.update.loss import ALGORITHMS
+from gspo_megatron.algo.defaults import ALGORITHMS
 from gspo_megatron.train.startup.performance import check_performance
 from gspo_megatron.train.update.recompute import check_recompute
 

@@ -12,7 +12,8 @@ Context parallelism (GSPO): each CP rank holds megatron's load-balanced share of
 partial sums are all-reduced as scalars (``parallel.reductions``), every CP rank computes the same loss, and only CP
 rank 0 counts the sequences (the count is summed over the DP x CP group).
 
-``LossConfig`` is the loss's configuration, and ``CLIP_RANGES`` the one place the papers' clip ranges live.
+``LossConfig`` is the loss's configuration; its defaults are the algorithm layer's (``algo.defaults``: the papers'
+clip ranges ``CLIP_RANGES`` and the other constants live there).
 """
 
 from __future__ import annotations
@@ -23,16 +24,13 @@ from functools import partial
 import torch
 
 from gspo_megatron import algo
+from gspo_megatron.algo.defaults import ALGORITHMS, CLIP_RANGES, GRPO_AGGREGATION, KL_ESTIMATOR, MAX_LOG_RATIO
 from gspo_megatron.ops import vocab_parallel_logprobs, vocab_parallel_sequence_loss
 from gspo_megatron.parallel import context, packing
 from gspo_megatron.parallel.reductions import all_reduce_sequence_stats, all_reduce_sequence_sums
 from gspo_megatron.train.update.batch import megatron_groups, padded
 
 
-ALGORITHMS = ("gspo", "gspo_token", "grpo")
-# The clip range (eps_low, eps_high) of each algorithm when the config leaves it unset: the GSPO paper's
-# sequence-level range (GSPO-token shares it), and its GRPO baseline's token-level one. The one place they live.
-CLIP_RANGES = {"gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4), "grpo": (0.2, 0.27)}
 
 
 @dataclass(frozen=True)
@@ -42,10 +40,10 @@ class LossConfig:
     name: str = "gspo"
     eps_low: float | None = None
     eps_high: float | None = None
-    max_log_ratio: float = 10.0
-    grpo_aggregation: str = "token-mean"  # or "seq-mean-token-mean"
+    max_log_ratio: float = MAX_LOG_RATIO
+    grpo_aggregation: str = GRPO_AGGREGATION  # or "seq-mean-token-mean"
     kl_coef: float = 0.0
-    kl_estimator: str = "k3"
+    kl_estimator: str = KL_ESTIMATOR
     entropy_coef: float = 0.0  # an entropy bonus: loss - entropy_coef * mean entropy (aggregated like the loss)
     temperature: float = 1.0  # the rollout's sampling temperature: log-probs are of logits / temperature
     fused_loss: bool = True  # the loss inside the output layer's op (ops.sequence_loss); False: log-probs, then loss
