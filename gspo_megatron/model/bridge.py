@@ -19,7 +19,7 @@ Conversion (``convert``), SGLang weight sync (``rollout``) and the local engine 
     yield the same tensors.
     Order: embedding, then layer by layer (within a MoE layer, experts in (local index, EP rank) order),
     then the head. Tensors may be views of live parameters: copy before modifying or keeping across an
-    optimizer step. ``buckets(named_tensors, bucket_bytes)`` groups the stream for bucketed transfer.
+    optimizer step. ``rollout.weight_sync.buckets`` groups the stream for bucketed transfer.
 
 ``Bridge(spec).export_to_sender(model, dtype=None)``
     The same tensors, in the same order, gathered onto one rank per pipeline stage only: the stage's *sender*,
@@ -34,7 +34,7 @@ Conversion (``convert``), SGLang weight sync (``rollout``) and the local engine 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Iterator
+from typing import Iterator
 
 import torch
 
@@ -294,18 +294,3 @@ def is_stage_sender() -> bool:
 
 def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return tensor if dtype is None or tensor.dtype == dtype else tensor.to(dtype)
-
-
-def buckets(named_tensors: Iterable[tuple[str, torch.Tensor]],
-            bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Group a (name, tensor) stream into lists of at most ``bucket_bytes`` (a larger tensor goes alone)."""
-    bucket, size = [], 0
-    for name, tensor in named_tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += nbytes
-    if bucket:
-        yield bucket

@@ -20,7 +20,6 @@ import pytest
 import torch
 
 from gspo_megatron.model import mapping
-from gspo_megatron.model.bridge import buckets
 from gspo_megatron.model.hf_config import read_hf_config
 from gspo_megatron.model.hf_files import SafetensorsDir
 from tests.model import hf_tiny, rank_checks
@@ -77,12 +76,6 @@ def _check_export_to_sender(kind, per_rank, moe):
 def test_a_wrong_qkv_layout_is_detected(variant, rank_results):
     diffs = [r["logits_diff"] for r in rank_checks.result(rank_results, ("bridge", variant, "control"))]
     assert min(diffs) > 1e-2, f"q/k/v stacked without grouping still matched transformers ({min(diffs):.2e})"
-
-
-def test_buckets_group_the_export_stream_by_bytes():
-    tensors = [(f"t{i}", torch.zeros(n)) for i, n in enumerate([10, 10, 30, 5, 100, 1])]  # fp32: 4 bytes each
-    groups = [[name for name, _ in bucket] for bucket in buckets(tensors, bucket_bytes=80)]
-    assert groups == [["t0", "t1"], ["t2"], ["t3"], ["t4"], ["t5"]]
 
 
 @torch.no_grad()

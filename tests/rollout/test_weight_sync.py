@@ -105,6 +105,10 @@ def test_buckets_bound_bytes_and_keep_one_dtype():
     # Cast to bf16 before sending: sizes count the sent dtype (a+b+c = 1000 B fit one bucket then).
     out = [[n for n, _ in b] for b in buckets(iter(tensors), bucket_bytes=1024, dtype=torch.bfloat16)]
     assert out == [["a", "b", "c", "d"], ["e"], ["f"]]
+    # One dtype, as the bridge's export streams it: a tensor that would overflow a bucket starts the next one.
+    tensors = [(f"t{i}", torch.zeros(n)) for i, n in enumerate([10, 10, 30, 5, 100, 1])]  # fp32: 4 bytes each
+    groups = [[name for name, _ in bucket] for bucket in buckets(tensors, bucket_bytes=80)]
+    assert groups == [["t0", "t1"], ["t2"], ["t3"], ["t4"], ["t5"]]
 
 
 def test_a_sender_on_another_host_is_reached_at_its_own_name():
