@@ -38,6 +38,9 @@ from gspo_megatron.train.weight_sync.sync import sync_weights
 from gspo_megatron.train.resilience import elastic, preemption
 from gspo_megatron.train.resilience.faults import NonFiniteGuard
 from gspo_megatron.train.records import checkpoint
+from gspo_megatron.train.records.metrics_log import MetricsLogger
+from gspo_megatron.train.records.plots import plot_runs  # matplotlib is imported when a plot is drawn
+from gspo_megatron.train.records.progress import Progress
 
 def train(cfg: Config, resume: bool = False) -> dict:
     """Run ``cfg`` to ``train.steps``; returns the last step's metrics."""
@@ -53,9 +56,6 @@ def train(cfg: Config, resume: bool = False) -> dict:
     reward_fn = reward_function(cfg)
     loss_cfg = loss_config(cfg)
     engine = make_engine(cfg, hf_dir, tokenizer)  # rank 0's; None elsewhere
-    from gspo_megatron.train.records.metrics_log import MetricsLogger
-    from gspo_megatron.train.records.progress import Progress
-
     logger = MetricsLogger(cfg.logging.dir, cfg.logging.tensorboard, cfg.logging.wandb_project, enabled=rank0)
     step, version, state = 0, 0, None
     resume_from = elastic.checkpoint_to_resume(cfg, resume)  # --resume, or a torchrun restart: this run's latest
@@ -127,8 +127,6 @@ def train(cfg: Config, resume: bool = False) -> dict:
             logger.log(step, metrics)
             progress.update(step, metrics, example)
             if rank0 and cfg.logging.plot_every and (step % cfg.logging.plot_every == 0 or step == cfg.train.steps):
-                from gspo_megatron.train.records.plots import plot_runs
-
                 plot_runs({"run": logger.path}, Path(cfg.logging.dir) / "metrics.png", title=f"{cfg.algo.name}")
             if stop:
                 metrics["preempted_at_step"] = step

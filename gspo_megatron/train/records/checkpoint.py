@@ -35,7 +35,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from gspo_megatron.model.checkpoint import LATEST
+from gspo_megatron.model.checkpoint import LATEST, tensors_state_dict
+from gspo_megatron.model.hidden_output import unwrap
+from gspo_megatron.parallel import control
 from gspo_megatron.train.resilience import fault_injection
 # The distributed optimizer's state as one ShardedTensor per contiguous buffer: fully parallel save and load
 # with no gather (Megatron-LM's default). It can be resumed under another data-parallel size, not another
@@ -51,8 +53,6 @@ def _barrier() -> None:
     """In the control group: the others wait here for rank 0's file-system work (pruning old checkpoints of
     terabytes can take minutes), where no NCCL watchdog fires."""
     if dist.is_initialized():
-        from gspo_megatron.parallel import control
-
         control.barrier()
 
 
@@ -90,8 +90,6 @@ def _rng_sharded_object(states: dict | None):
 def _sharded_state(model, optimizer, scheduler, trainer_state: dict | None, rng: dict | None, is_loading: bool):
     # The model part is exactly a converted model checkpoint's (tensors only, per-layer keys), so
     # tools/convert_megatron_to_hf.py reads a training checkpoint as it is.
-    from gspo_megatron.model.checkpoint import tensors_state_dict
-
     model_sd = tensors_state_dict(model)
     state = {"model": model_sd, "rng_state": _rng_sharded_object(rng)}
     if optimizer is not None:
@@ -347,8 +345,6 @@ def load(path: str | Path, model, optimizer, scheduler) -> dict[str, Any]:
     Returns the trainer state saved with it (``step``, data position, weight version, ...).
     """
     from megatron.core import dist_checkpointing
-
-    from gspo_megatron.model.hidden_output import unwrap
 
     finalize_saves(blocking=True)
     common = dist_checkpointing.load_common_state_dict(str(path))

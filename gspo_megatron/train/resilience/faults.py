@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from gspo_megatron import environment
+
 
 class NonFiniteError(RuntimeError):
     """Too many consecutive steps had a non-finite loss or gradient; the message names them and the saved batches."""
@@ -25,8 +27,6 @@ class NonFiniteError(RuntimeError):
 def nonfinite_anywhere(model, loss_sums: list[torch.Tensor]) -> bool:
     """True on every rank if any rank's ``loss_sums`` or gradient buffer (``param.main_grad``) holds a NaN or inf
     (collective over the world group)."""
-    from gspo_megatron import environment
-
     checks = [torch.isfinite(g).all() for p in model.parameters() if (g := getattr(p, "main_grad", None)) is not None]
     checks += [torch.isfinite(s).all() for s in loss_sums]
     flag = torch.zeros(1, dtype=torch.float32, device=environment.device())

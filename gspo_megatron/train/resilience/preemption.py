@@ -18,6 +18,8 @@ import sys
 import torch
 import torch.distributed as dist
 
+from gspo_megatron.parallel import control
+
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 _requested: int | None = None  # the signal this rank got first
 
@@ -44,8 +46,6 @@ def requested() -> int | None:
 
 def stop_agreed() -> bool:
     """True on every rank if any rank got a stop signal (collective over the control group)."""
-    from gspo_megatron.parallel import control
-
     flag = torch.tensor([float(_requested is not None)])
     if dist.is_initialized():
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=control.group())

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from gspo_megatron.parallel import control
+from gspo_megatron.rollout import StaleWeights, samples_to_batch
 from gspo_megatron.train.sampling.rounds import Redraw, RolloutPayload, eval_metrics, produce
 from gspo_megatron.train.startup.config import Config
 from gspo_megatron.train.startup.data import Prompt
@@ -60,8 +61,6 @@ def collect(engine, prompts: list[Prompt], cfg: Config, step: int, tokenizer, re
 
 def as_rollout(payload: RolloutPayload, pad_multiple: int, more_prompts=None) -> Rollout:
     """Every rank's Rollout of rank 0's ``produce`` payload (received)."""
-    from gspo_megatron.rollout import samples_to_batch
-
     p = payload
     if dist.get_rank() != 0 and p.extra_prompts:
         more_prompts(p.extra_prompts)  # rank 0 drew these: keep every rank's data position the same
@@ -75,8 +74,6 @@ def on_rank0(work, resync=None, retry=None):
     """``work()`` on rank 0, its result on every rank (collective). If a rollout server was restarted without the
     current weights (``StaleWeights``: they came by distributed sync), every rank calls ``resync()`` and rank 0
     works again (after ``retry()``); without ``resync`` the error is raised."""
-    from gspo_megatron.rollout import StaleWeights
-
     while True:
         payload = None
         if dist.get_rank() == 0:

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from gspo_megatron.parallel import control
+from gspo_megatron.rollout import LocalEngine, SGLangConfig, SGLangEngine, WeightSyncConfig
 from gspo_megatron.train.resilience import elastic, preemption
 from gspo_megatron.train.startup.config import Config, ConfigError
 
@@ -23,8 +24,6 @@ def make_engine(cfg: Config, hf_dir: str | Path, tokenizer):
 
 
 def _engine(cfg: Config, hf_dir: str | Path, tokenizer):
-    from gspo_megatron.rollout import LocalEngine, SGLangConfig, SGLangEngine, WeightSyncConfig
-
     if cfg.rollout.engine == "local":
         from transformers import AutoModelForCausalLM
 

@@ -10,7 +10,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from gspo_megatron import algo
+from gspo_megatron import algo, environment
 from gspo_megatron.algo import kl_penalty
 from gspo_megatron.train.startup.config import Config, measures_volatility, runs_old_pass
 from gspo_megatron.train.update.loss import LossConfig
@@ -103,8 +103,6 @@ def _padding_fraction(positions: torch.Tensor) -> float:
     (padded rows: all but each sequence's tokens; packed rows: the row's rounding, and each sequence's rounding to
     2 * cp chunks under context parallelism)."""
     from megatron.core import parallel_state as ps
-
-    from gspo_megatron import environment
 
     totals = positions.to(environment.device())
     dist.all_reduce(totals, group=ps.get_data_parallel_group())

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from gspo_megatron import environment
+from gspo_megatron.parallel import packing
 from gspo_megatron.train.startup.config import Config
 
 
@@ -38,9 +40,6 @@ def micro_batch_rows(batch: dict, rows: torch.Tensor, cfg: Config) -> list[torch
         size = cfg.parallel.micro_batch_size
         return [torch.arange(i, min(i + size, rows.numel())) for i in range(0, rows.numel(), size)]
     from megatron.core import parallel_state as ps
-
-    from gspo_megatron import environment
-    from gspo_megatron.parallel import packing
 
     lengths = sequence_lengths(batch)[rows]
     count = 1
