@@ -21,8 +21,8 @@ from gspo_megatron.train.sampling import broadcast
 _collect = broadcast.collect
 
 
-def collect(engine, prompts, cfg, step, *args, **kwargs):
-    rollout = _collect(engine, prompts, cfg, step, *args, **kwargs)
+def collect(sampler, prompts, step, *args, **kwargs):
+    rollout = _collect(sampler, prompts, step, *args, **kwargs)
     record = {k: rollout.batch[k] for k in ("input_ids", "loss_mask", "prompt_lengths", "response_lengths")}
     record["turns"] = [s.turns for s in rollout.samples]
     torch.save(record, Path(os.environ["RECORD_ROLLOUTS"]) / f"rank{dist.get_rank()}_step{step}.pt")

@@ -15,8 +15,7 @@ import torch.distributed as dist
 
 from gspo_megatron.parallel import control
 from gspo_megatron.rollout import StaleWeights, samples_to_batch
-from gspo_megatron.train.sampling.rounds import Redraw, RolloutPayload, eval_metrics, produce
-from gspo_megatron.train.startup.config import Config
+from gspo_megatron.train.sampling.rounds import Redraw, RolloutPayload, Sampler, eval_metrics, produce
 from gspo_megatron.train.startup.data import Prompt
 
 
@@ -35,9 +34,10 @@ class Rollout:
     versions: torch.Tensor | None = None
 
 
-def collect(engine, prompts: list[Prompt], cfg: Config, step: int, tokenizer, reward_fn, pad_multiple: int,
-            more_prompts=None, version: int = 0, resync=None, partial=None) -> Rollout:
-    """Rank 0 generates and scores, everyone receives: a collective (the others wait in the control group).
+def collect(sampler: Sampler, prompts: list[Prompt], step: int, pad_multiple: int, more_prompts=None,
+            version: int = 0, resync=None, partial=None) -> Rollout:
+    """Rank 0 generates and scores with ``sampler`` (``rounds.produce``), everyone receives: a collective (the
+    others wait in the control group).
 
     ``more_prompts(count)``: further prompts for rollout.filter_zero_variance_groups (the prompt stream's
     ``next``); every rank calls it for as many prompts as rank 0 drew, so data positions stay equal.
@@ -54,8 +54,7 @@ def collect(engine, prompts: list[Prompt], cfg: Config, step: int, tokenizer, re
         if partial is not None:
             partial.load_state_dict(before)
 
-    payload = on_rank0(lambda: produce(engine, prompts, cfg, step, tokenizer, reward_fn, more, version, partial),
-                       resync, retry=retry)
+    payload = on_rank0(lambda: produce(sampler, prompts, step, more, version, partial), resync, retry=retry)
     return as_rollout(payload, pad_multiple, more_prompts)
 
 
@@ -92,7 +91,7 @@ def on_rank0(work, resync=None, retry=None):
             retry()
 
 
-def evaluate(engine, prompts: list[Prompt], cfg: Config, step: int, tokenizer, reward_fn, resync=None) -> dict:
+def evaluate(sampler: Sampler, prompts: list[Prompt], step: int, resync=None) -> dict:
     """Mean reward of one response per held-out prompt (rank 0; others get the numbers by broadcast).
     ``resync``: as ``collect``'s."""
-    return on_rank0(lambda: eval_metrics(engine, prompts, cfg, step, tokenizer, reward_fn), resync)
+    return on_rank0(lambda: eval_metrics(sampler, prompts, step), resync)

@@ -1,6 +1,8 @@
 """Rank 0's generation rounds: generate G responses per prompt, score them, screen degenerate ones, and with
 ``rollout.filter_zero_variance_groups`` (DAPO's dynamic sampling) drop groups without reward variance and sample
 more prompts, for at most ``rollout.max_sampling_rounds`` rounds. ``produce`` returns the step's ``RolloutPayload``.
+What every round uses and a run never changes (the engine, the config, the tokenizer, the reward functions) is one
+``Sampler``, built once by the rollout source; the rounds take it, the step's prompts and the step.
 
 No collective here: rank 0 runs this on the caller's thread (sync) or on the rollout source's background thread
 (``source.py``), which talks only to the servers (HTTP) and the reward workers; ``broadcast.py`` delivers the payload
@@ -12,13 +14,34 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
+from gspo_megatron.rollout import LocalEngine, SamplingParams, score
+from gspo_megatron.rollout.multiturn import TurnLimits, generate_trajectories, load_env, turn_metrics
+from gspo_megatron.rollout.rewards import score_segments
 from gspo_megatron.train.resilience import fault_injection
 from gspo_megatron.train.startup.bootstrap import reward_function
 from gspo_megatron.train.startup.config import Config
 from gspo_megatron.train.startup.data import Prompt
+
+
+@dataclass
+class Sampler:
+    """What every generation round of a run uses: rank 0's engine (None on the other ranks), the config, the
+    tokenizer and the reward function, and with ``algo.token_advantages=segments`` the segment reward
+    (``bootstrap.reward_function(segments=True)``), built here once so that its worker pool serves every step."""
+
+    engine: Any
+    cfg: Config
+    tokenizer: Any
+    reward_fn: Callable
+    segment_reward_fn: Callable | None = None
+
+    def __post_init__(self):
+        if self.segment_reward_fn is None and self.cfg.algo.token_advantages == "segments":
+            self.segment_reward_fn = reward_function(self.cfg, segments=True)
 
 
 @dataclass
@@ -55,8 +78,6 @@ class Redraw:
 
 
 def sampling_params(cfg: Config, step: int, eos_ids, sampling_round: int = 0):
-    from gspo_megatron.rollout import SamplingParams
-
     r = cfg.rollout
     seed = cfg.train.seed * 100_003 + step + 1_000_003 * sampling_round
     stops = tuple(dict.fromkeys(list(eos_ids) + list(r.stop_token_ids)))
@@ -64,52 +85,33 @@ def sampling_params(cfg: Config, step: int, eos_ids, sampling_round: int = 0):
                           stop_token_ids=stops, seed=seed)
 
 
-def _generate_and_score(engine, prompts: list[Prompt], cfg: Config, step: int, tokenizer, reward_fn, n: int,
-                        sampling_round: int = 0):
+def _generate_and_score(sampler: Sampler, prompts: list[Prompt], step: int, n: int, sampling_round: int = 0):
     """(samples, Rewards, response texts, generation seconds) of n responses per prompt."""
+    cfg, tokenizer = sampler.cfg, sampler.tokenizer
     if cfg.rollout.env:  # multi-turn: the environment's turn rewards instead of reward_fn
-        return _trajectories(engine, prompts, cfg, step, tokenizer, n, sampling_round)
+        return _trajectories(sampler, prompts, step, n, sampling_round)
     start = time.perf_counter()
-    groups = engine.generate([p.ids for p in prompts], n,
-                             sampling_params(cfg, step, [tokenizer.eos_token_id], sampling_round))
+    groups = sampler.engine.generate([p.ids for p in prompts], n,
+                                     sampling_params(cfg, step, [tokenizer.eos_token_id], sampling_round))
     seconds = time.perf_counter() - start
     samples = [s for g in groups for s in g.samples]
-    return (samples, *_score_samples(samples, prompts, cfg, tokenizer, reward_fn), seconds)
+    return (samples, *_score_samples(sampler, samples, prompts), seconds)
 
 
-def _score_samples(samples, prompts: list[Prompt], cfg: Config, tokenizer, reward_fn) -> tuple:
+def _score_samples(sampler: Sampler, samples, prompts: list[Prompt]) -> tuple:
     """(Rewards, response texts) of samples generated for ``prompts`` (``Sample.prompt_index`` into them)."""
-    from gspo_megatron.rollout import score
-
     labels = [prompts[s.prompt_index].label for s in samples]
     prompt_texts = [prompts[s.prompt_index].text for s in samples]
-    responses = [s.text if s.text is not None else tokenizer.decode(s.response_ids, skip_special_tokens=True)
+    responses = [s.text if s.text is not None else sampler.tokenizer.decode(s.response_ids, skip_special_tokens=True)
                  for s in samples]
-    rewards = score(reward_fn, samples, labels, prompt_texts, responses, on_error=cfg.data.on_reward_error)
+    rewards = score(sampler.reward_fn, samples, labels, prompt_texts, responses,
+                    on_error=sampler.cfg.data.on_reward_error)
     return rewards, responses
 
 
-# Rank 0's segment-reward workers, per (spec, workers, time limit). Module-level because they outlive a step: the
-# rounds are plain functions called afresh each step (and on the rollout source's thread), and starting a worker pool
-# per step would cost its start-up every step; the workers end with the process.
-_segment_pools: dict = {}
-
-
-def _segment_reward_fn(cfg: Config):
-    """``data.segment_reward`` as ``bootstrap.reward_function`` makes it, its worker pool kept across steps."""
-    d = cfg.data
-    key = (d.segment_reward, d.reward_workers, d.reward_timeout_s)
-    if key not in _segment_pools:
-        _segment_pools[key] = reward_function(cfg, segments=True)
-    return _segment_pools[key]
-
-
-def _trajectories(engine, prompts: list[Prompt], cfg: Config, step: int, tokenizer, n: int,
-                  sampling_round: int = 0):
+def _trajectories(sampler: Sampler, prompts: list[Prompt], step: int, n: int, sampling_round: int = 0):
     """n multi-turn trajectories per prompt with rollout.env (``rollout.multiturn``); same results as above."""
-    from gspo_megatron.rollout import LocalEngine
-    from gspo_megatron.rollout.multiturn import TurnLimits, generate_trajectories, load_env
-
+    cfg, engine, tokenizer = sampler.cfg, sampler.engine, sampler.tokenizer
     r = cfg.rollout
     concurrency = 1 if isinstance(engine, LocalEngine) else r.env_concurrency  # the local engine: one at a time
     limits = TurnLimits(r.max_turns, r.max_trajectory_tokens, concurrency)
@@ -121,14 +123,12 @@ def _trajectories(engine, prompts: list[Prompt], cfg: Config, step: int, tokeniz
     return samples, rewards, [s.text for s in samples], time.perf_counter() - start
 
 
-def _segment_rewards(samples, prompts: list[Prompt], cfg: Config, tokenizer):
+def _segment_rewards(sampler: Sampler, samples, prompts: list[Prompt]):
     """Per-segment rewards (algo.token_advantages=segments): ([(end, reward), ...] per sample, valid [N])."""
-    from gspo_megatron.rollout.rewards import score_segments
-
-    fn = _segment_reward_fn(cfg)
-    tokens = [[tokenizer.decode([t], skip_special_tokens=True) for t in s.response_ids] for s in samples]
-    return score_segments(fn, samples, [prompts[s.prompt_index].label for s in samples],
-                          [prompts[s.prompt_index].text for s in samples], tokens, on_error=cfg.data.on_reward_error)
+    tokens = [[sampler.tokenizer.decode([t], skip_special_tokens=True) for t in s.response_ids] for s in samples]
+    return score_segments(sampler.segment_reward_fn, samples, [prompts[s.prompt_index].label for s in samples],
+                          [prompts[s.prompt_index].text for s in samples], tokens,
+                          on_error=sampler.cfg.data.on_reward_error)
 
 
 def screen_responses(samples, on_truncated: str) -> tuple[torch.Tensor, dict]:
@@ -146,18 +146,19 @@ def screen_responses(samples, on_truncated: str) -> tuple[torch.Tensor, dict]:
 
 
 
-def _round(engine, prompts: list[Prompt], cfg: Config, step: int, tokenizer, reward_fn, sampling_round: int) -> dict:
+def _round(sampler: Sampler, prompts: list[Prompt], step: int, sampling_round: int) -> dict:
     """One generation round on rank 0: samples, rewards, validity (and segment rewards) of ``prompts``."""
     samples, rewards, responses, seconds = _generate_and_score(
-        engine, prompts, cfg, step, tokenizer, reward_fn, cfg.rollout.group_size, sampling_round)
-    return _round_data(samples, rewards, responses, seconds, prompts, cfg, tokenizer)
+        sampler, prompts, step, sampler.cfg.rollout.group_size, sampling_round)
+    return _round_data(sampler, samples, rewards, responses, seconds, prompts)
 
 
-def _round_data(samples, rewards, responses, seconds: float, prompts: list[Prompt], cfg: Config, tokenizer) -> dict:
+def _round_data(sampler: Sampler, samples, rewards, responses, seconds: float, prompts: list[Prompt]) -> dict:
     """A round's samples and rewards with their validity, segment rewards and response counts."""
+    cfg = sampler.cfg
     segments, valid = None, rewards.valid
     if cfg.algo.token_advantages == "segments":
-        segments, segments_valid = _segment_rewards(samples, prompts, cfg, tokenizer)
+        segments, segments_valid = _segment_rewards(sampler, samples, prompts)
         valid = valid & segments_valid
     elif cfg.algo.token_advantages == "turns":  # multi-turn: each turn a segment with its reward
         segments = [s.turns for s in samples]
@@ -175,12 +176,12 @@ def uniform_groups(values: torch.Tensor, valid: torch.Tensor, group_size: int) -
     return (ok.sum(dim=1) < 2) | (high == low)
 
 
-def _rounds(engine, prompts: list[Prompt], cfg: Config, step: int, tokenizer, reward_fn, more_prompts) -> tuple:
+def _rounds(sampler: Sampler, prompts: list[Prompt], step: int, more_prompts) -> tuple:
     """Rank 0's rounds: one, or with rollout.filter_zero_variance_groups (DAPO's dynamic sampling) more prompts
     until ``prompts_per_step`` groups with reward variance are in hand or ``max_sampling_rounds`` rounds ran.
     Returns (the kept groups' round data, all rounds' data, sampling metrics, extra prompts drawn)."""
-    r = cfg.rollout
-    rounds = [_round(engine, prompts, cfg, step, tokenizer, reward_fn, 0)]
+    r = sampler.cfg.rollout
+    rounds = [_round(sampler, prompts, step, 0)]
     if not r.filter_zero_variance_groups:
         return rounds[0], rounds, {}, 0
     G, want, extra = r.group_size, r.prompts_per_step, 0
@@ -196,7 +197,7 @@ def _rounds(engine, prompts: list[Prompt], cfg: Config, step: int, tokenizer, re
         keep_rate = max(len(kept), 1) / (len(kept) + len(dropped))
         count = min(want, math.ceil((want - len(kept)) / keep_rate))
         extra += count
-        rounds.append(_round(engine, more_prompts(count), cfg, step, tokenizer, reward_fn, len(rounds)))
+        rounds.append(_round(sampler, more_prompts(count), step, len(rounds)))
     chosen = kept[:want] + dropped[:max(0, want - len(kept))]
     chosen.sort()
     metrics = {"sampling/groups_dropped": float(len(dropped)), "sampling/rounds": float(len(rounds)),
@@ -217,23 +218,23 @@ def _rounds(engine, prompts: list[Prompt], cfg: Config, step: int, tokenizer, re
     return picked, rounds, metrics, extra
 
 
-def produce(engine, prompts: list[Prompt], cfg: Config, step: int, tokenizer, reward_fn, more_prompts=None,
-            version: int = 0, partial=None) -> RolloutPayload:
+def produce(sampler: Sampler, prompts: list[Prompt], step: int, more_prompts=None, version: int = 0,
+            partial=None) -> RolloutPayload:
     """Rank 0's side of ``collect``: generate, score, and the payload every rank receives; ``version``: the weights
     the engine serves as generation starts. No collective: the rollout source (``source.py``) runs it
     on a background thread, which talks only to the servers (HTTP) and the reward workers. ``partial``: rank 0's
     ``PartialRollouts`` (``rollout.partial_chunk_tokens``), which draws every prompt through ``more_prompts``."""
+    cfg, engine = sampler.cfg, sampler.engine
     fault_injection.at("rollout", step, engine)  # the soak run's schedule (GSPO_FAULTS); nothing otherwise
     if partial is not None:  # the groups completed this step, some begun in earlier steps under older weights
-        sampling = sampling_params(cfg, step, [tokenizer.eos_token_id])
+        sampling = sampling_params(cfg, step, [sampler.tokenizer.eos_token_id])
         samples, chosen, seconds, extra, sampling_metrics = partial.step(engine, more_prompts, sampling, version)
-        rewards, responses = _score_samples(samples, chosen, cfg, tokenizer, reward_fn)
-        picked = _round_data(samples, rewards, responses, seconds, chosen, cfg, tokenizer)
+        rewards, responses = _score_samples(sampler, samples, chosen)
+        picked = _round_data(sampler, samples, rewards, responses, seconds, chosen)
         rounds = [picked]
         version = [min(s.token_versions, default=version) for s in samples]  # each sample's oldest token's
     else:
-        picked, rounds, sampling_metrics, extra = _rounds(engine, prompts, cfg, step, tokenizer, reward_fn,
-                                                          more_prompts)
+        picked, rounds, sampling_metrics, extra = _rounds(sampler, prompts, step, more_prompts)
     if isinstance(more_prompts, Redraw):  # every prompt rank 0 drew, over all attempts at the step
         extra = len(more_prompts.prompts)
     # Reward statistics over everything sampled (the policy's, not the filtered batch's).
@@ -257,15 +258,13 @@ def produce(engine, prompts: list[Prompt], cfg: Config, step: int, tokenizer, re
         **sampling_metrics,
     }
     if cfg.rollout.env:
-        from gspo_megatron.rollout.multiturn import turn_metrics
-
         metrics.update(turn_metrics([s for d in rounds for s in d["samples"]]))
     metrics.update(engine.fault_metrics() if hasattr(engine, "fault_metrics") else {})
     return RolloutPayload(picked["samples"], picked["values"], picked["valid"], metrics, picked["segments"], extra,
                           version)
 
 
-def eval_metrics(engine, prompts: list[Prompt], cfg: Config, step: int, tokenizer, reward_fn) -> dict:
+def eval_metrics(sampler: Sampler, prompts: list[Prompt], step: int) -> dict:
     """Rank 0's side of ``evaluate`` (no collective)."""
-    _, rewards, _, seconds = _generate_and_score(engine, prompts, cfg, -step, tokenizer, reward_fn, 1)
+    _, rewards, _, seconds = _generate_and_score(sampler, prompts, -step, 1)
     return {"eval_reward_mean": float(rewards.values[rewards.valid].mean()), "time/eval": seconds}

@@ -50,7 +50,8 @@ class RolloutSource:
                  version: int = 0, policy=None):
         self.engine, self.prompts, self.cfg, self.policy = engine, prompts, cfg, policy
         self._resyncs = 0
-        self.tokenizer, self.reward_fn, self.pad_multiple = tokenizer, reward_fn, pad_multiple
+        self.sampler = rounds.Sampler(engine, cfg, tokenizer, reward_fn)  # what every generation round uses
+        self.pad_multiple = pad_multiple
         self.ahead = batches_ahead(cfg)
         self.served = version  # the weights the engine serves (read by the background thread as a batch starts)
         self.rank0 = dist.get_rank() == 0
@@ -69,9 +70,8 @@ class RolloutSource:
         if not self.ahead:  # sync: sampled now (with dynamic sampling: more prompts drawn as rank 0 needs them)
             # (partial rollouts: rank 0 draws every prompt as it starts groups, the others as many)
             first = [] if cfg.rollout.partial_chunk_tokens else self.prompts.next(cfg.rollout.prompts_per_step)
-            rollout = broadcast.collect(self.engine, first, cfg, step, self.tokenizer, self.reward_fn,
-                                        self.pad_multiple, more_prompts=self.prompts.next, version=version,
-                                            resync=self._resync(), partial=self.partial)
+            rollout = broadcast.collect(self.sampler, first, step, self.pad_multiple, more_prompts=self.prompts.next,
+                                        version=version, resync=self._resync(), partial=self.partial)
         else:
             while not self._queue or self._queue[-1][0] < step + self.ahead:
                 self._enqueue(self._queue[-1][0] + 1 if self._queue else step)
@@ -106,8 +106,7 @@ class RolloutSource:
 
     def _produce(self, prompts, step: int) -> rounds.RolloutPayload:
         """Rank 0's background thread: one batch, under the weights served as it starts (no collective here)."""
-        return rounds.produce(self.engine, prompts, self.cfg, step, self.tokenizer, self.reward_fn,
-                              version=self.served)
+        return rounds.produce(self.sampler, prompts, step, version=self.served)
 
     def sync_weights(self, policy, version: int | str) -> dict:
         """``weight_sync.sync_weights`` (collective) without racing the generation ahead: one_step_off lets it finish
@@ -149,10 +148,8 @@ class RolloutSource:
         """``broadcast.evaluate`` (collective); with batches sampled ahead, rank 0 runs it on their thread,
         after them (the reward workers serve one thread at a time)."""
         if not self.ahead:
-            return broadcast.evaluate(self.engine, prompts, self.cfg, step, self.tokenizer, self.reward_fn,
-                                      self._resync())
-        return broadcast.on_rank0(lambda: self._pool.submit(rounds.eval_metrics, self.engine, prompts, self.cfg, step,
-                                                            self.tokenizer, self.reward_fn).result(),
+            return broadcast.evaluate(self.sampler, prompts, step, self._resync())
+        return broadcast.on_rank0(lambda: self._pool.submit(rounds.eval_metrics, self.sampler, prompts, step).result(),
                                   self._resync())
 
     def state_dict(self) -> dict:

@@ -39,6 +39,7 @@ def _slow_rollout_and_eval(model_dir: str) -> dict:
 
     from gspo_megatron.train.sampling import broadcast
     from gspo_megatron.train.sampling import engine as sampling_engine
+    from gspo_megatron.train.sampling.rounds import Sampler
     from gspo_megatron.train.startup.bootstrap import reward_function
     from gspo_megatron.train.startup.data import task_prompts
 
@@ -53,12 +54,13 @@ def _slow_rollout_and_eval(model_dir: str) -> dict:
         engine = _Slow(engine, SLOW_S)
     out = {}
     start = time.monotonic()
-    rollout = broadcast.collect(engine, prompts, cfg, 1, tokenizer, reward_function(cfg), pad_multiple=1)
+    sampler = Sampler(engine, cfg, tokenizer, reward_function(cfg))
+    rollout = broadcast.collect(sampler, prompts, 1, pad_multiple=1)
     out["collect_s"] = time.monotonic() - start
     out["rewards"] = rollout.rewards.tolist()
     out["response_ids"] = [s.response_ids for s in rollout.samples]
     start = time.monotonic()
-    out["eval"] = broadcast.evaluate(engine, prompts, cfg, 1, tokenizer, reward_function(cfg))
+    out["eval"] = broadcast.evaluate(sampler, prompts, 1)
     out["eval_s"] = time.monotonic() - start
 
     # The same wait in the world group: rank 0 busy as long, rank 1 in a plain broadcast times out.

@@ -44,14 +44,15 @@ def _collect(labels, overrides) -> dict:
     import torch.distributed as dist
 
     from gspo_megatron.train.sampling import broadcast
+    from gspo_megatron.train.sampling.rounds import Sampler
     from gspo_megatron.train.startup.config import load_config
     from gspo_megatron.train.startup.data import Prompt, PromptStream
 
     cfg = load_config(None, [f"rollout.group_size={GROUP}", f"rollout.prompts_per_step={PROMPTS}"] + overrides)
     stream = PromptStream([Prompt([i + 1, 7], f"p{i}", label) for i, label in enumerate(labels)], seed=0)
     engine = FakeEngine() if dist.get_rank() == 0 else None
-    rollout = broadcast.collect(engine, stream.next(PROMPTS), cfg, 1, FakeTokenizer(), reward, pad_multiple=1,
-                                    more_prompts=stream.next)
+    rollout = broadcast.collect(Sampler(engine, cfg, FakeTokenizer(), reward), stream.next(PROMPTS), 1, pad_multiple=1,
+                                more_prompts=stream.next)
     return {"prompts": [s.prompt_ids[0] - 1 for s in rollout.samples[::GROUP]], "rewards": rollout.rewards,
             "metrics": {k: v for k, v in rollout.metrics.items() if k != "example"}, "rows": rollout.batch["input_ids"].shape[0],
             "position": stream.state_dict(), "drawn": stream._order[:stream.index],

@@ -34,6 +34,7 @@ def _run(fail_at: int | None) -> dict:
     import torch.distributed as dist
 
     from gspo_megatron.train.sampling import broadcast
+    from gspo_megatron.train.sampling.rounds import Sampler
     from gspo_megatron.train.startup.config import load_config
     from gspo_megatron.train.startup.data import Prompt, PromptStream
 
@@ -42,12 +43,12 @@ def _run(fail_at: int | None) -> dict:
     stream = PromptStream([Prompt([i + 1, 7], f"p{i}", label) for i, label in enumerate(MIXED)], seed=0)
     engine = (RestartedEngine(fail_at) if fail_at else FakeEngine()) if dist.get_rank() == 0 else None
     resyncs = []
-    rollout = broadcast.collect(engine, stream.next(PROMPTS), cfg, 1, FakeTokenizer(), reward, pad_multiple=1,
-                                    more_prompts=stream.next, resync=lambda: resyncs.append(1))
+    sampler = Sampler(engine, cfg, FakeTokenizer(), reward)
+    rollout = broadcast.collect(sampler, stream.next(PROMPTS), 1, pad_multiple=1, more_prompts=stream.next,
+                                resync=lambda: resyncs.append(1))
     if engine is not None and fail_at:
         engine.failed, engine.fail_at = False, len(engine.calls) + 1  # the evaluation's generate fails too
-    evaluated = broadcast.evaluate(engine, stream.next(2), cfg, 1, FakeTokenizer(), reward,
-                                       resync=lambda: resyncs.append(2))
+    evaluated = broadcast.evaluate(sampler, stream.next(2), 1, resync=lambda: resyncs.append(2))
     return {"prompts": [s.prompt_ids[0] - 1 for s in rollout.samples[::GROUP]], "rewards": rollout.rewards.tolist(),
             "position": stream.state_dict(), "resyncs": resyncs, "metrics": rollout.metrics,
             "eval": evaluated["eval_reward_mean"]}
