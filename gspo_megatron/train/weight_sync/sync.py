@@ -13,8 +13,12 @@ import time
 
 import torch.distributed as dist
 
+from gspo_megatron import environment
+from gspo_megatron.model.bridge import is_stage_sender
 from gspo_megatron.parallel import control
+from gspo_megatron.rollout import SGLangEngine, SyncStats
 from gspo_megatron.rollout.errors import RolloutError
+from gspo_megatron.rollout.weight_sync import consume
 from gspo_megatron.train.resilience import fault_injection
 from gspo_megatron.train.weight_sync.pipeline import pipeline_gathered
 
@@ -49,8 +53,6 @@ def sync_weights(policy, engine, version: int) -> dict:
 
 def _stage_sync_target(engine):
     """The servers' ``SyncTarget`` when the engine takes distributed updates from several senders, else None."""
-    from gspo_megatron.rollout import SGLangEngine
-
     if isinstance(engine, SGLangEngine) and engine.config.weight_sync.method == "distributed":
         return engine.sync_target()
     return None
@@ -63,8 +65,6 @@ _stage_senders: dict = {}
 
 
 def _stage_sender(target):
-    from gspo_megatron import environment
-
     key = (target.urls, target.backend, target.epoch)
     sender = _stage_senders.get(key)
     if sender is not None and sender.broken:
@@ -81,10 +81,6 @@ def _sync_from_stage_senders(policy, engine, version, target) -> dict | None:
     """The distributed update from every stage's sender; None when a server died inside it and rank 0 restarted
     the servers (then every rank sends it again). A sender that fails goes on walking the export (its gathers run
     in step on every rank of its replica) and reports the failure to every rank."""
-    from gspo_megatron.model.bridge import is_stage_sender
-    from gspo_megatron.rollout import SyncStats
-    from gspo_megatron.rollout.weight_sync import consume
-
     from megatron.core import parallel_state as ps
 
     rank0 = dist.get_rank() == 0
