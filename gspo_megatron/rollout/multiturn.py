@@ -20,6 +20,9 @@ batches their requests). With rollout routing replay the engine's routes of ever
 trajectory's (each position's from the call that first routed it).
 
 Built in: ``calculator`` (``CalculatorEnv``), ``python`` (``PythonEnv``: code run in ``rollout.sandbox``).
+
+One module although over 350 lines: the built-in environments are the worked examples of the ``Env`` / ``Step``
+protocol the trajectory loop defines, read beside it (their sandbox, the heavy part, is ``rollout.sandbox``).
 """
 
 from __future__ import annotations

@@ -24,6 +24,11 @@ without an answer yet are then sent again (same prompts, same sampling parameter
 ``max_server_restarts`` restarts of one server per ``restart_window_s``, then ``TooManyRestarts``. An attached
 server is waited for up to ``attached_wait_s`` and must come back at the current weight version.
 ``fault_metrics()`` counts restarts and the seconds lost to them.
+
+One module although long: request splitting, the token budget, server watching, restarts and the weight sync all
+act on one engine's per-server state (clients, KV budgets, restart history, the served weight version) within a
+single ``generate`` or update call, and a failure in one must abort and re-send through the others; the pure
+helpers at the end (``request_chunks``, ``TokenBudget``, ``parse_generate``) are the seam a split would take.
 """
 
 from __future__ import annotations

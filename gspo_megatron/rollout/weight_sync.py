@@ -28,6 +28,9 @@ bucket each in a full HF model directory; the servers must see the same file sys
 
 Every step checks the servers' answers and fails with ``WeightSyncError`` naming the server and the step; the
 caller then checks that each server reports the new weight version.
+
+One module although over 350 lines: the distributed sender, the disk fallback and the bucketing share the bucket
+layout and SGLang's update protocol above, which change together.
 """
 
 from __future__ import annotations
