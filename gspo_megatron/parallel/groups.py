@@ -10,6 +10,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from gspo_megatron.environment import check_torch_fits_machine
+from gspo_megatron.parallel import control
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -71,13 +74,9 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None,
     variables becomes a world of one on loopback. A machine with GPUs that this torch cannot use is refused here,
     before any group starts (``environment.check_torch_fits_machine``).
     """
-    from gspo_megatron.parallel import control
-
     if dist.is_initialized():
         control.init(control_timeout_s)
         return
-    from gspo_megatron.environment import check_torch_fits_machine
-
     check_torch_fits_machine()
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
@@ -144,6 +143,4 @@ def destroy() -> None:
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
-    from gspo_megatron.parallel import control
-
     control.reset()

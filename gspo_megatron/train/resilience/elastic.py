@@ -32,6 +32,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 from gspo_megatron.parallel import control
+from gspo_megatron.rollout import server_watchdog
+from gspo_megatron.rollout.server import ServerProcess, start_servers
 from gspo_megatron.train.records import checkpoint
 from gspo_megatron.train.startup.config import Config
 
@@ -132,9 +134,6 @@ def servers(cfg: Config, config) -> list | None:
     """Rank 0's launched servers under torchrun restarts (``config``: an ``SGLangConfig`` without urls): the
     recorded ones when this run recorded them and every one still runs, else new kept ones, recorded, with a
     watchdog. None (launch as usual) outside torchrun ``--max-restarts``."""
-    from gspo_megatron.rollout import server_watchdog
-    from gspo_megatron.rollout.server import ServerProcess, start_servers
-
     now = attempt()
     if now is None:
         return None

@@ -7,7 +7,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from gspo_megatron.model.bridge import Bridge
+from gspo_megatron.model.hf_config import load_config_json, read_hf_config
+from gspo_megatron.model.hf_files import SafetensorsDir
 from gspo_megatron.parallel import control
+from gspo_megatron.rollout import rewards
+from gspo_megatron.rollout.reward_pool import RewardPool
+from gspo_megatron.rollout.synthetic import demonstration, make_problems, save_tiny_model, tiny_config
+from gspo_megatron.rollout.user_code import load_named
 from gspo_megatron.train.startup.config import Config, ConfigError
 from gspo_megatron.train.startup.data import PromptFormat, PromptStream, check_prompt_lengths, load_jsonl, task_prompts
 from gspo_megatron.train.update.loss import LossConfig
@@ -27,9 +34,6 @@ def reward_function(cfg: Config, segments: bool = False):
     """The reward (``data.reward``, or with ``segments`` ``data.segment_reward``): in ``data.reward_workers`` worker
     processes with a time limit per call (started by rank 0's first scoring; the others never score), or with 0
     workers the function itself."""
-    from gspo_megatron.rollout import rewards
-    from gspo_megatron.rollout.reward_pool import RewardPool
-
     spec, builtin = (cfg.data.segment_reward, "BUILTIN_SEGMENTS") if segments else (cfg.data.reward, "BUILTIN")
     fn = rewards.load_reward_fn(spec, getattr(rewards, builtin))  # a bad spec fails here, before anything starts
     if not cfg.data.reward_workers:
@@ -77,9 +81,6 @@ def preflight(cfg: Config, rank: int = 0) -> None:
     attached servers (rollout.urls, rank 0) accept connections, and with an existing model directory its safetensors
     match its config.json and every prompt line reads and tokenizes within rollout.max_prompt_tokens (a DataError
     names the file and line). A model still to be built from model.tiny has no tokenizer yet."""
-    from gspo_megatron.rollout import rewards
-    from gspo_megatron.rollout.user_code import load_named
-
     for name, builtin in (("reward", rewards.BUILTIN), ("segment_reward", rewards.BUILTIN_SEGMENTS)):
         spec = getattr(cfg.data, name)
         if spec:
@@ -93,10 +94,6 @@ def preflight(cfg: Config, rank: int = 0) -> None:
     if not (hf_dir / "config.json").is_file():
         return
     if not cfg.model.megatron_checkpoint:  # the safetensors' names and shapes against the config (headers only)
-        from gspo_megatron.model.bridge import Bridge
-        from gspo_megatron.model.hf_config import read_hf_config
-        from gspo_megatron.model.hf_files import SafetensorsDir
-
         try:
             Bridge(read_hf_config(hf_dir)).check_hf_tensors(SafetensorsDir(hf_dir).shapes())
         except (ValueError, FileNotFoundError) as e:
@@ -108,8 +105,6 @@ def preflight(cfg: Config, rank: int = 0) -> None:
 def model_hf_config(cfg: Config) -> dict:
     """The model's Hugging Face config without building or loading it: ``model.hf_dir``'s config.json, or the
     config ``model.tiny`` will build there. For checking the layout against the model before anything starts."""
-    from gspo_megatron.model.hf_config import load_config_json
-
     config = Path(cfg.model.hf_dir) / "config.json" if cfg.model.hf_dir else None
     if config is not None and config.is_file():
         try:
@@ -117,8 +112,6 @@ def model_hf_config(cfg: Config) -> dict:
         except ValueError as e:
             raise ConfigError(f"model.hf_dir: {e}") from None
     if cfg.model.tiny:
-        from gspo_megatron.rollout.synthetic import tiny_config
-
         try:
             return tiny_config(**cfg.model.tiny).to_dict()
         except (TypeError, ValueError) as e:
@@ -144,8 +137,6 @@ def prepare_model_dir(cfg: Config) -> Path:
 
 def build_tiny_model(cfg: Config, hf_dir: Path) -> None:
     """A random Qwen3-MoE of ``model.tiny``'s sizes with the character tokenizer, optionally warm-started."""
-    from gspo_megatron.rollout.synthetic import save_tiny_model
-
     tmp = hf_dir.with_name(hf_dir.name + ".tmp")
     save_tiny_model(tmp, seed=cfg.train.seed, **cfg.model.tiny)
     if cfg.model.warm_start_steps:
@@ -158,8 +149,6 @@ def build_tiny_model(cfg: Config, hf_dir: Path) -> None:
 def warm_start(hf_dir: Path, cfg: Config) -> None:
     """Supervised steps on the task's demonstrations, 32 per step, with transformers, in place."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from gspo_megatron.rollout.synthetic import make_problems
 
     tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
@@ -188,8 +177,6 @@ def demonstration_batch(problems, tokenizer) -> tuple[torch.Tensor, torch.Tensor
     """The problems' demonstrations (``synthetic.demonstration``: the prompt, then the answer and EOS, or a
     multi-turn transcript) as input ids [B, S] (padded with EOS) and labels [B, S]: the model's turns' tokens, -100
     on the prompt, the observations and the padding (learn what the model says, not what it is told)."""
-    from gspo_megatron.rollout.synthetic import demonstration
-
     rows = []
     for problem in problems:
         ids, labels = [], []

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gspo_megatron.rollout.synthetic import make_problems
+
 
 class DataError(ValueError):
     """A prompt file is malformed; the message names the file and the line."""
@@ -217,8 +219,6 @@ def check_prompt_lengths(prompts: list[Prompt], max_prompt_tokens: int, where: s
 
 
 def task_prompts(task: str, tokenizer, count: int, seed: int) -> list[Prompt]:
-    from gspo_megatron.rollout.synthetic import make_problems
-
     return [Prompt(tokenizer(p.prompt, add_special_tokens=False)["input_ids"], p.prompt, p.answer)
             for p in make_problems(task, count, seed)]
 

@@ -7,8 +7,15 @@ from pathlib import Path
 
 import torch
 
+from gspo_megatron.model import checkpoint, hf_files
+from gspo_megatron.model.bridge import Bridge
+from gspo_megatron.model.checkpoint import load_weights
+from gspo_megatron.model.hf_config import read_hf_config
+from gspo_megatron.model.provider import build_gpt_model
 from gspo_megatron.parallel.groups import Layout
+from gspo_megatron.train.startup import performance
 from gspo_megatron.train.startup.config import Config, measures_volatility
+from gspo_megatron.train.update import recompute
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -32,8 +39,6 @@ class Policy:
 
     def write_model_info(self, directory: Path) -> None:
         """What tools/convert_megatron_to_hf.py needs next to the weights: the spec and the HF metadata."""
-        from gspo_megatron.model import checkpoint, hf_files
-
         info = checkpoint.CheckpointInfo(spec=self.spec, padded_vocab_size=self.bridge.padded_vocab_size,
                                          dtype=checkpoint.dtype_name(self.dtype),
                                          saved_layout=checkpoint.layout_dict(self.layout))
@@ -49,10 +54,6 @@ def build_policy(cfg: Config, hf_dir: str | Path) -> Policy:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    from gspo_megatron.model.bridge import Bridge
-    from gspo_megatron.model.hf_config import read_hf_config
-    from gspo_megatron.train.startup import performance
 
     spec = read_hf_config(Path(hf_dir) / "config.json")
     dtype = DTYPES[cfg.model.dtype]
@@ -98,10 +99,6 @@ def build_reference(cfg: Config, policy: Policy) -> torch.nn.Module:
 
 def _starting_model(cfg: Config, hf_dir, spec, bridge, dtype, routing_replay: bool) -> torch.nn.Module:
     """This rank's GPTModel with the run's starting weights."""
-    from gspo_megatron.model.provider import build_gpt_model
-    from gspo_megatron.train.startup import performance
-    from gspo_megatron.train.update import recompute
-
     model = build_gpt_model(
         spec, layout_of(cfg), dtype=dtype, padded_vocab_size=bridge.padded_vocab_size,
         # Sequences are the unit of normalisation (train.update.loss): megatron's per-token-loss mode.
@@ -113,8 +110,6 @@ def _starting_model(cfg: Config, hf_dir, spec, bridge, dtype, routing_replay: bo
         **performance.transformer_config_fields(cfg, is_moe=spec.is_moe),
     )
     if cfg.model.megatron_checkpoint:
-        from gspo_megatron.model.checkpoint import load_weights
-
         load_weights(model, cfg.model.megatron_checkpoint)
     else:
         bridge.load_hf_weights(model, hf_dir)

@@ -14,6 +14,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from gspo_megatron.train.records.checkpoint import check_resumable
 from gspo_megatron.train.startup.config import Config, ConfigError
 
 METRICS = "metrics.jsonl"
@@ -85,8 +86,6 @@ def check_run_dirs(cfg: Config, resume: bool, overwrite: bool, rank: int = 0, re
             why = "does not exist" if not ck.exists() else "holds no checkpoint (no latest)"
             return (f"gspo-megatron train: --resume: checkpoint.dir={cfg.checkpoint.dir} {why}: nothing to resume, "
                     f"starting at step 1")
-        from gspo_megatron.train.records.checkpoint import check_resumable
-
         try:
             check_resumable(ck)
         except (ValueError, FileNotFoundError) as e:
