@@ -33,6 +33,7 @@ from gspo_megatron.parallel.groups import Layout
 
 from .errors import MappingError, listing
 from .hf_config import ModelSpec
+from .hidden_output import unwrap
 
 FORMAT = "gspo-megatron/megatron-checkpoint/1"
 METADATA_FILE = "gspo_megatron.json"
@@ -132,8 +133,6 @@ def tensors_state_dict(model):
     dist_checkpointing consumes the tensor factories it is given."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    from .hidden_output import unwrap
-
     def strip(node):
         return {k: strip(v) if isinstance(v, dict) else v for k, v in node.items() if not isinstance(v, ShardedObject)}
 
@@ -204,8 +203,6 @@ def check_weights(model, directory: str | Path) -> None:
 def load_weights(model, directory: str | Path) -> None:
     """Load a checkpoint's tensors into this rank's model, resharding to its layout (collective)."""
     from megatron.core import dist_checkpointing
-
-    from .hidden_output import unwrap
 
     directory = resolve(directory)
     check_weights(model, directory)
