@@ -11,7 +11,7 @@ from .advantages import group_advantages, segment_advantages
 from .aggregation import AGGREGATIONS, aggregate, seq_mean_token_mean, sequence_mean, token_mean
 from .grpo import grpo_loss, grpo_terms
 from .decoupled import behaviour_weights, decoupled_advantages
-from .defaults import ALGORITHMS, CLIP_RANGES, GRPO_AGGREGATION, KL_ESTIMATOR, MAX_LOG_RATIO
+from .defaults import ALGORITHMS, BEHAVIOUR_WEIGHT_CAP, CLIP_RANGES, GRPO_AGGREGATION, KL_ESTIMATOR, MAX_LOG_RATIO
 from .gspo import (GSPOTerms, TokenTerms, gspo_loss, gspo_loss_from_sums, gspo_sequence_objective, gspo_token_loss,
                    gspo_token_terms)
 from .metrics import SEQUENCE_STATS, mismatch_metrics, sequence_stats, update_metrics
@@ -22,6 +22,7 @@ from .surrogate import clipped_surrogate
 __all__ = [
     "AGGREGATIONS",
     "ALGORITHMS",
+    "BEHAVIOUR_WEIGHT_CAP",
     "CLIP_RANGES",
     "GRPO_AGGREGATION",
     "GSPOTerms",

@@ -24,6 +24,7 @@ import math
 import torch
 
 from ._checks import check_token_inputs
+from .defaults import BEHAVIOUR_WEIGHT_CAP
 from .masking import masked_token_log_ratio
 from .ratios import sequence_log_ratio
 
@@ -31,7 +32,7 @@ __all__ = ["behaviour_weights", "decoupled_advantages"]
 
 
 def behaviour_weights(prox_logprobs: torch.Tensor, behav_logprobs: torch.Tensor, response_mask: torch.Tensor,
-                      per_token: bool = False, cap: float = 2.0) -> torch.Tensor:
+                      per_token: bool = False, cap: float = BEHAVIOUR_WEIGHT_CAP) -> torch.Tensor:
     """min(pi_prox / pi_behav, cap): [B] length-normalised per sequence (1 for an empty one), or with ``per_token``
     [B, T] per token (1 off the response). All inputs [B, T]; >= float32."""
     if not cap > 0:

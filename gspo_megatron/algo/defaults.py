@@ -12,3 +12,5 @@ MAX_LOG_RATIO = 10.0
 KL_ESTIMATOR = "k3"
 # GRPO's normalisation: every token weighs the same (``aggregation``).
 GRPO_AGGREGATION = "token-mean"
+# The truncation of a stale sample's behaviour weight min(pi_prox / pi_behaviour, cap) (``decoupled``).
+BEHAVIOUR_WEIGHT_CAP = 2.0

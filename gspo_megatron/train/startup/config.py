@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from gspo_megatron.algo.defaults import GRPO_AGGREGATION, KL_ESTIMATOR, MAX_LOG_RATIO
+from gspo_megatron.algo.defaults import BEHAVIOUR_WEIGHT_CAP, GRPO_AGGREGATION, KL_ESTIMATOR, MAX_LOG_RATIO
 
 
 class ConfigError(ValueError):
@@ -286,7 +286,7 @@ class AlgoSection:
     engine's, and their advantages are weighted by min(pi_prox / pi_behaviour, behaviour_weight_cap),
     length-normalised for GSPO (AReaL's decoupled PPO, ``algo/decoupled.py``). false: such a sample's pi_old is the
     engine's, and after the first optimizer step GSPO's narrow range clips most of them."""
-    behaviour_weight_cap: float = 2.0
+    behaviour_weight_cap: float = BEHAVIOUR_WEIGHT_CAP
     """With decoupled_clip: the truncation of the behaviour weight (a one-version-old sample's is ~1)."""
 
     def __post_init__(self):
