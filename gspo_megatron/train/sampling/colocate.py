@@ -2,20 +2,33 @@
 
 The loop calls ``release`` once the step's rollout is in hand: the servers hand their weights and KV cache to
 training. The weight sync (``SGLangEngine.update_weights``, method ``tensor``) gives them back: weights first, the
-new ones written into them, then the KV cache. Nothing else in the loop changes.
+new ones written into them, then the KV cache. With ``rollout.colocate_offload=optimizer`` the trainer hands over
+its own memory too: ``TrainerState.offload`` after each update (before the sync resumes the servers), ``reload``
+before the next update (after the release).
 """
 
 from __future__ import annotations
 
+import time
+
+import torch
 import torch.distributed as dist
 
 from gspo_megatron.parallel import control
 from gspo_megatron.train.startup.config import Config, ConfigError
 
 
+OFFLOADS = ("none", "optimizer")  # rollout.colocate_offload
+
+
 def validate(cfg: Config) -> None:
     """What colocation needs, checked before anything starts."""
     r = cfg.rollout
+    if r.colocate_offload not in OFFLOADS:
+        raise ConfigError(f"rollout.colocate_offload={r.colocate_offload!r} is not one of {', '.join(OFFLOADS)}")
+    if r.colocate_offload != "none" and not r.colocate:
+        raise ConfigError(f"rollout.colocate_offload={r.colocate_offload} needs rollout.colocate=true (it hands the "
+                          "trainer's memory to colocated servers); set rollout.colocate_offload=none")
     if not r.colocate:
         return
     refused = [
@@ -48,7 +61,7 @@ def release(engine, cfg: Config) -> dict:
     return metrics
 
 
-# ---- plan: both sides' resident memory per GPU in each phase ---------------------------------------------------
+# ---- the trainer's memory between updates (rollout.colocate_offload) -----------------------------------------
 
 
 def _torch_optimizers(optimizer) -> list:
@@ -59,33 +72,103 @@ def _torch_optimizers(optimizer) -> list:
     return _torch_optimizers(inner) if inner is not None and inner is not optimizer else [optimizer]
 
 
-def offload_optimizer_state(optimizer) -> int:
-    """Move every optimizer-state tensor to pinned host memory (for the rollout, when the servers need the GPU);
-    returns the bytes moved. ``reload_optimizer_state`` brings them back to where they were."""
-    import torch
-
-    moved = 0
-    for opt in _torch_optimizers(optimizer):
-        for state in opt.state.values():
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor) and value.is_cuda:
-                    host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
-                    host.copy_(value, non_blocking=True)
-                    state[key] = (host, value.device)
-                    moved += value.numel() * value.element_size()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()  # the caching allocator's blocks go back to the driver, for SGLang to take
-    return moved
+def _owns_storage(t: torch.Tensor) -> bool:
+    """Freeing ``t``'s storage frees ``t`` and nothing else (no view of a larger buffer)."""
+    return t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
 
 
-def reload_optimizer_state(optimizer) -> None:
-    import torch
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
-    for opt in _torch_optimizers(optimizer):
-        for state in opt.state.values():
-            for key, value in state.items():
-                if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], torch.Tensor):
-                    state[key] = value[0].to(value[1], non_blocking=True)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+
+class TrainerState:
+    """What only the optimizer step needs, off the device between updates (``rollout.colocate_offload=optimizer``):
+    ``offload`` after an update, ``reload`` before the next.
+
+    Offloaded: every optimizer-state tensor on ``device`` (Adam's ``exp_avg`` / ``exp_avg_sq``; on the CPU also its
+    ``step``) and every optimizer parameter on ``device`` that is not a model parameter's storage (the fp32 master
+    weights of bf16 training; in fp32 training the optimizer steps the model's own parameters, which stay). Each is
+    copied to host memory (pinned under CUDA), the optimizer is pointed at the copy (a checkpoint saved meanwhile
+    reads it), and the original's storage is freed (``untyped_storage().resize_(0)``: the tensor object survives, so
+    every reference to it stays valid). ``reload`` regrows each storage, copies the values back and points the
+    optimizer at the originals again: the values are bit for bit the same. Tensors that share a storage with another
+    (views of one buffer) are left in place. The DDP gradient buffers are freed too (megatron-core's own
+    ``offload_grad_buffers`` / ``restore_grad_buffers``, 0.16 and 0.19: resized to 0, regrown zeroed; the update
+    zeroes them first anyway). On the CPU (tests) ``device`` is the CPU: the same moves, observable as freed
+    storages."""
+
+    def __init__(self, model, optimizer, device: torch.device, mode: str):
+        self.model, self.optimizer, self.device, self.mode = model, optimizer, torch.device(device), mode
+        self.moved: list[tuple[dict | torch.Tensor, object, torch.Tensor, torch.Tensor]] = []  # (where, key, orig, host)
+        self.grad_buffers_freed = False
+
+    def _tensors(self):
+        """(container, key, tensor) for each optimizer state tensor and master parameter on ``self.device``, each
+        the only tensor on its storage."""
+        model_storages = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+        found = []
+        for opt in _torch_optimizers(self.optimizer):
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    if p.untyped_storage().data_ptr() not in model_storages:
+                        found.append((p, None, p.data))
+            for state in opt.state.values():
+                found += [(state, k, v) for k, v in state.items() if isinstance(v, torch.Tensor)]
+        found = [f for f in found if f[2].device == self.device and f[2].numel() > 0 and _owns_storage(f[2])]
+        seen: dict[int, int] = {}
+        for _, _, t in found:
+            seen[t.untyped_storage().data_ptr()] = seen.get(t.untyped_storage().data_ptr(), 0) + 1
+        return [f for f in found if seen[f[2].untyped_storage().data_ptr()] == 1]
+
+    def offload(self) -> dict:
+        if self.mode == "none" or self.moved or self.grad_buffers_freed:
+            return {}
+        start = time.perf_counter()
+        pin = self.device.type == "cuda"
+        for where, key, orig in self._tensors():
+            host = torch.empty(orig.shape, dtype=orig.dtype, pin_memory=pin)
+            host.copy_(orig, non_blocking=pin)
+            self.moved.append((where, key, orig, host))
+        _synchronize(self.device)  # every copy landed before a storage is freed
+        grad_bytes = 0
+        if hasattr(self.model, "offload_grad_buffers"):
+            buffers = self.model.buffers + self.model.expert_parallel_buffers
+            grad_bytes = sum(b.grad_data.numel() * b.grad_data.element_size() for b in buffers
+                             if b.grad_data is not None)
+            self.model.offload_grad_buffers(synchronize=False, empty_cache=False)
+            self.grad_buffers_freed = True
+        for where, key, orig, host in self.moved:
+            if key is None:
+                where.data = host
+            else:
+                where[key] = host
+            orig.untyped_storage().resize_(0)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the freed blocks back to the driver, for the servers to take
+        return {"colocate/offload_bytes": sum(h.numel() * h.element_size() for *_, h in self.moved),
+                "colocate/grad_buffer_bytes": grad_bytes, "colocate/offload_seconds": time.perf_counter() - start}
+
+    def reload(self) -> dict:
+        if not self.moved and not self.grad_buffers_freed:
+            return {}
+        start = time.perf_counter()
+        for where, key, orig, host in self.moved:
+            orig.untyped_storage().resize_(host.numel() * host.element_size())
+            orig.copy_(host, non_blocking=self.device.type == "cuda")
+            if key is None:
+                where.data = orig
+            else:
+                where[key] = orig
+        if self.grad_buffers_freed:
+            self.model.restore_grad_buffers(synchronize=False)
+        _synchronize(self.device)  # the copies done before their pinned sources go
+        self.moved, self.grad_buffers_freed = [], False
+        return {"colocate/reload_seconds": time.perf_counter() - start}
+
+
+def trainer_state(policy, cfg: Config) -> TrainerState:
+    """The policy's ``TrainerState`` under ``rollout.colocate_offload`` (a no-op with ``none``)."""
+    from gspo_megatron import environment
+
+    return TrainerState(policy.model, policy.optimizer, environment.device(), cfg.rollout.colocate_offload)
