@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from gspo_megatron.parallel import control
+from gspo_megatron.rollout.errors import RolloutError
 from gspo_megatron.train.startup.config import Config, ConfigError
 
 
@@ -58,6 +59,137 @@ def release(engine, cfg: Config) -> dict:
         engine.colocation.release()
         metrics = {"colocate/release_seconds": engine.colocation.seconds["release"]}
     control.barrier()
+    return metrics
+
+
+# ---- several nodes: each node's leader launches its servers and sends them the update ---------------------------
+#
+# CUDA IPC handles open only on the GPUs of the node that made them, so on several nodes every node's leader (its
+# LOCAL_RANK 0) launches that node's servers on its own GPUs and writes each update into them from its own copy of
+# the full Hugging Face tensors, which the export already gives every first-stage rank (``pipeline_gathered``:
+# gathered over TP / EP onto each rank). Rank 0's engine attaches to every node's servers by URL: it generates on
+# all of them and releases / resumes all of them (plain HTTP); only the update's payloads come from each node.
+
+
+class _Nodes:
+    """This process's view of the nodes: how many, and (on a leader) its node's launched servers."""
+
+    count: int | None = None
+    servers: list = []
+    config = None  # the leader's servers' SGLangConfig
+
+
+def on_several_nodes(cfg: Config) -> bool:
+    """``rollout.colocate`` over more than one trainer node: ranks with LOCAL_RANK 0, as torchrun numbers them
+    (collective; ``make_engine`` asks once per run, ``on_each_node`` remembers the answer)."""
+    import os
+
+    _Nodes.count = sum(control.all_gather(int(os.environ.get("LOCAL_RANK", "0")) == 0)) if cfg.rollout.colocate else 1
+    return _Nodes.count > 1
+
+
+def node_address() -> str:
+    """This node's address toward the trainer's master (MASTER_ADDR): the one rank 0 reaches it on (the loopback
+    when the master is on this host, as in the CPU tests). A UDP connect sends nothing; it only picks the route."""
+    import os
+    import socket
+
+    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((master, int(os.environ.get("MASTER_PORT", "29500"))))
+        return s.getsockname()[0]
+
+
+def engine_on_each_node(cfg: Config, config):
+    """Every node's leader launches ``config``'s servers on its node (collective); rank 0 gets an engine attached
+    to all of them, the other ranks None. A leader's failure to launch is raised on every rank."""
+    import os
+    from dataclasses import replace
+    from pathlib import Path
+
+    from gspo_megatron.rollout import SGLangEngine
+    from gspo_megatron.rollout.server import launch_servers
+    from gspo_megatron.train.resilience import preemption
+
+    if cfg.parallel.pipeline > 1:
+        raise ConfigError(f"rollout.colocate on {_Nodes.count} nodes with parallel.pipeline={cfg.parallel.pipeline}: each "
+                          "node's leader sends its servers the full tensors only the first stage's ranks hold; set "
+                          "parallel.pipeline=1 or use separate rollout servers")
+    node = int(os.environ.get("GROUP_RANK", dist.get_rank() // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    urls, problem = [], None
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        config = replace(config, host=node_address())
+        if config.log_dir:
+            config = replace(config, log_dir=str(Path(config.log_dir) / f"node_{node}"))
+        try:
+            _Nodes.servers, _Nodes.config = launch_servers(config, preemption.requested), config
+            urls = [s.url for s in _Nodes.servers]
+        except Exception as e:  # every rank must hear of it, not wait for this leader forever
+            problem = f"node {node} (rank {dist.get_rank()}): {type(e).__name__}: {e}"
+    reports = control.all_gather((urls, problem))
+    problems = [p for _, p in reports if p]
+    if problems:
+        raise RolloutError(f"colocated servers failed to start: {'; '.join(problems)}")
+    every = tuple(u for us, _ in reports for u in us)
+    engine = SGLangEngine(replace(config, urls=every), stop=preemption.requested) if dist.get_rank() == 0 else None
+    control.barrier()
+    return engine
+
+
+def on_each_node() -> bool:
+    """The weight sync goes through each node's leader (``sync_on_each_node``)."""
+    return (_Nodes.count or 1) > 1
+
+
+def sync_on_each_node(policy, engine, version) -> dict:
+    """The colocated update on several nodes (collective): rank 0 resumes every server's weights; each leader
+    writes the export into its node's servers through ``update_weights_from_tensor`` (its own handles), the other
+    ranks walk the export in step (it gathers over TP / EP); rank 0 resumes the KV caches and checks every server
+    serves ``version``. A failure anywhere is raised on every rank."""
+    from gspo_megatron.rollout import SyncStats
+    from gspo_megatron.rollout.client import HttpClient, RetryPolicy
+    from gspo_megatron.rollout.colocate import send_tensors
+    from gspo_megatron.train.weight_sync.pipeline import pipeline_gathered
+
+    start, version, rank0 = time.perf_counter(), str(version), dist.get_rank() == 0
+    problem = None
+    if rank0:
+        try:
+            engine.begin_tensor_update(version)
+        except (RolloutError, RuntimeError, OSError) as e:
+            problem = f"rank 0 resuming the servers: {type(e).__name__}: {e}"
+    problem = control.broadcast_from_rank0(problem)
+    if problem:
+        raise RolloutError(problem)
+    tensors = pipeline_gathered(policy.bridge, policy.model)
+    sent = None
+    if _Nodes.servers:
+        c = _Nodes.config
+        clients = [HttpClient(s.url, RetryPolicy(0), c.weight_sync.timeout_s) for s in _Nodes.servers]
+        try:
+            stats = send_tensors(clients, [max(1, len(g)) for g in c.gpu_groups], tensors, version, c.weight_sync)
+            sent = (stats.seconds, stats.num_tensors, stats.num_bytes, stats.num_buckets, stats.phases)
+        except (RolloutError, RuntimeError, OSError) as e:
+            problem = f"rank {dist.get_rank()}: {type(e).__name__}: {e}"
+    for _ in tensors:  # the rest of the export (all of it off the leaders), in step with every rank
+        pass
+    reports = control.all_gather((sent, problem))
+    problems = [p for _, p in reports if p]
+    metrics = {}
+    if rank0 and not problems:
+        parts = [p for p, _ in reports if p is not None]
+        slowest = max(parts, key=lambda p: p[0])
+        stats = SyncStats("tensor", version, time.perf_counter() - start, slowest[1], sum(p[2] for p in parts),
+                          slowest[3], slowest[4])
+        try:
+            engine.end_tensor_update(version, stats)
+            metrics = {f"weight_sync/{k.split('/')[-1]}": v for k, v in stats.metrics().items()}
+            metrics["weight_sync/senders"] = float(len(parts))
+        except (RolloutError, RuntimeError, OSError) as e:
+            problems.append(f"rank 0 ending the update: {type(e).__name__}: {e}")
+    problems = control.broadcast_from_rank0(problems)
+    if problems:
+        raise RolloutError(f"the colocated update to {version} failed: {'; '.join(problems)}")
     return metrics
 
 

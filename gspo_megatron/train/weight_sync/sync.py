@@ -16,6 +16,7 @@ import torch.distributed as dist
 from gspo_megatron.parallel import control
 from gspo_megatron.rollout.errors import RolloutError
 from gspo_megatron.train.resilience import fault_injection
+from gspo_megatron.train.sampling import colocate
 from gspo_megatron.train.weight_sync.pipeline import pipeline_gathered
 
 
@@ -34,6 +35,10 @@ def sync_weights(policy, engine, version: int) -> dict:
 
     start = time.perf_counter()
     params_current(policy.model)  # under overlap_param_gather the last step's all-gather is still to come
+    if colocate.on_each_node():  # rollout.colocate on several nodes: each node's leader sends its own servers
+        metrics = colocate.sync_on_each_node(policy, engine, version)
+        metrics["time/weight_sync"] = time.perf_counter() - start
+        return metrics
     while True:
         target = control.broadcast_from_rank0(_stage_sync_target(engine) if dist.get_rank() == 0 else None)
         if target is None:

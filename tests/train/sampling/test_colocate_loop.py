@@ -237,3 +237,41 @@ def test_colocated_under_torchrun_tp2_ep2(tmp_path):
           [r["colocate/grad_buffer_bytes"] for r in records])
     assert all(r["colocate/offload_bytes"] > 0 and r["colocate/grad_buffer_bytes"] > 0 for r in records), records
     assert records[1]["colocate/reload_seconds"] >= 0
+
+
+@pytest.mark.megatron  # trains the Megatron policy on two ranks
+def test_colocated_on_two_nodes_each_leader_syncs_its_own_server(tmp_path):
+    """Two ranks, each its own node as torchrun would start them on two nodes (LOCAL_RANK 0, LOCAL_WORLD_SIZE 1,
+    GROUP_RANK 0 / 1), at EP=2: each node's leader launches its own colocated CPU server; rank 0 generates on both
+    by URL and releases / resumes both; each leader writes every update into its own server from its own copy of
+    the export (update_weights_from_tensor with its own shared-memory handles). After each sync both servers roll
+    out, and their log-probs equal the trainer's (fp32)."""
+    import subprocess
+
+    from gspo_megatron.parallel.groups import free_port
+
+    require_sglang()
+    servers = tmp_path / "servers"
+    cmd = [sys.executable, "-m", "gspo_megatron.cli", "train", str(ROOT / "examples/tiny_moe_cpu.yaml"),
+           "rollout.colocate=true", "parallel.expert=2", "train.steps=2", "train.eval_every=0",
+           "model.warm_start_steps=5", "rollout.prompts_per_step=4", "parallel.micro_batch_size=8",
+           f"model.hf_dir={tmp_path / 'model'}", f"logging.dir={tmp_path / 'run'}", "checkpoint.dir=",
+           "logging.plot_every=0", f"rollout.server_args.log_dir={servers}",
+           "rollout.server_args.prompts_per_request=1"]  # 4 requests a step: both servers get some
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "GROUP_", "LOCAL_"))}
+    env.update(WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
+    ranks = [subprocess.Popen(cmd, cwd=ROOT, env=dict(env, RANK=str(r), GROUP_RANK=str(r)), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    outputs = [p.communicate(timeout=900)[0] for p in ranks]
+    assert all(p.returncode == 0 for p in ranks), "\n\n".join(o[-3000:] for o in outputs)
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    diffs = [r["logprob_diff_max"] for r in records]
+    logs = [(servers / f"node_{n}" / "sglang_server_0.log").read_text() for n in range(2)]
+    after_sync = [log.split("/update_weights_from_tensor", 1)[1].count("POST /generate") for log in logs]
+    print("two nodes: logprob_diff_max per step", diffs, "senders", [r["weight_sync/senders"] for r in records],
+          "generate requests per server after the first sync", after_sync)
+    assert [r["step"] for r in records] == [1, 2] and max(diffs) < 1e-4, diffs
+    assert all(r["weight_sync/senders"] == 2 and r["colocate/release_seconds"] >= 0 for r in records), records
+    assert all(log.count("POST /update_weights_from_tensor") >= 2 for log in logs)  # each leader sent its own
+    assert all(n > 0 for n in after_sync), after_sync  # step 2 rolled out on both servers
