@@ -275,3 +275,20 @@ def test_colocated_on_two_nodes_each_leader_syncs_its_own_server(tmp_path):
     assert all(r["weight_sync/senders"] == 2 and r["colocate/release_seconds"] >= 0 for r in records), records
     assert all(log.count("POST /update_weights_from_tensor") >= 2 for log in logs)  # each leader sent its own
     assert all(n > 0 for n in after_sync), after_sync  # step 2 rolled out on both servers
+
+
+def test_several_nodes_refuse_pipeline_stages_and_listen_off_the_loopback(monkeypatch, tmp_path):
+    """On several nodes each leader needs the whole export, which only first-stage ranks get: pipeline stages are
+    refused before any server starts. Their servers listen on the node's address (not only the loopback), which
+    launched servers may only when colocated."""
+    from gspo_megatron.rollout import SGLangConfig
+    from gspo_megatron.train.sampling import colocate
+
+    monkeypatch.setattr(colocate._Nodes, "count", 2)
+    cfg = load_config(ROOT / "examples/tiny_moe_cpu.yaml", ["rollout.colocate=true", "parallel.pipeline=2"])
+    with pytest.raises(ConfigError, match="rollout.colocate on 2 nodes with parallel.pipeline=2"):
+        colocate.engine_on_each_node(cfg, None)
+    assert colocate.on_each_node()
+    SGLangConfig(model_path=str(tmp_path), device="cpu", host="10.0.0.2", colocate=True)
+    with pytest.raises(ValueError, match="loopback only"):
+        SGLangConfig(model_path=str(tmp_path), device="cpu", host="10.0.0.2")
