@@ -9,6 +9,7 @@ before the next update (after the release).
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -82,8 +83,6 @@ class _Nodes:
 def on_several_nodes(cfg: Config) -> bool:
     """``rollout.colocate`` over more than one trainer node: ranks with LOCAL_RANK 0, as torchrun numbers them
     (collective; ``make_engine`` asks once per run, ``on_each_node`` remembers the answer)."""
-    import os
-
     _Nodes.count = sum(control.all_gather(int(os.environ.get("LOCAL_RANK", "0")) == 0)) if cfg.rollout.colocate else 1
     return _Nodes.count > 1
 
@@ -91,7 +90,6 @@ def on_several_nodes(cfg: Config) -> bool:
 def node_address() -> str:
     """This node's address toward the trainer's master (MASTER_ADDR): the one rank 0 reaches it on (the loopback
     when the master is on this host, as in the CPU tests). A UDP connect sends nothing; it only picks the route."""
-    import os
     import socket
 
     master = os.environ.get("MASTER_ADDR", "127.0.0.1")
@@ -103,7 +101,6 @@ def node_address() -> str:
 def engine_on_each_node(cfg: Config, config):
     """Every node's leader launches ``config``'s servers on its node (collective); rank 0 gets an engine attached
     to all of them, the other ranks None. A leader's failure to launch is raised on every rank."""
-    import os
     from dataclasses import replace
     from pathlib import Path
 
