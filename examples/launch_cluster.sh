@@ -21,15 +21,22 @@
 #    rank's node: its fully qualified name (rollout.weight_sync_address=ADDR for rank 0's node when that name does
 #    not resolve from the rollout nodes).
 #
-# 3. Colocated rollouts (ROLLOUT=colocated, one node): no rollout nodes; rank 0 launches SGLang on the training GPUs
-#    (rollout.colocate=true: --enable-memory-saver, the servers release their memory while training and take the
-#    new weights as CUDA IPC handles through update_weights_from_tensor, not a process group, which NCCL would
-#    refuse with a server rank and a trainer rank on one GPU). The config sizes the servers' share
-#    (rollout.server_args.mem_fraction_static, tp_size); `plan` checks both sides in every phase.
+# 3. Colocated rollouts (ROLLOUT=colocated): no rollout nodes; each node's local rank 0 launches SGLang on its
+#    node's training GPUs (rollout.colocate=true: --enable-memory-saver, the servers release their memory while
+#    training and take the new weights as CUDA IPC handles through update_weights_from_tensor, not a process group,
+#    which NCCL would refuse with a server rank and a trainer rank on one GPU). The config sizes the servers' share
+#    (rollout.server_args.mem_fraction_static, tp_size) and may move the trainer's optimizer state to the host
+#    between updates (rollout.colocate_offload=optimizer); `plan` checks both sides in every phase.
 #      ROLLOUT=colocated VENV=/envs/gspo CONFIG=examples/qwen3_30b_a3b/colocated.yaml HF_DIR=/models/Qwen3-30B-A3B \
 #        bash examples/launch_cluster.sh
-#    NNODES > 1 is refused: the handles reach servers on rank 0's node only (a sender per node is not built).
-#    Not run on GPUs yet (docs/colocation.md): the protocol ran against SGLang's CPU server.
+#    On several nodes every node runs the same command with its NODE_RANK (as in 2.); rank 0 generates on every
+#    node's servers by URL (they listen on their node's address toward MASTER_ADDR, on free ports: node 0 must reach
+#    the others over TCP) and each node's leader writes the updates into its own servers from its own copy of the
+#    export (parallel.pipeline=1):
+#      ROLLOUT=colocated VENV=/envs/gspo CONFIG=examples/qwen3_30b_a3b/colocated_2nodes.yaml NNODES=2 NODE_RANK=0 \
+#        MASTER_ADDR=trainer-0 NET_IF=ib0 HF_DIR=/models/Qwen3-30B-A3B bash examples/launch_cluster.sh
+#    Not run on GPUs yet (docs/colocation.md): the protocol ran against SGLang's CPU server, on one node and on two
+#    ranks acting as two nodes.
 #
 # Environment (defaults in brackets):
 #   VENV           required: the environment to run, with CUDA torch, this package and SGLang
@@ -66,10 +73,9 @@ ROLLOUT="${ROLLOUT:-separate}"
 case "$ROLLOUT" in
   separate) ;;
   colocated)
-    if [[ "$ROLE" != train || "${NNODES:-1}" != 1 ]]; then
-      echo "ROLLOUT=colocated runs training and its servers on one node (ROLE=train, NNODES=1; got ROLE=$ROLE" \
-           "NNODES=${NNODES:-1}): the weights reach the servers as CUDA IPC handles, on rank 0's node only. For" \
-           "more nodes start the servers with ROLE=rollout and pass ROLLOUT_URLS (ROLLOUT=separate)" >&2
+    if [[ "$ROLE" != train ]]; then
+      echo "ROLLOUT=colocated runs training and its servers together (ROLE=train; got ROLE=$ROLE): each training" \
+           "node's local rank 0 launches that node's servers. Separate servers: ROLE=rollout with ROLLOUT=separate" >&2
       exit 2
     fi ;;
   *) echo "ROLLOUT must be separate or colocated, got $ROLLOUT" >&2; exit 2 ;;

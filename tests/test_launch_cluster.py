@@ -123,7 +123,7 @@ def test_slurm_script_plans_each_node(tmp_path):
     assert out.returncode == 2 and "need 4 nodes, the allocation has 3: sbatch --nodes=4" in out.stderr
 
 
-def test_script_names_what_is_missing_and_refuses_multi_node_colocation(tmp_path):
+def test_script_names_what_is_missing_and_refuses_colocated_rollout_nodes(tmp_path):
     def run(**env):
         base = {k: v for k, v in os.environ.items() if k not in ("VENV", "HF_DIR", "ROLLOUT", "CONFIG", "ROLLOUT_URLS")}
         return subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, env=dict(base, **env), capture_output=True, text=True,
@@ -131,8 +131,8 @@ def test_script_names_what_is_missing_and_refuses_multi_node_colocation(tmp_path
 
     out = run(HF_DIR=str(tmp_path))
     assert out.returncode != 0 and "set VENV to the environment to run (CUDA torch" in out.stderr
-    out = run(VENV=sys.prefix, HF_DIR=str(tmp_path), ROLLOUT="colocated", NNODES="2")
-    assert out.returncode == 2 and "ROLLOUT=colocated runs training and its servers on one node" in out.stderr
+    out = run(VENV=sys.prefix, HF_DIR=str(tmp_path), ROLLOUT="colocated", ROLE="rollout")
+    assert out.returncode == 2 and "ROLLOUT=colocated runs training and its servers together" in out.stderr
     out = run(VENV=sys.prefix, HF_DIR=str(tmp_path), ROLLOUT="shared")
     assert out.returncode == 2 and "ROLLOUT must be separate or colocated, got shared" in out.stderr
     out = run(VENV=sys.prefix, HF_DIR=str(tmp_path), ROLE="trainer")
@@ -160,6 +160,19 @@ def test_colocated_dry_run_plans_the_example_and_starts_no_servers():
     planned = subprocess.run(shlex.split(plan), cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert planned.returncode == 0, planned.stdout[-3000:] + planned.stderr[-2000:]
     assert "colocated: fits" in planned.stdout and "mem_fraction_static 0.3 (at most 0.48 fits)" in planned.stdout
+
+    # Two nodes (each node's leader launches its servers): the same commands with --nnodes 2 / --nodes 2; the
+    # two-node example fits 2 x 8 H100s with the trainer's optimizer state on the host between updates.
+    env.update(NNODES="2", NODE_RANK="1", MASTER_ADDR="trainer-0", CONFIG="examples/qwen3_30b_a3b/colocated_2nodes.yaml")
+    del env["GPU_MEMORY_GIB"]
+    out = subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    plan, train = out.stdout.strip().splitlines()
+    assert "--nodes 2 " in plan and "--nnodes 2 --node-rank 1 " in train and "--master-addr trainer-0 " in train
+    assert all("rollout.colocate=true" in line for line in (plan, train))
+    planned = subprocess.run(shlex.split(plan), cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert planned.returncode == 0, planned.stdout[-3000:] + planned.stderr[-2000:]
+    assert "colocated: fits" in planned.stdout and "rollout.colocate_offload=optimizer: 37.73 GiB" in planned.stdout
 
 
 def test_servers_launched_on_the_training_gpus_are_refused(tmp_path):

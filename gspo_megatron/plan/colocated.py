@@ -41,6 +41,7 @@ class ColocatedPlan:
     kv_cache: float  # per GPU: the static pool less the weights
     kv_needed: float  # per GPU: one group of samples at full length
     problems: list[str]
+    offloaded: float = 0.0  # per GPU: optimizer state on the host + gradient buffers freed (colocate_offload)
 
     @property
     def fits(self) -> bool:
@@ -50,9 +51,11 @@ class ColocatedPlan:
 def colocated_plan(cfg: Config, spec, estimate, gpu_memory_gib: float, bucket_bytes: int = 256 << 20
                    ) -> ColocatedPlan:
     """Both sides on one GPU, phase by phase. The trainer keeps its weights, gradient buffer and optimizer state
-    through the rollout (nothing is offloaded yet); the servers hold ``mem_fraction_static`` of the GPU (weights +
-    KV cache) while generating, only their residual while training, and weights without KV cache while the sync
-    writes into them (one bucket of the trainer's beside). Problems name the knob to turn."""
+    through the rollout, or with ``rollout.colocate_offload=optimizer`` its weights only (the optimizer state on the
+    host and the gradient buffers freed from the update's end to the next update: the sync and rollout phases); the
+    servers hold ``mem_fraction_static`` of the GPU (weights + KV cache) while generating, only their residual while
+    training, and weights without KV cache while the sync writes into them (one bucket of the trainer's beside).
+    Problems name the knob to turn."""
 
     r, args = cfg.rollout, cfg.rollout.server_args
     gpu = gpu_memory_gib * GIB
@@ -65,13 +68,15 @@ def colocated_plan(cfg: Config, spec, estimate, gpu_memory_gib: float, bucket_by
     kv_needed = kv_per_token * r.group_size * (r.max_prompt_tokens + r.max_new_tokens)
     residual = ENGINE_RESIDUAL_GIB * GIB
     worst = estimate.worst
-    trainer_state = worst.state + estimate.fixed_bytes  # allocated between steps, plus CUDA context and NCCL
+    offloaded = worst.optimizer + worst.grads if r.colocate_offload == "optimizer" else 0.0
+    trainer_state = worst.state - offloaded + estimate.fixed_bytes  # between updates, plus CUDA context and NCCL
     largest = max(0.0, (gpu - trainer_state - residual) / gpu)
     fraction = args.get("mem_fraction_static")
     static = (fraction or 0.0) * gpu
+    held = "weights (optimizer state on the host)" if offloaded else "weights, gradients, optimizer"
     phases = [
         ColocatedPhase("rollout", trainer_state, static + residual,
-                       "servers: weights + KV cache (mem_fraction_static); trainer: weights, gradients, optimizer"),
+                       f"servers: weights + KV cache (mem_fraction_static); trainer: {held}"),
         ColocatedPhase("train", estimate.total_bytes, residual,
                        "servers released; trainer: its peak (activations of the micro batches in flight)"),
         ColocatedPhase("sync", trainer_state + bucket_bytes, weights + residual,
@@ -95,7 +100,7 @@ def colocated_plan(cfg: Config, spec, estimate, gpu_memory_gib: float, bucket_by
             problems.append(f"the {phase.phase} phase needs {phase.total / GIB:.1f} GiB of {gpu_memory_gib:g}: "
                             + ("the trainer alone is too large (see the memory lines above)" if phase.phase == "train"
                                else "raise rollout.server_args.tp_size (the servers' weights per GPU)"))
-    return ColocatedPlan(phases, gpu, fraction, largest, weights, static - weights, kv_needed, problems)
+    return ColocatedPlan(phases, gpu, fraction, largest, weights, static - weights, kv_needed, problems, offloaded)
 
 
 def plan_lines(plan: ColocatedPlan) -> list[str]:
@@ -107,8 +112,9 @@ def plan_lines(plan: ColocatedPlan) -> list[str]:
     lines.append(f"  servers  weights {plan.engine_weights / GIB:.2f} GiB per GPU, KV cache "
                  f"{plan.kv_cache / GIB:.2f} GiB (one group needs {plan.kv_needed / GIB:.2f}); "
                  f"mem_fraction_static {plan.mem_fraction_static} (at most {plan.largest_fraction:.2f} fits)")
+    if plan.offloaded:
+        lines.append(f"  trainer  rollout.colocate_offload=optimizer: {plan.offloaded / GIB:.2f} GiB per GPU off it "
+                     "between updates (optimizer state in pinned host memory, gradient buffers freed)")
     lines += [f"  DOES NOT FIT: {p}" for p in plan.problems] or ["  colocated: fits"]
     return lines
 
-
-# ---- the trainer's own memory between updates (GPU check only: not wired into the loop yet) ------------------

@@ -30,7 +30,8 @@ differ per model family and SGLang version; ``direct`` copies into SGLang's inte
 names and shapes, so the trainer would need a second table, per TP size, for SGLang's layout. The cost of the full
 tensors is that every engine rank reads every whole tensor: on one GPU a device-local copy, cheap next to training.
 
-Every engine rank gets the same payload here (the handle of rank 0's buffer): correct, one producer, and on GPUs a
+Every engine rank gets the same payload here (the handle of the sender's buffer: rank 0's, or on several nodes each
+node leader's for its own servers, ``train/sampling/colocate.py``): correct, one producer per node, and on GPUs a
 peer read over NVLink for engine ranks on other GPUs. Per-rank payloads (each trainer rank sending its own GPU's copy)
 are the next step on GPUs and need the trainer's ranks to gather their handles to rank 0 (not run: no GPU here).
 

@@ -164,7 +164,8 @@ class SGLangConfig:
                              "GPUs each and join a distributed weight sync as tp_size ranks, so pp > 1 servers are "
                              "not launched; start them yourself and attach them with sglang.urls and "
                              "weight_sync.method=disk")
-        if self.host not in ("127.0.0.1", "localhost", "::1") and not self.urls:
+        if self.host not in ("127.0.0.1", "localhost", "::1") and not self.urls and not self.colocate:
+            # (colocated servers on several nodes listen on their node's address toward the trainer's master)
             raise ValueError(f"sglang.host={self.host!r}: launched servers listen on the loopback only")
 
     @property

@@ -534,6 +534,20 @@ class SGLangEngine:
         self._sender.end(str(version))
         self._check_served(str(version), "distributed", stats)
 
+    def begin_tensor_update(self, version: str) -> None:
+        """Colocated servers on several nodes (each node's trainer leader sends its own servers the update,
+        ``train/sampling/colocate.py``): check the version is new and give every server its weights back."""
+        self._check_new_version(version)
+        if self.colocation is not None:
+            self.colocation.resume_weights()
+
+    def end_tensor_update(self, version: str, stats: SyncStats) -> None:
+        """After every node's leader has sent its servers ``version``: their KV cache back, then check every worker
+        serves ``version``."""
+        if self.colocation is not None:
+            self.colocation.resume_kv_cache()
+        self._check_served(str(version), "tensor", stats)
+
     def _check_new_version(self, version) -> str:
         version = str(version)
         if version == self._version:

@@ -77,6 +77,7 @@ def train(cfg: Config, resume: bool = False) -> dict:
         source.load_state_dict(state)  # the data position (and partial rollouts' groups in flight)
     metrics: dict = {}
     nonfinite = NonFiniteGuard(cfg.train.max_consecutive_nonfinite, cfg.logging.dir, rank0)
+    trainer_state = colocate.trainer_state(policy, cfg)  # rollout.colocate_offload: off the GPU between updates
     try:
         while step < cfg.train.steps:
             step += 1
@@ -99,10 +100,12 @@ def train(cfg: Config, resume: bool = False) -> dict:
             if reference is not None:
                 passes.reference_logprobs(reference, batch, rows, cfg, loss_cfg, metrics)
 
+            metrics.update(trainer_state.reload())  # rollout.colocate_offload: optimizer state back for the update
             t = time.perf_counter()
             metrics.update(passes.update(policy, batch, rows, old_routing, cfg, loss_cfg))  # NaN/inf: skipped
             metrics["time/update"] = time.perf_counter() - t
             nonfinite.check(step, batch, metrics)  # saves a skipped step's batch; N in a row stop the run
+            metrics.update(trainer_state.offload())  # and to host memory again, before the servers resume
 
             version += 1
             metrics.update(source.sync_weights(policy, version))  # generation ahead: finished first, or paused

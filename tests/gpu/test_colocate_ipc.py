@@ -4,8 +4,9 @@
   handles) is opened by a *second process* and holds the exact tensors: CUDA IPC handles on a GPU (the device named
   by UUID, mapped back as SGLang's ``_rebuild_cuda_tensor_modified`` does), shared-memory file names on the CPU
   (that half also runs here, without a GPU);
-- the trainer's optimizer state offloaded to pinned host memory gives its GPU memory back
-  (``torch.cuda.memory_reserved`` drops by about its size) and is regained unchanged (CUDA only).
+- the trainer's optimizer state offloaded to pinned host memory (``TrainerState``, ``rollout.colocate_offload``)
+  gives its GPU memory back (``torch.cuda.memory_reserved`` drops by about its size) and is regained unchanged
+  (CUDA only).
 
 Written without a GPU to run it (this session had none): what it measures is not yet in bench/RESULTS.md.
 """
@@ -82,24 +83,33 @@ def test_bucketed_handles_open_in_a_second_process():
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA (bench/gpu_check.sh): GPU memory released and regained")
 def test_optimizer_state_offload_gives_gpu_memory_back():
-    from gspo_megatron.train.sampling.colocate import offload_optimizer_state, reload_optimizer_state
+    """``TrainerState`` (``rollout.colocate_offload=optimizer``) on a GPU: a bf16 model's fp32 master weights and
+    Adam moments go to pinned host memory, ``torch.cuda.memory_reserved`` drops by about their size, and ``reload``
+    regains them unchanged (the CPU half of this, freed storages and exact values: ``tests/train/sampling``)."""
+    from gspo_megatron.train.sampling.colocate import TrainerState
 
-    model = torch.nn.Linear(4096, 4096, device="cuda")
-    optimizer = torch.optim.Adam(model.parameters())
-    model(torch.randn(8, 4096, device="cuda")).sum().backward()
+    model = torch.nn.Linear(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    master = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
+    optimizer = torch.optim.Adam(master)
+    for p, q in zip(master, model.parameters()):
+        p.grad = torch.randn_like(p)
     optimizer.step()
-    state = {k: v.clone() for k, v in optimizer.state[model.weight].items() if isinstance(v, torch.Tensor)}
+    state = {k: v.clone() for k, v in optimizer.state[master[0]].items() if isinstance(v, torch.Tensor)}
+    weights = master[0].detach().clone()
     torch.cuda.synchronize()
     before = torch.cuda.memory_reserved()
-    moved = offload_optimizer_state(optimizer)
+    offload = TrainerState(model, optimizer, torch.device("cuda", torch.cuda.current_device()), "optimizer")
+    moved = offload.offload()["colocate/offload_bytes"]
     released = torch.cuda.memory_reserved()
     print(f"optimizer state {moved / 2**20:.0f} MiB: reserved {before / 2**20:.0f} -> {released / 2**20:.0f} MiB")
-    assert moved >= 2 * 4096 * 4096 * 4  # exp_avg and exp_avg_sq of the weight
+    assert moved >= 3 * 4096 * 4096 * 4  # the weight's master copy, exp_avg and exp_avg_sq
     assert before - released >= 0.9 * moved
-    reload_optimizer_state(optimizer)
+    assert optimizer.state[master[0]]["exp_avg"].is_pinned() and not master[0].is_cuda
+    offload.reload()
     regained = torch.cuda.memory_reserved()
     print(f"reloaded: reserved {regained / 2**20:.0f} MiB")
-    assert regained - released >= 0.9 * moved
+    assert regained - released >= 0.9 * moved and master[0].is_cuda
+    assert torch.equal(master[0], weights)
     for key, value in state.items():
-        assert torch.equal(optimizer.state[model.weight][key], value), key
+        assert torch.equal(optimizer.state[master[0]][key], value), key
     optimizer.step()  # the reloaded state works

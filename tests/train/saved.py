@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 
-def final_weights(*checkpoints: str) -> list[dict]:
-    """Each dist checkpoint's model tensors (optimizer state and RNG left out), by flattened key."""
+def final_weights(*checkpoints: str, optimizer: bool = False) -> list[dict]:
+    """Each dist checkpoint's model tensors (RNG and, unless ``optimizer``, optimizer state left out), by flattened
+    key."""
     from megatron.core import dist_checkpointing
 
     def flat(tree, prefix=""):
@@ -19,4 +20,4 @@ def final_weights(*checkpoints: str) -> list[dict]:
         return out
 
     return [{k: v for k, v in flat(dist_checkpointing.load_plain_tensors(c)).items()
-             if not k.startswith(("optimizer", "rng_state"))} for c in checkpoints]
+             if not k.startswith(("rng_state",) if optimizer else ("optimizer", "rng_state"))} for c in checkpoints]

@@ -18,6 +18,10 @@ from gspo_megatron.train.startup.config import Config, ConfigError
 
 def make_engine(cfg: Config, hf_dir: str | Path, tokenizer):
     """The configured engine on global rank 0, None elsewhere (collective: the others wait until it is up)."""
+    from gspo_megatron.train.sampling import colocate
+
+    if colocate.on_several_nodes(cfg):  # rollout.colocate: each node's leader launches its servers (colocate.py)
+        return colocate.engine_on_each_node(cfg, sglang_config(cfg, hf_dir))
     engine = _engine(cfg, hf_dir, tokenizer) if dist.get_rank() == 0 else None
     control.barrier()
     return engine
@@ -30,6 +34,19 @@ def _engine(cfg: Config, hf_dir: str | Path, tokenizer):
         model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
         return LocalEngine(model, tokenizer, seed=cfg.train.seed, version="0",
                            rollout_routing=cfg.algo.replays_rollout_routing)
+    config = sglang_config(cfg, hf_dir)
+    refuse_colocation(config, trainer_gpus=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    # under torchrun --max-restarts: servers kept through a restart of the workers (adopted), or launched to be kept
+    servers = None if config.urls else elastic.servers(cfg, config)
+    # A scheduler's SIGTERM while the servers start stops the wait (caught by preemption: nothing to save yet).
+    engine = SGLangEngine(config, servers=servers, stop=preemption.requested)
+    if servers is not None:  # kept servers (torchrun restarts): one relaunched after a failure is recorded anew
+        engine.on_relaunch = lambda: elastic.record_servers(cfg, engine.servers)
+    return engine
+
+
+def sglang_config(cfg: Config, hf_dir: str | Path):
+    """The SGLang engine's configuration from ``cfg.rollout``."""
     server_args = dict(cfg.rollout.server_args)
     server_args.setdefault("seed", cfg.train.seed)
     for name in ("max_server_restarts", "restart_window_s", "attached_wait_s"):  # fault tolerance
@@ -45,14 +62,7 @@ def _engine(cfg: Config, hf_dir: str | Path, tokenizer):
     )
     if cfg.rollout.colocate:  # servers on the trainer's GPUs, weights as tensor handles (sampling/colocate.py)
         config = replace(config, colocate=True, weight_sync=replace(config.weight_sync, method="tensor"))
-    refuse_colocation(config, trainer_gpus=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    # under torchrun --max-restarts: servers kept through a restart of the workers (adopted), or launched to be kept
-    servers = None if config.urls else elastic.servers(cfg, config)
-    # A scheduler's SIGTERM while the servers start stops the wait (caught by preemption: nothing to save yet).
-    engine = SGLangEngine(config, servers=servers, stop=preemption.requested)
-    if servers is not None:  # kept servers (torchrun restarts): one relaunched after a failure is recorded anew
-        engine.on_relaunch = lambda: elastic.record_servers(cfg, engine.servers)
-    return engine
+    return config
 
 
 def refuse_colocation(config, trainer_gpus: int) -> None:

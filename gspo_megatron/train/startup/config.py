@@ -187,6 +187,12 @@ class RolloutConfig:
     resume them and take the new weights through update_weights_from_tensor (tensor handles, no process group:
     ``rollout.weight_sync`` does not apply). Needs rollout.mode=sync; size the servers' share with
     rollout.server_args.mem_fraction_static (``plan`` prints both sides' peaks)."""
+    colocate_offload: str = "none"
+    """With colocate: what the trainer hands over too between its updates (``train/sampling/colocate.py``). none:
+    it keeps everything on its GPUs. optimizer: after each update, before the servers resume, the optimizer's state
+    (Adam's moments, and the fp32 master weights of bf16 training) goes to pinned host memory and the gradient
+    buffers are freed (zeroed before every update anyway); both come back after the next rollout's release, before
+    the update. Costs a copy each way per step; ``plan`` counts it out of the rollout and sync phases."""
     max_staleness: int = 1
     """With mode=async: batches sampled ahead, so a sample is at most this many weight versions older than the
     weights it is trained on (one_step_off is 1 without pausing)."""

@@ -20,6 +20,7 @@ from gspo_megatron.rollout import SGLangEngine, SyncStats
 from gspo_megatron.rollout.errors import RolloutError
 from gspo_megatron.rollout.weight_sync import consume
 from gspo_megatron.train.resilience import fault_injection
+from gspo_megatron.train.sampling import colocate
 from gspo_megatron.train.weight_sync.pipeline import pipeline_gathered
 
 
@@ -38,6 +39,10 @@ def sync_weights(policy, engine, version: int) -> dict:
 
     start = time.perf_counter()
     params_current(policy.model)  # under overlap_param_gather the last step's all-gather is still to come
+    if colocate.on_each_node():  # rollout.colocate on several nodes: each node's leader sends its own servers
+        metrics = colocate.sync_on_each_node(policy, engine, version)
+        metrics["time/weight_sync"] = time.perf_counter() - start
+        return metrics
     while True:
         target = control.broadcast_from_rank0(_stage_sync_target(engine) if dist.get_rank() == 0 else None)
         if target is None:

@@ -12,9 +12,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+from gspo_megatron.parallel.launch import run_on_ranks
 from gspo_megatron.train.startup.config import ConfigError, load_config
 from tests import warm_cli
+from tests.train.saved import final_weights
 from tests.rollout.helpers import require_sglang
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -26,7 +29,8 @@ def test_colocated_loop_syncs_by_tensor_and_matches_the_trainer(tmp_path):
     cmd = [sys.executable, "-m", "gspo_megatron.cli", "train", str(ROOT / "examples/tiny_moe_cpu.yaml"),
            "rollout.colocate=true", "train.steps=3", "train.eval_every=2", "model.warm_start_steps=5",
            "rollout.prompts_per_step=4", "parallel.micro_batch_size=8", f"model.hf_dir={tmp_path / 'model'}",
-           f"logging.dir={tmp_path / 'run'}", "checkpoint.dir=", "logging.plot_every=0"]
+           f"logging.dir={tmp_path / 'run'}", f"checkpoint.dir={tmp_path / 'run' / 'ck'}", "checkpoint.every=2",
+           "logging.plot_every=0"]
     env = dict(os.environ, WORLD_SIZE="1", OMP_NUM_THREADS="1")
     out = warm_cli.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
@@ -39,6 +43,102 @@ def test_colocated_loop_syncs_by_tensor_and_matches_the_trainer(tmp_path):
     assert max(diffs) < 1e-4, diffs
     assert all(r["weight_sync/tensors"] > 0 and r["colocate/release_seconds"] >= 0 for r in records), records
     assert "eval_reward_mean" in records[1]  # the eval after step 2's sync generated on resumed servers
+
+    # rollout.colocate_offload=optimizer: the optimizer state on the host and the gradient buffers freed between
+    # updates changes nothing: the same rollouts (seeded per step), losses and gradient norms, and after step 2's
+    # update (Adam's moments offloaded after step 1 and reloaded) the same weights and optimizer state, bit for bit;
+    # step 2's checkpoint was written from the host copies. (Two launches of SGLang's CPU server return log-probs
+    # that differ in the last bits, offload or not, and from step 2's eval on they draw other tokens; so the runs
+    # are compared up to step 2's update, and not on the engine's log-probs.)
+    offloaded = _offload_run(tmp_path)
+    for key in ("loss", "grad_norm", "reward_mean", "response_length_mean"):
+        assert [r[key] for r in offloaded[:2]] == [r[key] for r in records[:2]], key
+    (base, off), = run_on_ranks(final_weights, 1, None, str(tmp_path / "run" / "ck" / "step_000002"),
+                                str(tmp_path / "offload" / "ck" / "step_000002"), optimizer=True)
+    assert base.keys() == off.keys() and any(k.startswith("optimizer") for k in base) and len(base) > 10
+    different = [k for k in base if not torch.equal(base[k], off[k])]
+    assert not different, f"offloaded run's step-2 weights / optimizer state differ: {different[:5]}"
+    assert all(r["colocate/offload_bytes"] > 0 and r["colocate/grad_buffer_bytes"] > 0 for r in offloaded), offloaded
+    assert all(r["colocate/reload_seconds"] >= 0 for r in offloaded[1:]) and "colocate/reload_seconds" not in offloaded[0]
+    print("offloaded: bytes", [r["colocate/offload_bytes"] for r in offloaded], "grad buffers",
+          [r["colocate/grad_buffer_bytes"] for r in offloaded], "offload s",
+          [r["colocate/offload_seconds"] for r in offloaded], "reload s",
+          [r.get("colocate/reload_seconds") for r in offloaded])
+
+
+def _offload_run(tmp_path) -> list[dict]:
+    """The same run as ``test_colocated_loop_syncs_by_tensor_and_matches_the_trainer`` with
+    ``rollout.colocate_offload=optimizer``: its checkpoints are written while the optimizer state is on the host."""
+    cmd = [sys.executable, "-m", "gspo_megatron.cli", "train", str(ROOT / "examples/tiny_moe_cpu.yaml"),
+           "rollout.colocate=true", "rollout.colocate_offload=optimizer", "train.steps=3", "train.eval_every=2",
+           "model.warm_start_steps=5", "rollout.prompts_per_step=4", "parallel.micro_batch_size=8",
+           f"model.hf_dir={tmp_path / 'model'}", f"logging.dir={tmp_path / 'offload'}",
+           f"checkpoint.dir={tmp_path / 'offload' / 'ck'}", "checkpoint.every=2", "logging.plot_every=0"]
+    env = dict(os.environ, WORLD_SIZE="1", OMP_NUM_THREADS="1")
+    out = warm_cli.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    assert (tmp_path / "offload" / "ck" / "latest").read_text() == "step_000003"  # saved from the host copies
+    return [json.loads(line) for line in (tmp_path / "offload" / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_trainer_state_offload_frees_the_originals_and_restores_them_exactly():
+    """``TrainerState`` on the CPU (``device`` = the CPU, as in a CPU run): Adam's moments and the fp32 master
+    weights of a bf16 model are copied off, their original storages freed, the model's own weights untouched; after
+    ``reload`` the optimizer steps exactly as a twin that never offloaded."""
+    from gspo_megatron.train.sampling.colocate import TrainerState
+
+    model = torch.nn.Linear(16, 8).to(torch.bfloat16)
+    master = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
+    optimizer = torch.optim.Adam(master, lr=0.1)
+    twin_master = [p.detach().clone().requires_grad_() for p in master]
+    twin = torch.optim.Adam(twin_master, lr=0.1)
+    g = torch.Generator().manual_seed(0)
+
+    def step():
+        grads = [torch.randn(p.shape, generator=g) for p in master]
+        for params, opt in ((master, optimizer), (twin_master, twin)):
+            for p, grad in zip(params, grads):
+                p.grad = grad.clone()
+            opt.step()
+
+    step()
+    state = TrainerState(model, optimizer, torch.device("cpu"), "optimizer")
+    originals = {id(v): v for s in optimizer.state.values() for v in s.values()}
+    master_storages = [p.untyped_storage() for p in master]
+    model_before = [p.detach().clone() for p in model.parameters()]
+    metrics = state.offload()
+    moments = sum(2 * p.numel() * 4 + 4 for p in master)  # exp_avg, exp_avg_sq, step
+    assert metrics["colocate/offload_bytes"] == moments + sum(p.numel() * 4 for p in master)
+    assert metrics["colocate/offload_seconds"] >= 0 and metrics["colocate/grad_buffer_bytes"] == 0
+    assert all(v.untyped_storage().nbytes() == 0 for v in originals.values())  # freed
+    assert all(id(v) not in originals for s in optimizer.state.values() for v in s.values())  # the host copies
+    assert all(s.nbytes() == 0 for s in master_storages)
+    for p, q in zip(master, twin_master):
+        assert torch.equal(p, q)  # the master weights read from the copy
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), model_before))
+    assert state.offload() == {}  # already off
+    assert set(state.reload()) == {"colocate/reload_seconds"} and state.reload() == {}
+    assert all(id(v) in originals for s in optimizer.state.values() for v in s.values())  # the originals again
+    step()
+    step()
+    for p, q in zip(master, twin_master):
+        assert torch.equal(p, q)
+    for p, q in zip(master, twin_master):
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(optimizer.state[p][key], twin.state[q][key]), key
+    assert TrainerState(model, optimizer, torch.device("cpu"), "none").offload() == {}
+
+
+def test_colocate_offload_needs_colocate():
+    from gspo_megatron.train.sampling import colocate
+
+    with pytest.raises(ConfigError, match="needs rollout.colocate=true"):
+        colocate.validate(load_config(ROOT / "examples/tiny_moe_cpu.yaml", ["rollout.colocate_offload=optimizer"]))
+    with pytest.raises(ConfigError, match="is not one of none, optimizer"):
+        colocate.validate(load_config(ROOT / "examples/tiny_moe_cpu.yaml",
+                                      ["rollout.colocate=true", "rollout.colocate_offload=grads"]))
+    colocate.validate(load_config(ROOT / "examples/tiny_moe_cpu.yaml",
+                                  ["rollout.colocate=true", "rollout.colocate_offload=optimizer"]))
 
 
 @pytest.mark.parametrize("override, message", [
@@ -93,18 +193,34 @@ def test_plan_gives_both_sides_peaks_and_refuses_naming_the_knob():
     _, one_gpu_engine = plan("rollout.server_args.mem_fraction_static=0.3")  # 57 GiB of weights per GPU
     assert any("rollout.server_args.tp_size" in p for p in one_gpu_engine.problems), one_gpu_engine.problems
 
+    # rollout.colocate_offload=optimizer: the rollout and sync phases lose the optimizer state and the gradient
+    # buffers (21.3 + 16.4 GiB here), leaving the servers up to ~0.84 of the GPU; the update's peak is unchanged.
+    cfg, offload = plan("rollout.server_args.tp_size=8", "rollout.server_args.mem_fraction_static=0.6",
+                        "rollout.colocate_offload=optimizer")
+    worst = estimate_memory(model_spec(read_hf_config(cfg)), cfg, 16, padded_length(cfg)).worst
+    assert offload.offloaded == worst.optimizer + worst.grads and offload.offloaded > 30 * GIB
+    kept, off = {p.phase: p for p in good.phases}, {p.phase: p for p in offload.phases}
+    for phase in ("rollout", "sync"):
+        assert off[phase].trainer == pytest.approx(kept[phase].trainer - offload.offloaded)
+    assert off["train"].total == kept["train"].total
+    assert offload.fits and 0.8 < offload.largest_fraction < 0.9, offload.problems  # 0.6 fits now, 0.36 before
+    assert "rollout.colocate_offload=optimizer: 37.73 GiB per GPU off it" in format_plan(cfg, 16)
+
 
 @pytest.mark.megatron  # trains the Megatron policy under torchrun
 def test_colocated_under_torchrun_tp2_ep2(tmp_path):
     """Four gloo ranks at TP=2 x EP=2 with rank 0's colocated server: the export gathers every shard, rank 0 writes
-    the whole update through update_weights_from_tensor, the other ranks wait for the release in the control group."""
+    the whole update through update_weights_from_tensor, the other ranks wait for the release in the control group.
+    With rollout.colocate_offload=optimizer: every rank offloads its own shard of the state (dense and expert
+    optimizers, dense and expert-parallel gradient buffers) and regains it."""
     import shutil
     import subprocess
 
     require_sglang()
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"
     cmd = [torchrun, "--standalone", "--nproc-per-node", "4", "-m", "gspo_megatron.cli", "train",
-           str(ROOT / "examples/tiny_moe_cpu.yaml"), "rollout.colocate=true", "parallel.tensor=2", "parallel.expert=2",
+           str(ROOT / "examples/tiny_moe_cpu.yaml"), "rollout.colocate=true", "rollout.colocate_offload=optimizer",
+           "parallel.tensor=2", "parallel.expert=2",
            "train.steps=2", "train.eval_every=0", "model.warm_start_steps=5", "rollout.prompts_per_step=4",
            "parallel.micro_batch_size=8", f"model.hf_dir={tmp_path / 'model'}", f"logging.dir={tmp_path / 'run'}",
            "checkpoint.dir=", "logging.plot_every=0"]
@@ -117,3 +233,62 @@ def test_colocated_under_torchrun_tp2_ep2(tmp_path):
     print("colocated TP2 x EP2: logprob_diff_max per step", diffs)
     assert [r["step"] for r in records] == [1, 2] and max(diffs) < 1e-4, diffs
     assert all(r["weight_sync/tensors"] > 0 and "colocate/release_seconds" in r for r in records), records
+    print("offloaded per rank-0 GPU: bytes", [r["colocate/offload_bytes"] for r in records], "grad buffers",
+          [r["colocate/grad_buffer_bytes"] for r in records])
+    assert all(r["colocate/offload_bytes"] > 0 and r["colocate/grad_buffer_bytes"] > 0 for r in records), records
+    assert records[1]["colocate/reload_seconds"] >= 0
+
+
+@pytest.mark.megatron  # trains the Megatron policy on two ranks
+def test_colocated_on_two_nodes_each_leader_syncs_its_own_server(tmp_path):
+    """Two ranks, each its own node as torchrun would start them on two nodes (LOCAL_RANK 0, LOCAL_WORLD_SIZE 1,
+    GROUP_RANK 0 / 1), at EP=2: each node's leader launches its own colocated CPU server; rank 0 generates on both
+    by URL and releases / resumes both; each leader writes every update into its own server from its own copy of
+    the export (update_weights_from_tensor with its own shared-memory handles). After each sync both servers roll
+    out, and their log-probs equal the trainer's (fp32)."""
+    import subprocess
+
+    from gspo_megatron.parallel.groups import free_port
+
+    require_sglang()
+    servers = tmp_path / "servers"
+    cmd = [sys.executable, "-m", "gspo_megatron.cli", "train", str(ROOT / "examples/tiny_moe_cpu.yaml"),
+           "rollout.colocate=true", "parallel.expert=2", "train.steps=2", "train.eval_every=0",
+           "model.warm_start_steps=5", "rollout.prompts_per_step=4", "parallel.micro_batch_size=8",
+           f"model.hf_dir={tmp_path / 'model'}", f"logging.dir={tmp_path / 'run'}", "checkpoint.dir=",
+           "logging.plot_every=0", f"rollout.server_args.log_dir={servers}",
+           "rollout.server_args.prompts_per_request=1"]  # 4 requests a step: both servers get some
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "GROUP_", "LOCAL_"))}
+    env.update(WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
+    ranks = [subprocess.Popen(cmd, cwd=ROOT, env=dict(env, RANK=str(r), GROUP_RANK=str(r)), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    outputs = [p.communicate(timeout=900)[0] for p in ranks]
+    assert all(p.returncode == 0 for p in ranks), "\n\n".join(o[-3000:] for o in outputs)
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    diffs = [r["logprob_diff_max"] for r in records]
+    logs = [(servers / f"node_{n}" / "sglang_server_0.log").read_text() for n in range(2)]
+    after_sync = [log.split("/update_weights_from_tensor", 1)[1].count("POST /generate") for log in logs]
+    print("two nodes: logprob_diff_max per step", diffs, "senders", [r["weight_sync/senders"] for r in records],
+          "generate requests per server after the first sync", after_sync)
+    assert [r["step"] for r in records] == [1, 2] and max(diffs) < 1e-4, diffs
+    assert all(r["weight_sync/senders"] == 2 and r["colocate/release_seconds"] >= 0 for r in records), records
+    assert all(log.count("POST /update_weights_from_tensor") >= 2 for log in logs)  # each leader sent its own
+    assert all(n > 0 for n in after_sync), after_sync  # step 2 rolled out on both servers
+
+
+def test_several_nodes_refuse_pipeline_stages_and_listen_off_the_loopback(monkeypatch, tmp_path):
+    """On several nodes each leader needs the whole export, which only first-stage ranks get: pipeline stages are
+    refused before any server starts. Their servers listen on the node's address (not only the loopback), which
+    launched servers may only when colocated."""
+    from gspo_megatron.rollout import SGLangConfig
+    from gspo_megatron.train.sampling import colocate
+
+    monkeypatch.setattr(colocate._Nodes, "count", 2)
+    cfg = load_config(ROOT / "examples/tiny_moe_cpu.yaml", ["rollout.colocate=true", "parallel.pipeline=2"])
+    with pytest.raises(ConfigError, match="rollout.colocate on 2 nodes with parallel.pipeline=2"):
+        colocate.engine_on_each_node(cfg, None)
+    assert colocate.on_each_node()
+    SGLangConfig(model_path=str(tmp_path), device="cpu", host="10.0.0.2", colocate=True)
+    with pytest.raises(ValueError, match="loopback only"):
+        SGLangConfig(model_path=str(tmp_path), device="cpu", host="10.0.0.2")
