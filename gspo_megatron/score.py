@@ -241,12 +241,11 @@ def run(args) -> int:
     """The ``score`` subcommand (args from ``cli.build_parser``)."""
     from gspo_megatron.model.errors import LayoutError
     from gspo_megatron.model.layout_check import check_layout, minimal_world_size
-    from gspo_megatron.parallel.groups import Layout
+    from gspo_megatron.parallel.groups import layout_from_args
     from gspo_megatron.parallel.launch import run_on_ranks
 
     model_dir = Path(args.model)
-    layout = Layout(tensor=args.tp, pipeline=args.pp, expert=args.ep, expert_tensor=args.etp,
-                    sequence_parallel=args.tp > 1)
+    layout = layout_from_args(args)
     try:
         if not model_dir.exists():
             raise FileNotFoundError(f"--model {model_dir} does not exist")
@@ -291,10 +290,16 @@ def add_arguments(parser) -> None:
                         "training run's checkpoint.dir, its step_N dir or latest)")
     parser.add_argument("--input", required=True, help="JSONL with prompt_ids and response_ids")
     parser.add_argument("--output", help="where to write the JSONL results (default: stdout)")
+    # parallel.groups.add_layout_arguments's options, written out: that module imports torch, and building the
+    # command line must not
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel size")
     parser.add_argument("--etp", type=int, default=None, help="expert-tensor-parallel size (default: --tp)")
+    parser.add_argument("--first-stage-layers", type=int, default=None,
+                        help="layers of the first pipeline stage (uneven stages; default: an even split)")
+    parser.add_argument("--last-stage-layers", type=int, default=None,
+                        help="layers of the last pipeline stage (uneven stages; default: an even split)")
     parser.add_argument("--micro-batch-size", type=int, default=4)
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                         help="weights dtype (default: the checkpoint's)")

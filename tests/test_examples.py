@@ -38,15 +38,22 @@ def test_cluster_examples_fit(plan, config, nodes, params):
     assert params in out and ": fits" in out, out
 
 
-def test_671b_rollout_facts_and_its_recompute(plan):
+def test_671b_rollout_facts_and_its_uneven_stages(plan):
     """DeepSeek-V3's servers cache MLA's latent (68.6 KiB per token, not 4.8 MiB of per-head K and V); 1342 GB of
-    bf16 into every server GPU at 45 GB/s is ~30 s of wire alone; without full recompute it does not fit."""
-    code, out, err = plan("examples/deepseek_v3_671b/train.yaml", "--nodes", "32", "--gpus-per-node", "8")
+    bf16 into every server GPU at 45 GB/s is ~30 s of wire alone. Its 61 layers go over PP 4 only unevenly (an even
+    split is refused by name), and at PP 1 recomputing only the MoE layers does not fit (full recompute does)."""
+    example = ("examples/deepseek_v3_671b/train.yaml", "--nodes", "32", "--gpus-per-node", "8")
+    code, out, err = plan(*example)
     assert "KV cache     68.6 KiB per token in bf16 (multi-latent: (kv_lora_rank 512 + qk_rope 64) x 61 layers" in out
     assert "weight sync  1342 GB (bf16) into every server GPU: ~45.7-47.1 s (29.8 s at 45 GB/s" in out, out
-    code, out, err = plan("examples/deepseek_v3_671b/train.yaml", "--nodes", "32", "--gpus-per-node", "8",
-                          "recompute.granularity=selective", "recompute.modules=[moe]")
+    assert "in flight (1F1B): 4 on the first stage, 3 on the middle stage, 1 on the last stage" in out, out
+    code, out, err = plan(*example, "parallel.first_stage_layers=null")
+    assert code == 2 and "num_hidden_layers=61 is not divisible by parallel.pipeline=4" in err, out + err
+    pp1 = ("parallel.pipeline=1", "parallel.expert=256", "parallel.first_stage_layers=null")
+    code, out, err = plan(*example, *pp1)
     assert code == 1 and "DOES NOT FIT" in out and "recompute.granularity=full" in err, out + err
+    code, out, err = plan(*example, *pp1, "recompute.granularity=full")
+    assert code == 0 and ": fits" in out, out + err
 
 
 def test_235b_needs_its_moe_recompute(plan):

@@ -26,6 +26,16 @@ def _divides(problems: list[str], model_field: str, value: int, layout_field: st
                         f"use a {layout_field} that divides {value} ({_divisors(value)})")
 
 
+def _check_stages(problems: list[str], num_layers: int, layout: Layout) -> None:
+    problem = layout.stage_split_problem(num_layers, MEGATRON_STAGE_NAMES)
+    if problem:
+        problems.append(problem)
+
+
+MEGATRON_STAGE_NAMES = ("num_hidden_layers", "pipeline_model_parallel_size", "num_layers_in_first_pipeline_stage",
+                        "num_layers_in_last_pipeline_stage")
+
+
 def minimal_world_size(layout: Layout) -> int:
     """The fewest ranks the layout runs on: a multiple of tp*pp*cp (dense) and of ep*etp*pp (experts)."""
     dense = layout.tensor * layout.pipeline * layout.context
@@ -59,7 +69,7 @@ def check_layout(spec: ModelSpec, layout: Layout, world_size: int | None = None,
         _divides(problems, "intermediate_size", spec.ffn_hidden_size, "tensor_model_parallel_size", tp)
     vocab = padded_vocab_size or spec.padded_vocab_size()
     _divides(problems, "padded vocab_size", vocab, "tensor_model_parallel_size", tp)
-    _divides(problems, "num_hidden_layers", spec.num_layers, "pipeline_model_parallel_size", pp)
+    _check_stages(problems, spec.num_layers, layout)
 
     if spec.is_moe:
         _divides(problems, "num_experts", spec.num_experts, "expert_model_parallel_size", ep)

@@ -124,6 +124,8 @@ def transformer_config(spec: ModelSpec, layout: Layout, dtype: torch.dtype = tor
         **({} if init else skip_weight_init()),
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=layout.pipeline,
+        num_layers_in_first_pipeline_stage=layout.first_stage_layers,
+        num_layers_in_last_pipeline_stage=layout.last_stage_layers,
         context_parallel_size=layout.context,
         expert_model_parallel_size=layout.expert,
         expert_tensor_parallel_size=layout.expert_tensor or tp,

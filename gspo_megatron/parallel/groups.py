@@ -24,6 +24,60 @@ class Layout:
     context: int = 1
     expert_tensor: int | None = None  # None: the same as ``tensor`` (megatron's default)
     sequence_parallel: bool = False
+    # Uneven pipeline stages (megatron's num_layers_in_first/last_pipeline_stage): the first / last stage holds
+    # this many layers and the other stages split the rest evenly. None: an even split. For layer counts that no
+    # stage count divides (DeepSeek-V3 and Kimi-K2 have 61), or a lighter first / last stage (embedding, loss).
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
+
+    def stage_layers(self, num_layers: int) -> list[int]:
+        """Layers per pipeline stage, first to last (megatron's split). Sizes that do not add up are
+        ``model.layout_check``'s to report; here the remainder goes to no stage."""
+        first, last, pp = self.first_stage_layers, self.last_stage_layers, self.pipeline
+        if pp == 1:
+            return [num_layers]
+        middle = pp - (first is not None) - (last is not None)
+        rest = num_layers - (first or 0) - (last or 0)
+        each = rest // middle if middle > 0 else 0
+        stages = [each] * pp
+        if first is not None:
+            stages[0] = first
+        if last is not None:
+            stages[-1] = last
+        return stages
+
+    def stage_split_problem(self, num_layers: int, names: tuple[str, str, str, str]) -> str | None:
+        """Why the layers cannot be split over the stages (each stage at least one layer, the counts adding up),
+        or None. ``names``: how the caller calls (layers, pipeline size, first-stage layers, last-stage layers)."""
+        layers_name, pp_name, first_name, last_name = names
+        pp, first, last = self.pipeline, self.first_stage_layers, self.last_stage_layers
+        if first is None and last is None:
+            if pp > 1 and num_layers % pp:
+                return (f"{layers_name}={num_layers} is not divisible by {pp_name}={pp}: use a {pp_name} that divides "
+                        f"it, or uneven stages ({first_name} / {last_name})")
+            return None
+        given = ", ".join(f"{name}={value}" for name, value in ((first_name, first), (last_name, last))
+                          if value is not None)
+        if pp == 1:
+            return f"{given} with {pp_name}=1: uneven stages need pipeline > 1; unset them"
+        if any(value is not None and value < 1 for value in (first, last)):
+            return f"{given}: a stage needs at least one layer"
+        middle = pp - (first is not None) - (last is not None)
+        rest = num_layers - (first or 0) - (last or 0)
+        if middle == 0 and rest != 0:
+            return (f"{given} hold {num_layers - rest} layers but {layers_name}={num_layers}: with {pp_name}={pp} "
+                    f"they must add up to {num_layers}")
+        if middle > 0 and (rest < middle or rest % middle):
+            return (f"{layers_name}={num_layers} minus {given} leaves {rest} layers for the other {middle} stage(s), "
+                    f"which must split them evenly with at least one each: change the first / last stage's layers "
+                    f"or {pp_name}")
+        return None
+
+    def stage_range(self, num_layers: int, stage: int) -> range:
+        """The global (0-based) layer numbers of pipeline ``stage``."""
+        counts = self.stage_layers(num_layers)
+        start = sum(counts[:stage])
+        return range(start, start + counts[stage])
 
     def world_size_ok(self, world_size: int) -> str | None:
         model = self.tensor * self.pipeline * self.context
@@ -44,12 +98,17 @@ def add_layout_arguments(parser, verb: str) -> None:
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel size")
     parser.add_argument("--etp", type=int, default=None, help="expert-tensor-parallel size (default: --tp)")
+    parser.add_argument("--first-stage-layers", type=int, default=None,
+                        help="layers of the first pipeline stage (uneven stages; default: an even split)")
+    parser.add_argument("--last-stage-layers", type=int, default=None,
+                        help="layers of the last pipeline stage (uneven stages; default: an even split)")
 
 
 def layout_from_args(args) -> Layout:
     """The Layout of ``add_layout_arguments``'s options (sequence parallelism whenever TP > 1)."""
     return Layout(tensor=args.tp, pipeline=args.pp, expert=args.ep, expert_tensor=args.etp,
-                  sequence_parallel=args.tp > 1)
+                  sequence_parallel=args.tp > 1, first_stage_layers=args.first_stage_layers,
+                  last_stage_layers=args.last_stage_layers)
 
 
 def default_backend() -> str:

@@ -45,6 +45,7 @@ import math
 from dataclasses import dataclass, field
 
 from gspo_megatron.model.hf_config import ModelSpec
+from gspo_megatron.parallel.groups import Layout
 from gspo_megatron.train.startup.config import Config
 
 GIB = 1024**3
@@ -394,14 +395,20 @@ def model_parameters(spec: ModelSpec) -> tuple[int, int]:
     return total, active
 
 
+def stage_layers(spec: ModelSpec, cfg: Config, stage: int) -> range:
+    """The global layer numbers of pipeline ``stage`` (even, or ``parallel.first/last_stage_layers``)."""
+    p = cfg.parallel
+    layout = Layout(pipeline=p.pipeline, first_stage_layers=p.first_stage_layers, last_stage_layers=p.last_stage_layers)
+    return layout.stage_range(spec.num_layers, stage)
+
+
 def parameter_counts(spec: ModelSpec, cfg: Config, stage: int) -> tuple[float, float]:
     """(dense, expert) parameters held by one rank of pipeline ``stage``."""
     p = cfg.parallel
     t, pp = p.tensor, p.pipeline
     etp = p.expert_tensor or t
     h = spec.hidden_size
-    per_stage = spec.num_layers // pp
-    layers = range(stage * per_stage, (stage + 1) * per_stage)
+    layers = stage_layers(spec, cfg, stage)
     vocab = spec.padded_vocab_size()
     split = replicated = experts = 0.0
     attention_split, attention_replicated = _attention_parameters(spec)
@@ -455,8 +462,7 @@ def _stage_activations(spec: ModelSpec, cfg: Config, m: Micro, stage: int, impl:
     MLP block's tensors already freed), or the loss. Recompute re-creates what it dropped when that block runs
     backward; full recompute re-creates whole chunks of layers."""
     r = cfg.recompute
-    per_stage = spec.num_layers // cfg.parallel.pipeline
-    layers = list(range(stage * per_stage, (stage + 1) * per_stage))
+    layers = list(stage_layers(spec, cfg, stage))
     selective = frozenset(r.modules) if r.granularity == "selective" else frozenset()
     input_bytes = m.tokens / m.sp * m.a * spec.hidden_size  # a layer's input (and its output gradient)
     attn_fwd, attn_bwd = attention_transients(spec, m, impl)
@@ -545,7 +551,10 @@ def estimate_memory(spec: ModelSpec, cfg: Config, world_size: int, seq_len: int 
         s, b = (max(s, -(-p.max_tokens_per_micro_batch // sp) * sp) if p.max_tokens_per_micro_batch else b * s), 1
     m = Micro(s=s, b=b, tp=p.tensor, sp=sp, cp=p.context, etp=p.expert_tensor or p.tensor, a=a)
     micro = micro_batches_per_step(cfg, world_size)
-    kinds = sorted({0, p.pipeline - 1})
+    # Evenly split, the first stage is the most loaded of the middle ones (the same layers, more micro batches in
+    # flight); uneven, the first middle stage is a kind of its own
+    uneven = p.first_stage_layers is not None or p.last_stage_layers is not None
+    kinds = sorted({0, p.pipeline - 1} | ({1} if uneven and p.pipeline > 2 else set()))
     stages = []
     for stage in kinds:
         dense, experts = parameter_counts(spec, cfg, stage)
@@ -559,7 +568,7 @@ def estimate_memory(spec: ModelSpec, cfg: Config, world_size: int, seq_len: int 
             # (The local MLA core, model.mla, does not use it.)
             scores = _scores(spec, m) * a if spec.attention != "mla" else 0
             workspace = max(scores, m.tokens * spec.hidden_size * a if sp > 1 else 0)
-        name = "first" if stage == 0 else "last"
+        name = "first" if stage == 0 else "last" if stage == p.pipeline - 1 else "middle"
         if p.pipeline == 1:
             name = "only"
         stages.append(StageMemory(

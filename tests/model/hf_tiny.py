@@ -57,8 +57,10 @@ VARIANTS: dict[str, tuple[str, dict]] = {
                                                               "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.8,
                                                               "mscale_all_dim": 1.0},
                                              tie_word_embeddings=False)),
-    # Moonlight's shape: no q LoRA (one q_proj), plain RoPE, no group limit, padded vocabulary.
-    "moonlight": ("DeepseekV3Config", dict(_COMMON, num_key_value_heads=4, vocab_size=100, n_routed_experts=4,
+    # Moonlight's shape: no q LoRA (one q_proj), plain RoPE, no group limit, padded vocabulary; three layers, which
+    # two pipeline stages can only split unevenly (as DeepSeek-V3's 61: rank_checks' pp2 runs first_stage_layers=1).
+    "moonlight": ("DeepseekV3Config", dict(_COMMON, num_hidden_layers=3, num_key_value_heads=4, vocab_size=100,
+                                           n_routed_experts=4,
                                            num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1,
                                            moe_intermediate_size=16, first_k_dense_replace=1,
                                            routed_scaling_factor=2.0, q_lora_rank=None, kv_lora_rank=16,

@@ -127,6 +127,14 @@ def _export_to_sender(bridge, model, files) -> dict:
             "to_sender_not_bitwise": [n for n, t in sent if not hf_tiny.same_bits(t, files.read(n))]}
 
 
+def pp2_layout(hf_dir) -> Layout:
+    """Two pipeline stages: an even split, or the first layer alone on stage 0 where the count is odd."""
+    from gspo_megatron.model.hf_config import read_hf_config
+
+    odd = read_hf_config(hf_dir).num_layers % 2
+    return Layout(pipeline=2, first_stage_layers=1 if odd else None)
+
+
 def bridge_cases(hf_models: dict) -> list:
     cases = []
     for name, path in hf_models.items():
@@ -137,7 +145,8 @@ def bridge_cases(hf_models: dict) -> list:
             cases.append((("bridge", name, "control"), bridge_case, (path, Layout(), "dir", True), Layout()))
         tp2 = Layout(tensor=2, sequence_parallel=moe)
         cases.append((("bridge", name, "tp2"), bridge_case, (path, tp2), tp2))
-        cases.append((("bridge", name, "pp2"), bridge_case, (path, Layout(pipeline=2)), Layout(pipeline=2)))
+        pp2 = pp2_layout(path)
+        cases.append((("bridge", name, "pp2"), bridge_case, (path, pp2), pp2))
         if moe:
             cases.append((("bridge", name, "ep2"), bridge_case, (path, Layout(expert=2)), Layout(expert=2)))
             # dense layers split over TP=2, experts over EP=2 on the same two ranks without expert-TP
@@ -159,7 +168,7 @@ CONVERT_LAYOUTS = {
     "llama": (DP2, TP2),
     "glm4_moe": (Layout(tensor=2, expert=2, expert_tensor=1, sequence_parallel=True), PP2),
     "deepseek_v3": (PP2, Layout(tensor=2, expert=2, expert_tensor=1, sequence_parallel=True)),
-    "moonlight": (EP2, TP2_SP),
+    "moonlight": (Layout(pipeline=2, first_stage_layers=1), TP2_SP),  # three layers: uneven stages
     hf_tiny.BF16: (TP2_SP, EP2),  # bf16 weights: megatron keeps the norms in fp32; the way back restores bf16
 }
 

@@ -3,7 +3,8 @@
 For every tiny family (``hf_tiny.VARIANTS``): build the Megatron model, load the HF weights through the
 bridge, run the forward through Megatron's schedule and compare the (TP-gathered) logits with the logits
 ``transformers`` computed from the same weights: max |diff| <= 1e-4 (fp32; measured ~2e-6). Layouts: TP=1
-(two data-parallel replicas, weights from an in-memory dict), TP=2 (+ sequence parallel for MoE), PP=2,
+(two data-parallel replicas, weights from an in-memory dict), TP=2 (+ sequence parallel for MoE), PP=2 (uneven
+for the three-layer Moonlight: its dense first layer alone on stage 0, megatron's num_layers_in_first_pipeline_stage),
 EP=2 and TP=2 x EP=2 with expert-TP=1 (MoE). On every rank the bridge's export reproduces each HF tensor
 bit for bit, and the stages' exports together are the whole checkpoint. A control loads q/k/v in a plain
 (not per-group) layout and must *fail* the tolerance, so the comparison can tell layouts apart (not for the
@@ -48,8 +49,12 @@ def test_megatron_logits_equal_transformers_and_export_is_bitwise(variant, hf_mo
             assert len(r["exported"]) == len(set(r["exported"])), f"{kind} rank {rank}: a tensor exported twice"
         _check_export_to_sender(kind, per_rank, variant in hf_tiny.MOE_VARIANTS)
         exported = [set(r["exported"]) for r in per_rank]
-        if kind == "pp2":  # each stage its own tensors; together the whole checkpoint
+        if kind == "pp2":  # each stage its own tensors and layers (uneven for three layers); together the whole
             assert exported[0].isdisjoint(exported[1]) and exported[0] | exported[1] == all_names, kind
+            layout = rank_checks.pp2_layout(hf_models[variant])
+            for stage, names in enumerate(exported):
+                layers = {int(n.split(".")[2]) for n in names if n.startswith("model.layers.")}
+                assert layers == set(layout.stage_range(spec.num_layers, stage)), (stage, sorted(layers))
         else:  # TP / EP / DP: every rank yields the whole (gathered) checkpoint
             assert all(e == all_names for e in exported), kind
 

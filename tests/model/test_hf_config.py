@@ -185,9 +185,39 @@ def test_deepseek_v3_and_kimi_k2_hub_configs():
     assert read_hf_config({**DEEPSEEK_V3, "q_lora_rank": None}).q_lora_rank == 0
     check_layout(spec, Layout(tensor=8, expert=64, expert_tensor=1, sequence_parallel=True), world_size=512,
                  transformer_engine=True)
-    # 61 layers: uneven pipeline stages are not supported yet, and the refusal says so by field
-    with pytest.raises(LayoutError, match="num_hidden_layers=61 is not divisible by pipeline_model_parallel_size=8"):
+    # 61 layers: no even split over 8 stages; the refusal names the fields, and uneven stages fit
+    with pytest.raises(LayoutError, match="num_hidden_layers=61 is not divisible by pipeline_model_parallel_size=8: "
+                                          ".*uneven stages \\(num_layers_in_first_pipeline_stage"):
         check_layout(spec, Layout(tensor=8, expert=64, expert_tensor=1, pipeline=8, sequence_parallel=True))
+    uneven = Layout(tensor=8, expert=64, expert_tensor=1, pipeline=8, sequence_parallel=True, first_stage_layers=5)
+    check_layout(spec, uneven, world_size=512, transformer_engine=True)  # 5 + 7 x 8
+    assert uneven.stage_layers(61) == [5] + [8] * 7 and uneven.stage_range(61, 1) == range(5, 13)
+
+
+@pytest.mark.parametrize("first, last, pp, message", [
+    (5, None, 8, None),  # 5 + 7 x 8
+    (None, 5, 8, None),
+    (13, 16, 4, None),  # 13 + 2 x 16 + 16
+    (4, None, 8, "leaves 57 layers for the other 7 stage(s), which must split them evenly"),
+    (30, 30, 2, "hold 60 layers but num_hidden_layers=61: with pipeline_model_parallel_size=2 they must add up"),
+    (60, None, 4, "leaves 1 layers for the other 3 stage(s)"),
+    (0, None, 4, "a stage needs at least one layer"),
+    (5, None, 1, "uneven stages need pipeline > 1"),
+])
+def test_uneven_pipeline_stages(first, last, pp, message):
+    """parallel.first_stage_layers / last_stage_layers (megatron's num_layers_in_first/last_pipeline_stage) on a
+    61-layer model: the other stages split the rest evenly, each at least one layer, or the error says which."""
+    spec = read_hf_config(DEEPSEEK_V3)
+    layout = Layout(pipeline=pp, first_stage_layers=first, last_stage_layers=last)
+    if message is None:
+        check_layout(spec, layout, transformer_engine=True)
+        stages = layout.stage_layers(61)
+        assert sum(stages) == 61 and len(stages) == pp and min(stages) >= 1
+        assert [layout.stage_range(61, i).start for i in range(pp)] == [sum(stages[:i]) for i in range(pp)]
+    else:
+        with pytest.raises(LayoutError) as error:
+            check_layout(spec, layout, transformer_engine=True)
+        assert message in str(error.value)
 
 
 @pytest.mark.parametrize("change, field", [

@@ -191,6 +191,27 @@ def test_shared_experts_and_dense_first_layers():
     assert first.activation_terms["mlp.mlp"] == 3 * tokens * 2 * 5 * 12288 and "mlp.mlp" not in last.activation_terms
 
 
+def test_uneven_pipeline_stages():
+    """DeepSeek-V3's 61 layers over PP 4 as 13 + 16 + 16 + 16: each stage counts its own layers (the 3 dense ones on
+    the first), the stages' parameters add up to the whole model's, and the middle stage is evaluated too."""
+    from gspo_megatron.plan.memory import parameter_counts, stage_layers
+
+    layout = ["parallel.tensor=8", "parallel.expert=32", "parallel.expert_tensor=1", "recompute.granularity=full"]
+    uneven = load_config(None, BF16 + layout + ["parallel.pipeline=4", "parallel.first_stage_layers=13"])
+    assert [len(stage_layers(DEEPSEEK_V3, uneven, i)) for i in range(4)] == [13, 16, 16, 16]
+    whole = load_config(None, BF16 + layout + ["parallel.pipeline=1"])
+    # (dense parameters per TP rank, expert parameters per EP rank): the same sums, the stages disjoint
+    by_stage = [parameter_counts(DEEPSEEK_V3, uneven, i) for i in range(4)]
+    dense, experts = parameter_counts(DEEPSEEK_V3, whole, 0)
+    assert sum(e for _, e in by_stage) == pytest.approx(experts, rel=1e-12)
+    assert sum(d for d, _ in by_stage) == pytest.approx(dense, rel=1e-12)
+    stages = estimate(1024, *layout, "recompute.granularity=none", "parallel.pipeline=4",
+                      "parallel.first_stage_layers=13", spec=DEEPSEEK_V3).stages
+    assert [st.stage for st in stages] == ["first", "middle", "last"]
+    assert stages[1].micro_batches_in_flight == 3 and "mlp.mlp" not in stages[1].activation_terms
+    assert stages[0].activation_terms["mlp.mlp"] > 0  # the dense layers, on the first stage
+
+
 def test_kv_cache_per_token():
     from gspo_megatron.plan.servers import kv_cache_bytes_per_token
 

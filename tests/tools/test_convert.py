@@ -213,3 +213,10 @@ def test_command_line_errors_exit_2_naming_the_problem(hf_models, tmp_path):
     assert bad.returncode == 2
     assert "num_attention_heads=4 is not divisible by tensor_model_parallel_size=3" in bad.stderr
     assert no_leftovers(out)
+    # three layers over two stages: only unevenly, and the sentence names the option
+    bad = run_tool("convert_hf_to_megatron.py", "--hf-dir", str(hf_models["moonlight"]), "--out", str(out), "--pp", "2",
+                   "--first-stage-layers", "3")
+    assert bad.returncode == 2, bad.stderr[-3000:]
+    assert ("num_hidden_layers=3 minus num_layers_in_first_pipeline_stage=3 leaves 0 layers for the other 1 stage(s)"
+            in bad.stderr), bad.stderr[-3000:]
+    assert no_leftovers(out)

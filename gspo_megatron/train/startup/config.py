@@ -65,7 +65,13 @@ class ParallelConfig:
     tensor: int = 1
     """Tensor-parallel size (attention heads, MLP and vocabulary are split over it)."""
     pipeline: int = 1
-    """Pipeline-parallel size (layers are split over it)."""
+    """Pipeline-parallel size (layers are split over it, evenly unless first/last_stage_layers are set)."""
+    first_stage_layers: int | None = None
+    """Uneven pipeline stages: layers of the first stage (megatron's num_layers_in_first_pipeline_stage); the
+    stages without a set count split the rest evenly. For layer counts no stage count divides (DeepSeek-V3 and
+    Kimi-K2 have 61) or a lighter first stage (it also holds the embedding). None: an even split."""
+    last_stage_layers: int | None = None
+    """Uneven pipeline stages: layers of the last stage (it also holds the output layer and the loss)."""
     expert: int = 1
     """Expert-parallel size (MoE experts are spread over it)."""
     expert_tensor: int | None = None

@@ -6,6 +6,7 @@ import math
 
 from gspo_megatron.algo import AGGREGATIONS, KL_ESTIMATORS
 from gspo_megatron.environment import transformer_engine_available
+from gspo_megatron.parallel.groups import Layout
 from gspo_megatron.train.startup.config import Config, ConfigError, unknown_names
 from gspo_megatron.algo.defaults import ALGORITHMS
 from gspo_megatron.train.startup.performance import check_performance
@@ -80,7 +81,12 @@ def validate_model(cfg: Config, hf: dict) -> None:
         raise ConfigError(f"algo.routing_replay={cfg.algo.routing_replay} replays MoE routing but the "
                           "model has no experts; set algo.routing_replay=false")
     if hf.get("num_hidden_layers"):
-        _divides(hf["num_hidden_layers"], p.pipeline, "num_hidden_layers", "parallel.pipeline")
+        stages = Layout(pipeline=p.pipeline, first_stage_layers=p.first_stage_layers,
+                        last_stage_layers=p.last_stage_layers)
+        problem = stages.stage_split_problem(hf["num_hidden_layers"], (
+            "num_hidden_layers", "parallel.pipeline", "parallel.first_stage_layers", "parallel.last_stage_layers"))
+        if problem:
+            raise ConfigError(problem)
     if cfg.model.grouped_gemm and not transformer_engine_available():
         raise ConfigError("model.grouped_gemm=true needs TransformerEngine (megatron's TEGroupedMLP): install the gpu "
                           "extra, or set model.grouped_gemm=null (grouped where TE imports) or false")

@@ -1,5 +1,6 @@
 """The GSPO update step on the tiny GLM-4.5 and DeepSeek-V3 models equals world=1 under TP2 (+SP), EP2, PP2 (the dense
-first layer on stage 0) and TP2 x EP2 (expert-TP 1).
+first layer on stage 0) and TP2 x EP2 (expert-TP 1); on the three-layer Moonlight under uneven PP2 (its dense first
+layer alone on stage 0, two MoE layers on stage 1: ``parallel.first_stage_layers``).
 
 The policy is built as the trainer builds it (``provider.build_gpt_model`` + the bridge, from the HF files). One step
 of SGD (lr 1, no momentum history: the update is exactly -grad) on 8 sequences (split over data-parallel ranks, micro
@@ -21,10 +22,11 @@ import torch
 
 from gspo_megatron.parallel.groups import Layout
 from gspo_megatron.parallel.launch import run_on_ranks
-from tests.model import hf_tiny
+from tests.model import hf_tiny, rank_checks
 from tests.model.conftest import hf_models  # noqa: F401  (the tiny HF models, session-scoped)
 
 FAMILIES = ("glm4_moe", "deepseek_v3")
+UNEVEN = "moonlight"  # three layers: PP2 only as uneven stages (its dense first layer alone on stage 0)
 SEQUENCES, SEQ, MICRO = 8, 12, 2
 RTOL, ATOL, LOSS_ATOL = 1e-5, 2e-6, 1e-6
 RR_LAYOUTS = ("tp2", "pp2", "tp2_ep2")  # GRPO + Routing Replay: sequence shards, a dense first stage, both
@@ -161,31 +163,34 @@ def reference(hf_dirs: dict) -> dict:
         noise = 1e-3 * torch.randn(logprobs.shape, generator=torch.Generator().manual_seed(3))
         rollout["old_logprobs"] = logprobs + noise
         results[family] = {"rollout": rollout, **step_case(hf_dir, Layout(), rollout)}
-        results[family]["grpo_rr"] = step_case(hf_dir, Layout(), rollout, "grpo_rr")
+        if family != UNEVEN:
+            results[family]["grpo_rr"] = step_case(hf_dir, Layout(), rollout, "grpo_rr")
     return results
 
 
 def layouts(hf_dirs: dict, rollouts: dict) -> dict:
     results = {}
-    for kind, layout in LAYOUTS.items():  # one group shape at a time, both families in each
+    for kind, layout in LAYOUTS.items():  # one group shape at a time, every family in each
         for family, hf_dir in hf_dirs.items():
-            results[(family, kind)] = step_case(hf_dir, layout, rollouts[family])
-            if kind in RR_LAYOUTS:
-                results[(family, kind, "grpo_rr")] = step_case(hf_dir, layout, rollouts[family], "grpo_rr")
+            if family == UNEVEN and kind != "pp2":
+                continue
+            here = rank_checks.pp2_layout(hf_dir) if kind == "pp2" else layout  # pp2: even for 2 layers, 1 + 2 for 3
+            results[(family, kind)] = step_case(hf_dir, here, rollouts[family])
+            if kind in RR_LAYOUTS and family != UNEVEN:
+                results[(family, kind, "grpo_rr")] = step_case(hf_dir, here, rollouts[family], "grpo_rr")
     return results
 
 
 @pytest.fixture(scope="module")
 def results(hf_models):
-    hf_dirs = {family: str(hf_models[family]) for family in FAMILIES}
+    hf_dirs = {family: str(hf_models[family]) for family in (*FAMILIES, UNEVEN)}
     (world1,) = run_on_ranks(reference, 1, Layout(), hf_dirs, timeout=300)
     per_rank = run_on_ranks(layouts, 2, Layout(), hf_dirs, {f: r["rollout"] for f, r in world1.items()}, timeout=480)
     return world1, per_rank
 
 
 @pytest.mark.megatron
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("kind", list(LAYOUTS))
+@pytest.mark.parametrize("family, kind", [(f, k) for k in LAYOUTS for f in FAMILIES] + [(UNEVEN, "pp2")])
 def test_update_step_equals_world1(family, kind, results, hf_models):
     from gspo_megatron.model.hf_files import SafetensorsDir
 
