@@ -30,6 +30,15 @@ class Layout:
     first_stage_layers: int | None = None
     last_stage_layers: int | None = None
 
+    @classmethod
+    def of(cls, parallel) -> "Layout":
+        """The layout of a config's ``parallel`` section (``train.startup.config.ParallelConfig``, read by attribute:
+        this module imports no config); sequence parallelism only where TP > 1."""
+        return cls(tensor=parallel.tensor, pipeline=parallel.pipeline, expert=parallel.expert, context=parallel.context,
+                   expert_tensor=parallel.expert_tensor,
+                   sequence_parallel=parallel.sequence_parallel and parallel.tensor > 1,
+                   first_stage_layers=parallel.first_stage_layers, last_stage_layers=parallel.last_stage_layers)
+
     def stage_layers(self, num_layers: int) -> list[int]:
         """Layers per pipeline stage, first to last (megatron's split). Sizes that do not add up are
         ``model.layout_check``'s to report; here the remainder goes to no stage."""

@@ -397,9 +397,7 @@ def model_parameters(spec: ModelSpec) -> tuple[int, int]:
 
 def stage_layers(spec: ModelSpec, cfg: Config, stage: int) -> range:
     """The global layer numbers of pipeline ``stage`` (even, or ``parallel.first/last_stage_layers``)."""
-    p = cfg.parallel
-    layout = Layout(pipeline=p.pipeline, first_stage_layers=p.first_stage_layers, last_stage_layers=p.last_stage_layers)
-    return layout.stage_range(spec.num_layers, stage)
+    return Layout.of(cfg.parallel).stage_range(spec.num_layers, stage)
 
 
 def parameter_counts(spec: ModelSpec, cfg: Config, stage: int) -> tuple[float, float]:

@@ -21,10 +21,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def layout_of(cfg: Config) -> Layout:
-    p = cfg.parallel
-    return Layout(tensor=p.tensor, pipeline=p.pipeline, expert=p.expert, context=p.context,
-                  expert_tensor=p.expert_tensor, sequence_parallel=p.sequence_parallel and p.tensor > 1,
-                  first_stage_layers=p.first_stage_layers, last_stage_layers=p.last_stage_layers)
+    return Layout.of(cfg.parallel)
 
 
 @dataclass

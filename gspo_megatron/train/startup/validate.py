@@ -81,9 +81,7 @@ def validate_model(cfg: Config, hf: dict) -> None:
         raise ConfigError(f"algo.routing_replay={cfg.algo.routing_replay} replays MoE routing but the "
                           "model has no experts; set algo.routing_replay=false")
     if hf.get("num_hidden_layers"):
-        stages = Layout(pipeline=p.pipeline, first_stage_layers=p.first_stage_layers,
-                        last_stage_layers=p.last_stage_layers)
-        problem = stages.stage_split_problem(hf["num_hidden_layers"], (
+        problem = Layout.of(p).stage_split_problem(hf["num_hidden_layers"], (
             "num_hidden_layers", "parallel.pipeline", "parallel.first_stage_layers", "parallel.last_stage_layers"))
         if problem:
             raise ConfigError(problem)

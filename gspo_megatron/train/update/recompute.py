@@ -58,9 +58,9 @@ def check_recompute(cfg: Config, hf: dict | None = None, transformer_engine: boo
             raise ConfigError(f"recompute.method={r.method!r} is not one of {METHODS}")
         per_stage = None
         if hf and hf.get("num_hidden_layers"):
-            p = cfg.parallel  # the smallest stage bounds it (uneven stages: parallel.first/last_stage_layers)
-            per_stage = min(Layout(pipeline=max(1, p.pipeline), first_stage_layers=p.first_stage_layers,
-                                   last_stage_layers=p.last_stage_layers).stage_layers(hf["num_hidden_layers"]))
+            # the smallest stage bounds it (uneven stages: parallel.first/last_stage_layers)
+            layers = hf["num_hidden_layers"]
+            per_stage = min(Layout.of(cfg.parallel).stage_layers(layers)) if cfg.parallel.pipeline >= 1 else layers
         if r.num_layers < 1 or (per_stage is not None and r.num_layers > per_stage):
             bound = f"1..{per_stage} (layers per pipeline stage)" if per_stage else ">= 1"
             raise ConfigError(f"recompute.num_layers={r.num_layers} must be in {bound}")
