@@ -38,7 +38,7 @@ from . import checkpoint, fp8, hf_files
 from .atomic import atomic_output_dir, check_output_dir
 from .bridge import Bridge
 from .errors import MappingError, listing
-from .hf_config import load_config_json, read_hf_config, spec_differences
+from .hf_config import load_config_json, read_hf_config, serving_config, spec_differences
 from .layout_check import check_layout
 from .mapping import is_ignored, mtp_layer_of
 from .process_groups import ensure_model_parallel
@@ -172,8 +172,10 @@ def megatron_to_hf(megatron_dir: str | Path, out: str | Path, hf_config_dir: str
             hf_files.finalize_shards(tmp, shards)
             hf_files.copy_hf_metadata(config_dir, tmp)
             config = load_config_json(tmp)
-            if fp8.block_size(config):  # the weights were dequantized on load; the export is not FP8
-                (tmp / "config.json").write_text(json.dumps(fp8.dequantized_config(config), indent=2))
+            exported = fp8.dequantized_config(config) if fp8.block_size(config) else config  # bf16 weights now
+            exported = serving_config(exported)  # what SGLang reads, as the family's releases hold it
+            if exported != config:
+                (tmp / "config.json").write_text(json.dumps(exported, indent=2))
     _log(f"{megatron_dir} -> {out}: {len(bridge.hf_tensor_shapes())} HF tensors, "
          f"{time.perf_counter() - started:.1f} s")
     return out

@@ -47,6 +47,10 @@ class Family:
     attention: str = "gqa"
     # config fields that must hold these values (anything else needs a Megatron feature we do not map)
     requires: dict[str, Any] = field(default_factory=dict)
+    # Fields SGLang's model class reads that transformers' config class does not define, so a transformers re-save
+    # drops them (SGLang's DeepseekV2 then fails to build: "no attribute 'moe_layer_freq'"): with the value every
+    # release of the family holds, written where an exported config lacks them (``serving_config``).
+    serving_fields: dict[str, Any] = field(default_factory=dict)
 
 
 _COMMON_REQUIRES = {"hidden_act": "silu", "use_sliding_window": False}
@@ -66,7 +70,8 @@ FAMILIES: dict[str, Family] = {
         # rope_interleave: megatron's MLA de-interleaves the rope dims, as DeepSeek's checkpoints need.
         Family("deepseek_v3", "DeepseekV3ForCausalLM", qk_norm=False, qkv_bias=False, moe=True, router="sigmoid",
                attention="mla", requires={"attention_bias": False, "topk_method": "noaux_tc", "moe_layer_freq": 1,
-                                          "scoring_func": "sigmoid", "rope_interleave": True}),
+                                          "scoring_func": "sigmoid", "rope_interleave": True},
+               serving_fields={"topk_method": "noaux_tc", "moe_layer_freq": 1, "scoring_func": "sigmoid"}),
     )
 }
 # model types read as another family: Kimi-K2 is the DeepSeek-V3 architecture (transformers has no config class for it)
@@ -198,6 +203,11 @@ def family_of(config: dict) -> Family:
             "(a causal LM) is supported"
         )
     return family
+
+
+def serving_config(config: dict) -> dict:
+    """``config`` with its family's ``serving_fields`` added where it lacks them (what an export writes)."""
+    return {**family_of(config).serving_fields, **config}
 
 
 def _check_requires(config: dict, family: Family) -> None:

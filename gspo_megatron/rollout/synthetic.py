@@ -94,8 +94,11 @@ def tiny_deepseek_v3_config(vocab_size: int = 128, hidden_size: int = 64, num_la
     """DeepSeek-V3's architecture at the CPU example's sizes: multi-latent attention (q and kv LoRA of half the
     hidden size; ``head_dim`` split into equal no-position and rotary parts, values of ``head_dim``), the first layer
     dense, one shared expert, a sigmoid router with the score-correction bias and a group limit (``_group_limit``).
-    MLA has no KV heads: ``num_kv_heads`` is unused."""
+    MLA has no KV heads: ``num_kv_heads`` is unused. The config carries the fields SGLang reads that transformers
+    does not define (``serving_fields``), as DeepSeek-V3's release does."""
     from transformers import DeepseekV3Config
+
+    from gspo_megatron.model.hf_config import FAMILIES
 
     return DeepseekV3Config(
         vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=4 * hidden_size,
@@ -106,6 +109,7 @@ def tiny_deepseek_v3_config(vocab_size: int = 128, hidden_size: int = 64, num_la
         qk_nope_head_dim=head_dim // 2, qk_rope_head_dim=head_dim // 2, v_head_dim=head_dim,
         tie_word_embeddings=False, max_position_embeddings=max_position_embeddings,
         initializer_range=initializer_range, eos_token_id=0, pad_token_id=0, bos_token_id=None, dtype="float32",
+        **FAMILIES["deepseek_v3"].serving_fields,
     )
 
 

@@ -194,6 +194,17 @@ def test_deepseek_v3_and_kimi_k2_hub_configs():
     assert uneven.stage_layers(61) == [5] + [8] * 7 and uneven.stage_range(61, 1) == range(5, 13)
 
 
+def test_an_export_carries_the_fields_sglang_reads():
+    """SGLang's DeepseekV2 reads moe_layer_freq, topk_method and scoring_func, which transformers' DeepseekV3Config
+    does not define (a re-save drops them): an export fills them with DeepSeek-V3's values, keeps any present."""
+    from gspo_megatron.model.hf_config import serving_config
+
+    resaved = {k: v for k, v in DEEPSEEK_V3.items() if k not in ("moe_layer_freq", "topk_method", "scoring_func")}
+    assert serving_config(resaved) == DEEPSEEK_V3
+    assert serving_config(DEEPSEEK_V3) == DEEPSEEK_V3
+    assert serving_config(QWEN3_30B_A3B) == QWEN3_30B_A3B
+
+
 @pytest.mark.parametrize("first, last, pp, message", [
     (5, None, 8, None),  # 5 + 7 x 8
     (None, 5, 8, None),
