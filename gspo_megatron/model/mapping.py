@@ -132,18 +132,19 @@ MOE_MLP = (
 
 # DeepSeek's multi-latent attention (megatron's MLASelfAttention). HF keeps each head's q rows as [nope; rope] and
 # kv_b_proj's as [k nope; v], as megatron does; the rope dims are stored interleaved and megatron's MLA rope reads
-# them so. TE fuses the q / kv latent norms into the up projections.
+# them so. TE fuses the q / kv latent norms into the up projections. The two down projections come back to back:
+# SGLang fuses them on load (``LOADED_TOGETHER``).
 _A, _HA = f"{_M}.self_attention", f"{_L}.self_attn"
 MLA_ATTENTION = (
     Rule(f"{_M}.input_layernorm.weight", (P(f"{_L}.input_layernorm.weight", "hidden"),)),
     Rule(f"{_A}.linear_q_down_proj.weight", (P(f"{_HA}.q_a_proj.weight", "q_lora", "hidden"),), split=DOWN,
          when="q_lora"),
+    Rule(f"{_A}.linear_kv_down_proj.weight", (P(f"{_HA}.kv_a_proj_with_mqa.weight", "kv_down", "hidden"),),
+         split=DOWN),
     Rule(f"{_A}.q_layernorm.weight", (P(f"{_HA}.q_a_layernorm.weight", "q_lora"),), when="q_lora",
          te_name=f"{_A}.linear_q_up_proj.layer_norm_weight"),
     Rule(f"{_A}.linear_q_up_proj.weight", (P(f"{_HA}.q_b_proj.weight", "q", "q_lora"),), split=COLUMN, when="q_lora"),
     Rule(f"{_A}.linear_q_proj.weight", (P(f"{_HA}.q_proj.weight", "q", "hidden"),), split=COLUMN, when="no_q_lora"),
-    Rule(f"{_A}.linear_kv_down_proj.weight", (P(f"{_HA}.kv_a_proj_with_mqa.weight", "kv_down", "hidden"),),
-         split=DOWN),
     Rule(f"{_A}.kv_layernorm.weight", (P(f"{_HA}.kv_a_layernorm.weight", "kv_lora"),),
          te_name=f"{_A}.linear_kv_up_proj.layer_norm_weight"),
     Rule(f"{_A}.linear_kv_up_proj.weight", (P(f"{_HA}.kv_b_proj.weight", "kv_up", "kv_lora"),), split=COLUMN),
@@ -176,6 +177,19 @@ ARCHITECTURES: dict[str, tuple[Rule, ...]] = {
                  + SIGMOID_MOE_MLP + OUTPUT),
     "deepseek_v3": EMBEDDING + MLA_ATTENTION + DENSE_MLP + SIGMOID_MOE_MLP + OUTPUT,
 }
+
+# HF tensors SGLang's ``load_weights`` joins into one parameter only when both arrive in the same call, each a pair
+# (first, second) of name suffixes: DeepSeek's q_a_proj and kv_a_proj_with_mqa make its fused_qkv_a_proj_with_mqa
+# (where q LoRA is on), the first kept until the second comes, per call. A weight update calls it once per bucket:
+# a bucket ending between the two leaves the fused parameter unwritten, silently (tests/rollout/
+# test_deepseek_sglang_names.py). The export yields each pair back to back and ``ends_no_bucket`` holds the cut.
+LOADED_TOGETHER = ((".self_attn.q_a_proj.weight", ".self_attn.kv_a_proj_with_mqa.weight"),)
+
+
+def ends_no_bucket(name: str) -> bool:
+    """A weight-sync bucket must not end after this HF tensor: its partner in ``LOADED_TOGETHER`` comes next."""
+    return any(name.endswith(first) for first, _ in LOADED_TOGETHER)
+
 
 # HF tensors that hold no weights (old checkpoints saved RoPE tables): accepted and dropped.
 IGNORED_HF_TENSORS = (re.compile(r"\.rotary_emb\.inv_freq$"),)

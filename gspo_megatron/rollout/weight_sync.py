@@ -46,6 +46,7 @@ from typing import Iterable, Iterator, Sequence
 
 import torch
 
+from ..model.mapping import ends_no_bucket
 from .client import HttpClient, RetryPolicy
 from .config import WeightSyncConfig
 from .errors import RolloutError, WeightSyncError
@@ -62,7 +63,9 @@ MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "token
 def buckets(named_tensors: NamedTensors, bucket_bytes: int, dtype: torch.dtype | None = None
             ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Consecutive tensors grouped into buckets of at most ``bucket_bytes`` (counted in the *sent* dtype), each
-    of one dtype. A tensor alone larger than a bucket forms its own bucket. Lazy: holds one bucket at a time."""
+    of one dtype. A tensor alone larger than a bucket forms its own bucket. Tensors SGLang joins on load
+    (``mapping.LOADED_TOGETHER``) share a bucket, which may then exceed ``bucket_bytes`` by the second one. Lazy:
+    holds one bucket at a time."""
     bucket: list[tuple[str, torch.Tensor]] = []
     size, bucket_dtype = 0, None
     for name, tensor in named_tensors:
@@ -70,7 +73,11 @@ def buckets(named_tensors: NamedTensors, bucket_bytes: int, dtype: torch.dtype |
             raise WeightSyncError(f"weight {name!r} is a {type(tensor).__name__}, not a tensor")
         send_dtype = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
         nbytes = tensor.numel() * send_dtype.itemsize
-        if bucket and (size + nbytes > bucket_bytes or send_dtype != bucket_dtype):
+        held = bool(bucket) and ends_no_bucket(bucket[-1][0])
+        if held and send_dtype != bucket_dtype:
+            raise WeightSyncError(f"{bucket[-1][0]!r} and {name!r} must share a bucket (SGLang joins them on load) "
+                                  f"but are {bucket_dtype} and {send_dtype}: pass the engine's dtype")
+        if bucket and not held and (size + nbytes > bucket_bytes or send_dtype != bucket_dtype):
             yield bucket
             bucket, size = [], 0
         bucket.append((name, tensor))

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gspo_megatron.rollout import SamplingParams, WeightSyncConfig, flatten, logprob_mismatch, samples_to_batch
+from gspo_megatron.rollout import (SamplingParams, WeightSyncConfig, WeightSyncError, flatten, logprob_mismatch,
+                                   samples_to_batch)
 from gspo_megatron.rollout import hf_weights
 from gspo_megatron.rollout.weight_sync import buckets
 
@@ -109,6 +110,19 @@ def test_buckets_bound_bytes_and_keep_one_dtype():
     tensors = [(f"t{i}", torch.zeros(n)) for i, n in enumerate([10, 10, 30, 5, 100, 1])]  # fp32: 4 bytes each
     groups = [[name for name, _ in bucket] for bucket in buckets(tensors, bucket_bytes=80)]
     assert groups == [["t0", "t1"], ["t2"], ["t3"], ["t4"], ["t5"]]
+
+
+def test_buckets_never_part_what_sglang_joins_on_load():
+    """SGLang fuses q_a_proj with kv_a_proj_with_mqa only within one load_weights call (one bucket): the cut after
+    q_a_proj is held, the bucket then exceeding its bytes; a dtype change there is refused by name."""
+    layer = "model.layers.3.self_attn"
+    tensors = [(f"{layer}.q_a_proj.weight", torch.zeros(300)), (f"{layer}.kv_a_proj_with_mqa.weight", torch.zeros(300)),
+               (f"{layer}.q_a_layernorm.weight", torch.zeros(10))]
+    out = [[n.rsplit(".", 2)[1] for n, _ in b] for b in buckets(tensors, bucket_bytes=1024)]
+    assert out == [["q_a_proj", "kv_a_proj_with_mqa"], ["q_a_layernorm"]]
+    tensors[1] = (tensors[1][0], torch.zeros(300, dtype=torch.bfloat16))
+    with pytest.raises(WeightSyncError, match="q_a_proj.weight' and .*kv_a_proj_with_mqa.weight' must share a bucket"):
+        list(buckets(tensors, bucket_bytes=1024))
 
 
 def test_a_sender_on_another_host_is_reached_at_its_own_name():
