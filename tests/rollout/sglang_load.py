@@ -1,0 +1,107 @@
+"""SGLang's own model class built in-process on CPU, and its real ``load_weights`` fed our tensors; run as a script
+in a process of its own, with the CPU stand-ins on PYTHONPATH (``patches.sglang_cpu``), by
+``tests/rollout/test_deepseek_sglang_names.py``:
+
+    python -m tests.rollout.sglang_load MODEL_DIR LOADS.pt OUT.pt
+
+No server and no forward pass: SGLang's CPU attention cannot run MLA (docs/models.md), but building the model and
+loading weights are the same code its server runs at start-up (``DefaultModelLoader``) and on every weight update
+(``update_weights_from_distributed`` / ``_from_tensor`` call ``load_weights`` once per bucket). The model is built
+with ``load_format="dummy"`` (random weights, no files read) on a one-rank gloo group.
+
+``LOADS.pt`` is ``{load: [call, ...]}``, each call a list of ``(name, tensor)`` or the string ``"files"`` (SGLang's
+safetensors iterator over MODEL_DIR, as its start-up load reads it). For each load every SGLang parameter is first
+filled with NaN, then the calls run in order. ``OUT.pt`` gets per load: ``params`` (every parameter after it),
+``routing_bias`` (per MoE layer, the correction bias its top-k routes with), ``w_kc`` / ``w_vc`` (the MLA up-projection
+halves ``post_load_weights`` derives from ``kv_b_proj``) and ``warnings`` (what SGLang's loader logged, e.g. a name
+"not found in params_dict").
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import sys
+
+import torch
+
+
+def build_model(model_dir: str):
+    from sglang.srt.configs.device_config import DeviceConfig
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
+    from sglang.srt.layers.dp_attention import initialize_dp_attention
+    from sglang.srt.model_loader import get_model
+    from sglang.srt.runtime_context import SpawnRanks, publish
+    from sglang.srt.server_args import ServerArgs
+
+    args = ServerArgs(model_path=model_dir, device="cpu", dtype="float32", load_format="dummy",
+                      attention_backend="torch_native", skip_tokenizer_init=True)
+    publish(args, role="scheduler", ranks=SpawnRanks(world_rank=0, dp_rank=None, gpu_id=0))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    init_distributed_environment(backend="gloo", world_size=1, rank=0, local_rank=0,
+                                 distributed_init_method=f"tcp://127.0.0.1:{port}")
+    initialize_model_parallel()
+    initialize_dp_attention(server_args=args)
+    model_config = ModelConfig.from_server_args(args)
+    rope = model_config.hf_config.rope_parameters
+    if rope.get("rope_type", "default") == "default":
+        # SGLang's CPU rope factory builds only DeepSeek's YaRN (get_rope_cpu asserts rope_scaling): plain RoPE as
+        # YaRN of factor 1. RoPE holds no weights, so the parameters under test are unchanged.
+        rope.update(rope_type="yarn", factor=1.0, original_max_position_embeddings=model_config.hf_config
+                    .max_position_embeddings)
+    return get_model(model_config=model_config, load_config=LoadConfig(load_format="dummy"),
+                     device_config=DeviceConfig(device="cpu"))
+
+
+def file_weights(model_dir: str):
+    from pathlib import Path
+
+    from sglang.srt.model_loader.weight_utils import safetensors_weights_iterator
+
+    return safetensors_weights_iterator(sorted(str(p) for p in Path(model_dir).glob("*.safetensors")))
+
+
+class Captured(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+@torch.no_grad()
+def run_load(model, model_dir: str, calls: list) -> dict:
+    for param in model.parameters():
+        param.fill_(float("nan"))
+    captured = Captured()
+    logging.getLogger("sglang").addHandler(captured)
+    try:
+        for call in calls:
+            model.load_weights(file_weights(model_dir) if call == "files" else call)
+    finally:
+        logging.getLogger("sglang").removeHandler(captured)
+    out = {"params": {name: p.detach().clone() for name, p in model.named_parameters()}, "routing_bias": {},
+           "w_kc": {}, "w_vc": {}, "warnings": captured.messages}
+    for i, layer in enumerate(model.model.layers):
+        topk = getattr(layer.mlp, "topk", None)
+        if topk is not None:
+            out["routing_bias"][i] = topk.topk_config.correction_bias.detach().clone()
+        for key in ("w_kc", "w_vc"):
+            out[key][i] = getattr(layer.self_attn, key).detach().clone()
+    return out
+
+
+def main(model_dir: str, loads_path: str, out_path: str) -> None:
+    model = build_model(model_dir)
+    loads = torch.load(loads_path, weights_only=False)
+    results = {name: run_load(model, model_dir, calls) for name, calls in loads.items()}
+    torch.save({"class": type(model).__name__, "loads": results}, out_path)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
