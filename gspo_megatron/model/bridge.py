@@ -12,8 +12,8 @@ Conversion (``convert``), SGLang weight sync (``rollout``) and the local engine 
     Megatron -> HF, for weight sync and conversion. Call it on **every rank** of the model (it all-gathers
     over the TP, expert-TP and EP groups, so all ranks must iterate it to the end, in step). Each rank gets
     full, HF-shaped tensors (TP/EP gathered, vocabulary padding removed) on the parameters' device, in
-    ``dtype`` if given, else in each parameter's dtype (megatron's torch norms stay fp32 in a bf16 model:
-    pass ``dtype`` to get the engine's dtype throughout). Under pipeline parallelism each stage yields its
+    ``dtype`` if given (but the router's correction bias, which stays fp32: ``mapping.export_dtype``), else in each
+    parameter's dtype (megatron's torch norms stay fp32 in a bf16 model: pass ``dtype`` to get the engine's dtype). Under pipeline parallelism each stage yields its
     own layers (global HF layer indices), the first stage the embedding, the last stage the final norm and
     ``lm_head`` (not for tied embeddings: their one copy comes from the first stage); data-parallel replicas
     yield the same tensors.
@@ -219,10 +219,11 @@ class Bridge:
                 for part, hf in zip(parts, rule.hf):
                     for ep_rank, tensor in enumerate(sharding.all_gather(part, ep.group, ep.size)):
                         expert = ep_rank * placement.num_local_experts + placement.local_expert
-                        yield hf.name.format(layer=placement.layer, expert=expert), _cast(tensor, dtype)
+                        name = hf.name.format(layer=placement.layer, expert=expert)
+                        yield name, _cast(name, tensor, dtype)
                 continue
             for name, part in zip(placement.hf_names, parts):
-                yield name, _cast(part, dtype)
+                yield name, _cast(name, part, dtype)
 
     @torch.no_grad()
     def export_to_sender(self, model, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -250,27 +251,34 @@ class Bridge:
                     gathered = sharding.gather_list_to_first(part, ep.group, ep.size)
                     for ep_rank, tensor in enumerate(gathered or []):
                         expert = ep_rank * placement.num_local_experts + placement.local_expert
-                        yield hf.name.format(layer=placement.layer, expert=expert), _cast(tensor, dtype)
+                        name = hf.name.format(layer=placement.layer, expert=expert)
+                        yield name, _cast(name, tensor, dtype)
                 continue
             for name, part in zip(placement.hf_names, parts):
-                yield name, _cast(part, dtype)
+                yield name, _cast(name, part, dtype)
 
     def export_names(self, model) -> list[str]:
         """The HF names ``export_hf_weights`` yields on this rank, without moving any data."""
+        return list(self.export_dtypes(model))
+
+    def export_dtypes(self, model) -> dict[str, torch.dtype]:
+        """The HF names ``export_hf_weights(model)`` yields on this rank, in order, each with the dtype it yields
+        (its parameter's: the router's bias and torch norms may be fp32 in a bf16 model), without moving any data."""
         from megatron.core import parallel_state as ps
 
         ep_size = ps.get_expert_model_parallel_world_size()
-        names = []
+        dtypes = {}
         for placement in self.placements(model):
             rule = placement.rule
             if rule.tied_copy:
                 continue
             if rule.scope == mapping.EXPERT and ep_size > 1:
                 experts = [r * placement.num_local_experts + placement.local_expert for r in range(ep_size)]
-                names += [hf.name.format(layer=placement.layer, expert=e) for hf in rule.hf for e in experts]
+                names = [hf.name.format(layer=placement.layer, expert=e) for hf in rule.hf for e in experts]
             else:
-                names += list(placement.hf_names)
-        return names
+                names = placement.hf_names
+            dtypes.update((name, placement.param.dtype) for name in names)
+        return dtypes
 
 
 def _sender_replica() -> tuple[bool, bool]:
@@ -292,5 +300,5 @@ def is_stage_sender() -> bool:
             and ps.get_expert_model_parallel_rank() == 0 and ps.get_expert_tensor_parallel_rank() == 0)
 
 
-def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    return tensor if dtype is None or tensor.dtype == dtype else tensor.to(dtype)
+def _cast(name: str, tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return tensor.to(mapping.export_dtype(name, tensor, dtype))

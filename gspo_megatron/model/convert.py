@@ -10,7 +10,8 @@ Everything checkable is checked before a process group starts (config family and
 and shapes, the layout against the model and world size, the output path); everything is written into a
 temporary directory renamed at the end (``atomic.atomic_output_dir``). Dtypes are kept: the Megatron
 parameters take the HF tensors' dtype (the widest, if they differ, with the others recorded so the way back
-restores each), so HF -> Megatron -> HF is bit for bit.
+restores each), so HF -> Megatron -> HF is bit for bit; the router's correction bias comes back fp32 (the engine
+keeps it so, and training may move it: ``mapping.export_dtype``), equal in value to a bf16 one.
 
 Multi-token-prediction layers (DeepSeek-V3 / GLM-4.5 ``num_nextn_predict_layers``, stored as decoder layers after
 the last: ``mapping.mtp_layer_of``) are not part of the policy and never trained: ``hf_to_megatron`` copies them
@@ -40,7 +41,7 @@ from .bridge import Bridge
 from .errors import MappingError, listing
 from .hf_config import load_config_json, read_hf_config, serving_config, spec_differences
 from .layout_check import check_layout
-from .mapping import is_ignored, mtp_layer_of
+from .mapping import KEPT_FP32, export_dtype, is_ignored, mtp_layer_of
 from .process_groups import ensure_model_parallel
 from .provider import build_gpt_model
 
@@ -65,8 +66,9 @@ def _log(message: str) -> None:
 
 def model_dtype(dtypes: dict[str, torch.dtype]) -> torch.dtype:
     """The dtype to build the Megatron model in: the HF tensors' one, or the widest if they differ. The sigmoid
-    router's fp32 ``e_score_correction_bias`` in a bf16 checkpoint does not count: megatron keeps it fp32 anyway."""
-    kinds = {d for n, d in dtypes.items() if not n.endswith(".e_score_correction_bias")} or set(dtypes.values())
+    router's fp32 ``e_score_correction_bias`` in a bf16 checkpoint does not count: megatron keeps it fp32 anyway
+    (``mapping.KEPT_FP32``)."""
+    kinds = {d for n, d in dtypes.items() if not n.endswith(KEPT_FP32)} or set(dtypes.values())
     unknown = [d for d in kinds if d not in _WIDTH]
     if unknown:
         names = [n for n, d in dtypes.items() if d in unknown]
@@ -153,9 +155,11 @@ def megatron_to_hf(megatron_dir: str | Path, out: str | Path, hf_config_dir: str
         for name, tensor in bridge.export_hf_weights(model):
             if writes:
                 # Back to each tensor's HF dtype: megatron keeps some parameters wider than params_dtype
-                # (torch norms stay fp32 in a bf16 model), which holds the bf16 values exactly.
+                # (torch norms stay fp32 in a bf16 model), which holds the bf16 values exactly. The router's bias
+                # stays fp32 whatever the checkpoint held (mapping.export_dtype): training may have moved it.
                 wanted = info.hf_dtypes.get(name)
-                writer.add(name, tensor.to(checkpoint.torch_dtype(wanted) if wanted else default_dtype))
+                dtype = checkpoint.torch_dtype(wanted) if wanted else default_dtype
+                writer.add(name, tensor.to(export_dtype(name, tensor, dtype)))
         shards = writer.finish() if writes else []
         every_rank = [shards]
         if dist.get_world_size() > 1:

@@ -39,6 +39,8 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
+import torch
+
 from .errors import UnsupportedModel
 from .hf_config import ModelSpec
 
@@ -189,6 +191,22 @@ LOADED_TOGETHER = ((".self_attn.q_a_proj.weight", ".self_attn.kv_a_proj_with_mqa
 def ends_no_bucket(name: str) -> bool:
     """A weight-sync bucket must not end after this HF tensor: its partner in ``LOADED_TOGETHER`` comes next."""
     return any(name.endswith(first) for first, _ in LOADED_TOGETHER)
+
+
+# HF tensors the engine keeps in float32 whatever its dtype, as megatron does: the sigmoid router's correction bias
+# (megatron's router.expert_bias, an fp32 buffer, updated in fp32; SGLang's DeepSeek MoEGate and Glm4MoeGate hold it
+# as an fp32 parameter, transformers keeps it fp32 too). Cast to a bf16 engine's dtype, the engine would route with a
+# rounded bias: other experts than the trainer's, silently. Every cast of an export goes through ``export_dtype``.
+KEPT_FP32 = (".mlp.gate.e_score_correction_bias",)
+
+
+def export_dtype(name: str, tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype HF tensor ``name`` leaves in when an export (weight sync, conversion) is cast to ``dtype``:
+    float32 for ``KEPT_FP32``, ``dtype`` for other floating tensors, the tensor's own where ``dtype`` is None or it
+    is not floating."""
+    if name.endswith(KEPT_FP32):
+        return torch.float32
+    return dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
 
 
 # HF tensors that hold no weights (old checkpoints saved RoPE tables): accepted and dropped.

@@ -14,11 +14,12 @@ One step, seen from the servers (SGLang 0.5.23):
     POST /end_weight_update, /update_weight_version, /flush_cache
     POST /resume_memory_occupation    {"tags": ["kv_cache", ("cuda_graph")]}   (last: the sync's buckets are gone)
 
-A payload is one bucket (consecutive tensors of one dtype up to ``bucket_bytes``, ``weight_sync.buckets``) packed
-into one byte buffer, pickled as ``{"flattened_tensor": buffer, "metadata": [...]}``, SGLang's ``flattened_bucket``
-form: the pickle carries a *handle* to the buffer, not its bytes. On CUDA the handle is a CUDA IPC handle (torch's
-``reduce_tensor``) whose device is named by UUID, as SGLang's ``monkey_patch_torch_reductions`` expects (a server's
-CUDA_VISIBLE_DEVICES numbers the GPUs differently). On CPU it is a shared-memory file name (torch's ``file_system``
+A payload is one bucket (consecutive tensors up to ``bucket_bytes``, each aligned to its dtype: ``weight_sync.buckets``;
+cast to ``weight_sync.dtype`` but the router's fp32 bias: ``mapping.export_dtype``) packed into one byte buffer, pickled
+as ``{"flattened_tensor": buffer, "metadata": [...]}``, SGLang's ``flattened_bucket`` form: the pickle carries a
+*handle* to the buffer, not its bytes. On CUDA the handle is a CUDA IPC handle (torch's ``reduce_tensor``) whose device
+is named by UUID, as SGLang's ``monkey_patch_torch_reductions`` expects (a server's CUDA_VISIBLE_DEVICES numbers the
+GPUs differently). On CPU it is a shared-memory file name (torch's ``file_system``
 sharing: ``rebuild_storage_filename``), which any process can open; the default ``file_descriptor`` sharing passes
 a descriptor through multiprocessing's resource sharer, which only the sender's own children can reach. The metadata
 are ``SimpleNamespace``s, which SGLang's restricted unpickler allows, so the trainer does not import sglang.
@@ -53,6 +54,7 @@ from multiprocessing.reduction import ForkingPickler
 
 import torch
 
+from ..model.mapping import export_dtype
 from .client import HttpClient, RetryPolicy
 from .config import WeightSyncConfig
 from .errors import RolloutError, WeightSyncError
@@ -141,7 +143,7 @@ def pack(bucket: list[tuple[str, torch.Tensor]], buffer: torch.Tensor | None, dt
          ) -> tuple[dict, torch.Tensor]:
     """(SGLang's flattened bucket: the packed bytes and each tensor's place in them, the buffer used). ``buffer`` is
     reused when large enough (its handle stays valid: a server has copied a bucket out before it answers)."""
-    send = [(n, t.detach().to(dtype) if dtype is not None and t.is_floating_point() else t.detach()) for n, t in bucket]
+    send = [(n, t.detach().to(export_dtype(n, t, dtype))) for n, t in bucket]
     total = sum(t.numel() * t.element_size() for _, t in send)
     device = send[0][1].device
     if buffer is None or buffer.numel() < total or buffer.device != device:

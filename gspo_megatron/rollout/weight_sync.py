@@ -16,7 +16,10 @@ Several senders may send parts of one update (the trainer has one per pipeline s
 each in its own group; ``SyncTarget`` is what a trainer rank needs to become one. A server handles one update call
 at a time, whichever sender it comes from.
 
-A bucket is consecutive tensors of one dtype up to ``bucket_bytes``: one HTTP call per bucket. The source produces
+A bucket is consecutive tensors up to ``bucket_bytes``: one HTTP call per bucket. With ``dtype`` every floating
+tensor is cast to it but the router's correction bias, which the engine keeps fp32 (``mapping.export_dtype``): the
+names / dtypes / shapes POST carries each tensor's dtype, and SGLang's flattened bucket reads each at its byte offset,
+which must be a multiple of its dtype's size (a tensor that would sit unaligned starts the next bucket). The source produces
 bucket k+1 (the bridge's gathers) and it is packed while bucket k is on the wire, so about two buckets are alive
 at a time (three when ``dtype`` casts). With ``flatten`` a bucket is packed into one of two reused byte buffers and
 broadcast at once (SGLang's ``flattened_bucket``): one collective per bucket, what NCCL wants; without it each
@@ -46,7 +49,7 @@ from typing import Iterable, Iterator, Sequence
 
 import torch
 
-from ..model.mapping import ends_no_bucket
+from ..model.mapping import ends_no_bucket, export_dtype
 from .client import HttpClient, RetryPolicy
 from .config import WeightSyncConfig
 from .errors import RolloutError, WeightSyncError
@@ -62,26 +65,28 @@ MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "token
 
 def buckets(named_tensors: NamedTensors, bucket_bytes: int, dtype: torch.dtype | None = None
             ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Consecutive tensors grouped into buckets of at most ``bucket_bytes`` (counted in the *sent* dtype), each
-    of one dtype. A tensor alone larger than a bucket forms its own bucket. Tensors SGLang joins on load
+    """Consecutive tensors grouped into buckets of at most ``bucket_bytes``, counted in the *sent* dtype
+    (``mapping.export_dtype``: ``dtype``, the router's bias fp32). Dtypes may mix; each tensor starts at a byte
+    offset that is a multiple of its dtype's size (else it starts the next bucket), as SGLang's flattened bucket
+    reads it. A tensor alone larger than a bucket forms its own bucket. Tensors SGLang joins on load
     (``mapping.LOADED_TOGETHER``) share a bucket, which may then exceed ``bucket_bytes`` by the second one. Lazy:
     holds one bucket at a time."""
     bucket: list[tuple[str, torch.Tensor]] = []
-    size, bucket_dtype = 0, None
+    size = 0
     for name, tensor in named_tensors:
         if not isinstance(tensor, torch.Tensor):
             raise WeightSyncError(f"weight {name!r} is a {type(tensor).__name__}, not a tensor")
-        send_dtype = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+        send_dtype = export_dtype(name, tensor, dtype)
         nbytes = tensor.numel() * send_dtype.itemsize
         held = bool(bucket) and ends_no_bucket(bucket[-1][0])
-        if held and send_dtype != bucket_dtype:
+        if held and size % send_dtype.itemsize:
             raise WeightSyncError(f"{bucket[-1][0]!r} and {name!r} must share a bucket (SGLang joins them on load) "
-                                  f"but are {bucket_dtype} and {send_dtype}: pass the engine's dtype")
-        if bucket and not held and (size + nbytes > bucket_bytes or send_dtype != bucket_dtype):
+                                  f"but {name!r} ({send_dtype}) would sit at unaligned byte {size}")
+        if bucket and not held and (size + nbytes > bucket_bytes or size % send_dtype.itemsize):
             yield bucket
             bucket, size = [], 0
         bucket.append((name, tensor))
-        size, bucket_dtype = size + nbytes, send_dtype
+        size += nbytes
     if bucket:
         yield bucket
 
@@ -230,23 +235,22 @@ class DistributedSender:
             call.result(timeout=self.config.timeout_s)
 
     def _pack(self, bucket: list[tuple[str, torch.Tensor]], slot: int) -> _Bucket:
-        send_dtype = lambda t: self._dtype if self._dtype is not None and t.is_floating_point() else t.dtype  # noqa: E731
         names = [n for n, _ in bucket]
-        dtypes = [str(send_dtype(t)).removeprefix("torch.") for _, t in bucket]
+        sent = [export_dtype(n, t, self._dtype) for n, t in bucket]
+        dtypes = [str(dt).removeprefix("torch.") for dt in sent]
         shapes = [list(t.shape) for _, t in bucket]
-        total = sum(t.numel() * send_dtype(t).itemsize for _, t in bucket)
+        total = sum(t.numel() * dt.itemsize for (_, t), dt in zip(bucket, sent))
         if not self.flatten or total > self.config.bucket_bytes:
             # One broadcast per tensor, no copy unless the dtype, device or layout must change (a tensor larger
             # than a bucket always goes this way: it is alone in its bucket).
-            payload = [t.detach().to(self.device, send_dtype(t)).contiguous() for _, t in bucket]
+            payload = [t.detach().to(self.device, dt).contiguous() for (_, t), dt in zip(bucket, sent)]
             return _Bucket(names, dtypes, shapes, payload, False, total)
         # Two buffers: this bucket is packed while the previous one, in the other buffer, is on the wire.
         buffer = self._buffers[slot]
         if buffer is None:
             buffer = self._buffers[slot] = torch.empty(self.config.bucket_bytes, dtype=torch.uint8, device=self.device)
         offset = 0
-        for _, tensor in bucket:
-            dt = send_dtype(tensor)
+        for (_, tensor), dt in zip(bucket, sent):
             nbytes = tensor.numel() * dt.itemsize
             buffer[offset:offset + nbytes].view(dt).copy_(tensor.detach().reshape(-1))
             offset += nbytes
@@ -351,9 +355,7 @@ def save_checkpoint(named_tensors: NamedTensors, out_dir: Path, base_model_dir: 
         for name, tensor in bucket:
             if name in weight_map or name in tensors:
                 raise WeightSyncError(f"weight {name!r} appears twice in the exported weights")
-            t = tensor.detach()
-            if dtype is not None and t.is_floating_point():
-                t = t.to(dtype)
+            t = tensor.detach().to(export_dtype(name, tensor, dtype))
             tensors[name] = t.to("cpu").contiguous()
             num_bytes += t.numel() * t.element_size()
         save_file(tensors, str(out_dir / file), metadata={"format": "pt"})

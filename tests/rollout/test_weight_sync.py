@@ -97,30 +97,78 @@ def test_same_version_twice_is_refused(engine, trainer):
         engine.update_weights(hf_weights.checkpoint_tensors(trainer.model), engine.weight_version())
 
 
-def test_buckets_bound_bytes_and_keep_one_dtype():
+def test_buckets_bound_bytes_and_align_each_dtype():
     tensors = [("a", torch.zeros(100)), ("b", torch.zeros(100)), ("c", torch.zeros(300)),
                ("d", torch.zeros(10, dtype=torch.bfloat16)), ("e", torch.zeros(2000)), ("f", torch.zeros(1))]
     out = [[n for n, _ in b] for b in buckets(iter(tensors), bucket_bytes=1024)]
-    # a+b = 800 B; c (1200 B) alone is larger than a bucket; d changes dtype; e (8000 B) alone; f.
+    # a+b = 800 B; c (1200 B) alone is larger than a bucket; d (20 B) after it would overflow; e (8000 B) alone; f.
     assert out == [["a", "b"], ["c"], ["d"], ["e"], ["f"]]
-    # Cast to bf16 before sending: sizes count the sent dtype (a+b+c = 1000 B fit one bucket then).
+    # Cast to bf16 before sending: sizes count the sent dtype (a+b+c+d = 1020 B fit one bucket then).
     out = [[n for n, _ in b] for b in buckets(iter(tensors), bucket_bytes=1024, dtype=torch.bfloat16)]
     assert out == [["a", "b", "c", "d"], ["e"], ["f"]]
-    # One dtype, as the bridge's export streams it: a tensor that would overflow a bucket starts the next one.
+    # A tensor that would overflow a bucket starts the next one.
     tensors = [(f"t{i}", torch.zeros(n)) for i, n in enumerate([10, 10, 30, 5, 100, 1])]  # fp32: 4 bytes each
     groups = [[name for name, _ in bucket] for bucket in buckets(tensors, bucket_bytes=80)]
     assert groups == [["t0", "t1"], ["t2"], ["t3"], ["t4"], ["t5"]]
+    # Dtypes mix where each tensor sits at a multiple of its size (SGLang's flattened bucket refuses others):
+    # fp32 after 2 bf16 values (4 B) joins, after 3 (6 B) starts the next bucket.
+    bf16 = lambda n: torch.zeros(n, dtype=torch.bfloat16)  # noqa: E731
+    tensors = [("x", bf16(2)), ("y", torch.zeros(2)), ("z", bf16(3)), ("w", torch.zeros(2))]
+    assert [[n for n, _ in b] for b in buckets(tensors, bucket_bytes=1024)] == [["x", "y", "z"], ["w"]]
+
+
+BIAS = "model.layers.1.mlp.gate.e_score_correction_bias"
+
+
+def test_a_bf16_sync_sends_the_router_bias_in_fp32_bit_for_bit(tmp_path):
+    """SGLang's DeepSeek / GLM-4.5 gates keep ``e_score_correction_bias`` fp32, as megatron does (mapping.KEPT_FP32):
+    a bf16 sync sends it as the trainer holds it, the other weights in bf16, in one mixed bucket, by every path
+    (the distributed sender's flattened and per-tensor packing, the colocated pack, the disk shards). The bias sits
+    at 100 with a spread of a few bf16 steps (0.5 there), as GLM-5's does: rounded, it would reorder the routing."""
+    from safetensors.torch import load_file
+
+    from gspo_megatron.rollout.colocate import pack
+    from gspo_megatron.rollout.weight_sync import DistributedSender, save_checkpoint
+    from tests.model.hf_tiny import same_bits
+
+    g = torch.Generator().manual_seed(0)
+    bias = 100 + torch.randn(8, generator=g)
+    assert not torch.equal(bias.bfloat16().float(), bias)
+    tensors = [("model.layers.1.mlp.gate.weight", torch.randn(8, 4, generator=g)), (BIAS, bias),
+               ("model.layers.1.mlp.experts.0.up_proj.weight", torch.randn(3, 4, generator=g))]
+    (bucket,) = buckets(tensors, bucket_bytes=4096, dtype=torch.bfloat16)  # 64 + 32 + 24 bytes
+    sent = {}
+    for flat in (True, False):
+        sender = object.__new__(DistributedSender)  # the packing alone: no group, no server
+        sender.device = torch.device("cpu")
+        sender._configure(WeightSyncConfig(bucket_bytes=4096, dtype="bfloat16", flatten=flat))
+        packed = sender._pack(bucket, 0)
+        assert packed.dtypes == ["bfloat16", "float32", "bfloat16"] and packed.num_bytes == 120
+        if flat:  # read back as SGLang's FlattenedTensorBucket.empty lays it out: back to back, each aligned
+            offsets = torch.tensor([0, 64, 96, 120])
+            sent["flattened"] = {n: packed.payload[0][a:b].view(getattr(torch, d)).reshape(s) for n, d, s, a, b in
+                                 zip(packed.names, packed.dtypes, packed.shapes, offsets[:-1], offsets[1:])}
+        else:
+            sent["per tensor"] = dict(zip(packed.names, packed.payload))
+    flat, _ = pack(bucket, None, torch.bfloat16)
+    sent["colocated"] = {m.name: flat["flattened_tensor"][m.start_idx:m.end_idx].view(m.dtype).reshape(m.shape)
+                         for m in flat["metadata"]}
+    save_checkpoint(tensors, tmp_path, tmp_path, 4096, torch.bfloat16)
+    sent["disk"] = load_file(tmp_path / "model-00001.safetensors")
+    for path, got in sent.items():
+        assert same_bits(got[BIAS], bias), path
+        assert all(same_bits(got[n], t.bfloat16()) for n, t in tensors if n != BIAS), path
 
 
 def test_buckets_never_part_what_sglang_joins_on_load():
     """SGLang fuses q_a_proj with kv_a_proj_with_mqa only within one load_weights call (one bucket): the cut after
-    q_a_proj is held, the bucket then exceeding its bytes; a dtype change there is refused by name."""
+    q_a_proj is held, the bucket then exceeding its bytes; a second one that would sit unaligned is refused by name."""
     layer = "model.layers.3.self_attn"
     tensors = [(f"{layer}.q_a_proj.weight", torch.zeros(300)), (f"{layer}.kv_a_proj_with_mqa.weight", torch.zeros(300)),
                (f"{layer}.q_a_layernorm.weight", torch.zeros(10))]
     out = [[n.rsplit(".", 2)[1] for n, _ in b] for b in buckets(tensors, bucket_bytes=1024)]
     assert out == [["q_a_proj", "kv_a_proj_with_mqa"], ["q_a_layernorm"]]
-    tensors[1] = (tensors[1][0], torch.zeros(300, dtype=torch.bfloat16))
+    tensors[0] = (tensors[0][0], torch.zeros(301, dtype=torch.bfloat16))  # 602 bytes: fp32 cannot follow
     with pytest.raises(WeightSyncError, match="q_a_proj.weight' and .*kv_a_proj_with_mqa.weight' must share a bucket"):
         list(buckets(tensors, bucket_bytes=1024))
 

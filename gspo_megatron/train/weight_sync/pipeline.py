@@ -9,8 +9,8 @@ import torch.distributed as dist
 def pipeline_gathered(bridge, model):
     """The bridge's export, with every pipeline stage's tensors delivered to the first stage (collective).
 
-    Stage by stage: the stage's tensor names travel first (a small object broadcast over the PP group), then
-    each tensor as the stage exports it. First-stage ranks yield all of them, in stage order; other stages
+    Stage by stage: the stage's tensor names and dtypes travel first (a small object broadcast over the PP group;
+    the router's bias and torch norms are fp32 in a bf16 model), then each tensor as the stage exports it. First-stage ranks yield all of them, in stage order; other stages
     yield nothing. Peak extra memory is one tensor.
     """
     from megatron.core import parallel_state as ps
@@ -21,12 +21,11 @@ def pipeline_gathered(bridge, model):
         yield from bridge.export_hf_weights(model)
         return
     shapes = bridge.hf_tensor_shapes()
-    dtype = next(model.parameters()).dtype
     device = next(model.parameters()).device
     for stage in range(pp_size):
         src = dist.get_global_rank(pp_group, stage)
-        names = [bridge.export_names(model) if pp_rank == stage else None]
-        dist.broadcast_object_list(names, src=src, group=pp_group)
+        dtypes = [bridge.export_dtypes(model) if pp_rank == stage else None]
+        dist.broadcast_object_list(dtypes, src=src, group=pp_group)
         if pp_rank == stage:
             for name, tensor in bridge.export_hf_weights(model):
                 if stage != 0:
@@ -34,7 +33,7 @@ def pipeline_gathered(bridge, model):
                 else:
                     yield name, tensor
         elif stage != 0:  # the first stage's tensors stay where they are
-            for name in names[0]:
+            for name, dtype in dtypes[0].items():
                 received = torch.empty(shapes[name], dtype=dtype, device=device)
                 dist.broadcast(received, src=src, group=pp_group)
                 if pp_rank == 0:
