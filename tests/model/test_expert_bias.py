@@ -3,7 +3,8 @@ exported either way. One launch of 2 data-parallel gloo ranks (different data pe
 a GSPO update step (Adam, lr 1e-2) with the bias frozen leaves it bit-identical on every rank while the other
 weights (the router's included) move; with ``update_expert_bias=True`` megatron moves each element by exactly
 ``moe_router_bias_update_rate`` (1e-3) or 0, the same on both ranks (load counts all-reduced). The bridge's export
-(conversion, weight sync) yields the bias the trainer routes with, bit for bit, in both cases.
+(conversion, weight sync) yields the bias the trainer routes with, bit for bit, in both cases, in fp32 when the
+export is cast to bf16 (the engine keeps it fp32: ``mapping.KEPT_FP32``).
 """
 
 from __future__ import annotations
@@ -60,11 +61,15 @@ def bias_steps(hf_dir: str) -> dict:
         weight_before = router.weight.detach().clone()
         out = update_step(ddp, optimizer, micro, LossConfig())
         exported = dict(bridge.export_hf_weights(model))
+        bf16 = dict(bridge.export_hf_weights(model, dtype=torch.bfloat16))  # a bf16 engine's sync or export
+        sender = dict(bridge.export_to_sender(model, dtype=torch.bfloat16))  # rank 0's: the distributed sync's
         results[update] = {
             "loss": float(out["loss"]),
             "bias_before": bias_before, "bias_after": router.expert_bias.detach().clone(),
             "router_moved": (router.weight.detach() - weight_before).abs().max().item(),
             "file_bias": files.read(BIAS), "exported_bias": exported[BIAS].clone(),
+            "bf16_bias": [bf16[BIAS].clone()] + ([sender[BIAS].clone()] if sender else []),
+            "bf16_others": {t.dtype for export in (bf16, sender) for n, t in export.items() if n != BIAS},
             "rate": model.config.moe_router_bias_update_rate,
         }
     return results
@@ -95,4 +100,9 @@ def test_update_expert_bias_moves_it_by_the_rate_and_exports_the_moved_bias(per_
         on_rate = (step - r["rate"]).abs() <= 1e-7  # fp32: bias ~0.1, rate 1e-3
         assert (on_rate | (step == 0)).all(), f"rank {rank}: bias steps {step.tolist()} are not 0 or {r['rate']}"
         assert hf_tiny.same_bits(r["exported_bias"], r["bias_after"]), f"rank {rank}: export is not the moved bias"
+        # Cast to bf16 (the engine's dtype), the bias stays the trainer's fp32 one (mapping.KEPT_FP32): rounded,
+        # the moved bias would be lost (its steps are far below a bf16 step at ~0.1) and routing would differ.
+        assert not torch.equal(r["bias_after"].bfloat16().float(), r["bias_after"])
+        assert len(r["bf16_bias"]) == (2 if rank == 0 else 1) and r["bf16_others"] == {torch.bfloat16}, rank
+        assert all(hf_tiny.same_bits(b, r["bias_after"]) for b in r["bf16_bias"]), f"rank {rank}: bf16 export"
     assert hf_tiny.same_bits(per_rank[0][True]["bias_after"], per_rank[1][True]["bias_after"]), "ranks disagree"
