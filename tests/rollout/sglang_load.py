@@ -2,12 +2,14 @@
 in a process of its own, with the CPU stand-ins on PYTHONPATH (``patches.sglang_cpu``), by
 ``tests/rollout/test_deepseek_sglang_names.py``:
 
-    python -m tests.rollout.sglang_load MODEL_DIR LOADS.pt OUT.pt
+    python -m tests.rollout.sglang_load MODEL_DIR LOADS.pt OUT.pt [MODEL_DIR LOADS.pt OUT.pt ...]
+
+One process for every model given (its SGLang import, ~10 s on CPU, paid once), built one after another.
 
 No server and no forward pass: SGLang's CPU attention cannot run MLA (docs/models.md), but building the model and
 loading weights are the same code its server runs at start-up (``DefaultModelLoader``) and on every weight update
 (``update_weights_from_distributed`` / ``_from_tensor`` call ``load_weights`` once per bucket). The model is built
-with ``load_format="dummy"`` (random weights, no files read) on a one-rank gloo group.
+with ``load_format="dummy"`` (random weights, no files read) on a one-rank gloo group (formed once).
 
 ``LOADS.pt`` is ``{load: [call, ...]}``, each call a list of ``(name, tensor)`` or the string ``"files"`` (SGLang's
 safetensors iterator over MODEL_DIR, as its start-up load reads it). For each load every SGLang parameter is first
@@ -38,13 +40,14 @@ def build_model(model_dir: str):
 
     args = ServerArgs(model_path=model_dir, device="cpu", dtype="float32", load_format="dummy",
                       attention_backend="torch_native", skip_tokenizer_init=True)
-    publish(args, role="scheduler", ranks=SpawnRanks(world_rank=0, dp_rank=None, gpu_id=0))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    init_distributed_environment(backend="gloo", world_size=1, rank=0, local_rank=0,
-                                 distributed_init_method=f"tcp://127.0.0.1:{port}")
-    initialize_model_parallel()
+    publish(args, role="scheduler", ranks=SpawnRanks(world_rank=0, dp_rank=None, gpu_id=0))  # the last one wins
+    if not torch.distributed.is_initialized():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        init_distributed_environment(backend="gloo", world_size=1, rank=0, local_rank=0,
+                                     distributed_init_method=f"tcp://127.0.0.1:{port}")
+        initialize_model_parallel()
     initialize_dp_attention(server_args=args)
     model_config = ModelConfig.from_server_args(args)
     rope = model_config.hf_config.rope_parameters
@@ -96,11 +99,13 @@ def run_load(model, model_dir: str, calls: list) -> dict:
     return out
 
 
-def main(model_dir: str, loads_path: str, out_path: str) -> None:
-    model = build_model(model_dir)
-    loads = torch.load(loads_path, weights_only=False)
-    results = {name: run_load(model, model_dir, calls) for name, calls in loads.items()}
-    torch.save({"class": type(model).__name__, "loads": results}, out_path)
+def main(*args: str) -> None:
+    for model_dir, loads_path, out_path in zip(args[::3], args[1::3], args[2::3], strict=True):
+        model = build_model(model_dir)
+        loads = torch.load(loads_path, weights_only=False)
+        results = {name: run_load(model, model_dir, calls) for name, calls in loads.items()}
+        torch.save({"class": type(model).__name__, "loads": results}, out_path)
+        del model
 
 
 if __name__ == "__main__":

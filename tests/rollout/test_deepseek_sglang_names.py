@@ -16,7 +16,8 @@ Each SGLang parameter must equal our tensors joined as its loader joins them (``
 (no NaN left): every name we send lands, whole, where SGLang routes with it. Nothing is logged as "not found"; the
 MTP layer's names are the only ones dropped, by design (SGLang's DeepseekV2 skips layers >= num_hidden_layers unless
 loading its NEXTN draft model). ``w_kc`` / ``w_vc`` (what its MLA multiplies with, split from ``kv_b_proj`` after the
-load) and the top-k's correction bias are checked too. fp32 throughout: equality is exact.
+load) and the top-k's correction bias are checked too. fp32 throughout: equality is exact. A third load, ``sync_bf16``,
+is the stream as a bf16 weight sync sends it: SGLang must route with the trainer's fp32 bias, bit for bit.
 """
 
 from __future__ import annotations
@@ -38,21 +39,35 @@ VARIANTS = {"deepseek_v3": 11, "moonlight": 12}  # variant: seed
 VOCAB_PARAMS = ("model.embed_tokens.weight", "lm_head.weight")
 
 
-def _convert_and_stream(hf_dir: str, megatron_dir: str, export_dir: str) -> list:
-    """On one rank: conversion's export to ``export_dir``, and the policy's weight-sync stream (name, tensor)."""
+def _convert_and_stream(dirs: list[tuple[str, str, str]]) -> list[list]:
+    """On one rank, per (hf_dir, megatron_dir, export_dir): conversion's export to ``export_dir``, and the policy's
+    weight-sync stream (name, tensor)."""
     from gspo_megatron.model.bridge import Bridge
     from gspo_megatron.model.convert import hf_to_megatron, megatron_to_hf
     from gspo_megatron.model.hf_config import read_hf_config
     from gspo_megatron.model.provider import build_gpt_model
     from gspo_megatron.parallel.groups import Layout
 
-    hf_to_megatron(hf_dir, megatron_dir, Layout())
-    megatron_to_hf(megatron_dir, export_dir, None, Layout())
-    spec = read_hf_config(hf_dir)
-    bridge = Bridge(spec)
-    model = build_gpt_model(spec, Layout())
-    bridge.load_hf_weights(model, hf_dir)
-    return [(name, tensor.clone()) for name, tensor in bridge.export_to_sender(model)]
+    streams = []
+    for hf_dir, megatron_dir, export_dir in dirs:
+        hf_to_megatron(hf_dir, megatron_dir, Layout())
+        megatron_to_hf(megatron_dir, export_dir, None, Layout())
+        spec = read_hf_config(hf_dir)
+        bridge = Bridge(spec)
+        model = build_gpt_model(spec, Layout())
+        bridge.load_hf_weights(model, hf_dir)
+        streams.append([(name, tensor.clone()) for name, tensor in bridge.export_to_sender(model)])
+    return streams
+
+
+def _bf16_sync(stream: list) -> list:
+    """The stream as a bf16 weight sync sends it (``weight_sync.dtype="bfloat16"``): each bucket's tensors cast as
+    the sender packs them, the router's bias kept fp32 (``mapping.export_dtype``)."""
+    from gspo_megatron.model.mapping import export_dtype
+    from gspo_megatron.rollout.weight_sync import buckets
+
+    return [[(n, t.to(export_dtype(n, t, torch.bfloat16))) for n, t in bucket]
+            for bucket in buckets(stream, bucket_bytes=64 << 10, dtype=torch.bfloat16)]
 
 
 def expected_params(named: dict[str, torch.Tensor], config: dict) -> tuple[dict[str, torch.Tensor], list[str]]:
@@ -99,7 +114,8 @@ def expected_params(named: dict[str, torch.Tensor], config: dict) -> tuple[dict[
 
 @pytest.fixture(scope="module")
 def loaded(tmp_path_factory):
-    """Per variant: our tensors (export files, sync stream), its config, and what SGLang's load_weights made of them."""
+    """Per variant: our tensors (export files, sync stream), its config, and what SGLang's load_weights made of them.
+    Both variants in one policy process and one SGLang process (each import paid once)."""
     require_sglang()
     from gspo_megatron.model.hf_files import SafetensorsDir
     from gspo_megatron.parallel.groups import Layout
@@ -107,25 +123,27 @@ def loaded(tmp_path_factory):
     from gspo_megatron.rollout.server import node_env
     from gspo_megatron.rollout.weight_sync import buckets
 
-    out = {}
-    for variant, seed in VARIANTS.items():
-        work = tmp_path_factory.mktemp(variant)
-        hf_dir = hf_tiny.save_variant(variant, work, seed=seed)
-        export_dir = work / "export"
-        (stream,) = run_on_ranks(_convert_and_stream, 1, Layout(), str(hf_dir), str(work / "megatron"),
-                                 str(export_dir), timeout=300)
+    work = {variant: tmp_path_factory.mktemp(variant) for variant in VARIANTS}
+    hf_dirs = {variant: hf_tiny.save_variant(variant, work[variant], seed=seed) for variant, seed in VARIANTS.items()}
+    dirs = [(str(hf_dirs[v]), str(work[v] / "megatron"), str(work[v] / "export")) for v in VARIANTS]
+    (streams,) = run_on_ranks(_convert_and_stream, 1, Layout(), dirs, timeout=300)
+    out, args = {}, []
+    for variant, stream in zip(VARIANTS, streams):
+        export_dir = work[variant] / "export"
         files = SafetensorsDir(export_dir)
         exported = {name: files.read(name) for name in files.shapes()}
-        loads = {"export": ["files"], "sync": list(buckets(stream, bucket_bytes=1))}
-        torch.save(loads, work / "loads.pt")
-        run = subprocess.run([sys.executable, "-m", "tests.rollout.sglang_load", str(export_dir),
-                              str(work / "loads.pt"), str(work / "sglang.pt")], cwd=REPO, env=node_env("cpu"),
-                             capture_output=True, text=True, timeout=300)
-        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        loads = {"export": ["files"], "sync": list(buckets(stream, bucket_bytes=1)), "sync_bf16": _bf16_sync(stream)}
+        torch.save(loads, work[variant] / "loads.pt")
+        args += [str(export_dir), str(work[variant] / "loads.pt"), str(work[variant] / "sglang.pt")]
         out[variant] = dict(config=json.loads((export_dir / "config.json").read_text()), exported=exported,
-                            source_config=json.loads((hf_dir / "config.json").read_text()),
+                            source_config=json.loads((hf_dirs[variant] / "config.json").read_text()),
                             stream=dict(stream), stream_names=[name for name, _ in stream], buckets=loads["sync"],
-                            sglang=torch.load(work / "sglang.pt", weights_only=False))
+                            bf16_buckets=loads["sync_bf16"])
+    run = subprocess.run([sys.executable, "-m", "tests.rollout.sglang_load", *args], cwd=REPO, env=node_env("cpu"),
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    for variant in VARIANTS:
+        out[variant]["sglang"] = torch.load(work[variant] / "sglang.pt", weights_only=False)
     return out
 
 
@@ -201,3 +219,29 @@ def test_the_export_writes_the_config_fields_sglang_reads(loaded):
     for case in loaded.values():
         assert not set(fields) & set(case["source_config"])
         assert {key: case["config"][key] for key in fields} == fields
+
+
+@pytest.mark.megatron
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_a_bf16_sync_routes_with_the_trainers_fp32_bias(loaded, variant):
+    """A bf16 weight sync (the sender's cast) into SGLang: its top-k routes with the trainer's fp32 correction bias,
+    bit for bit (its gate keeps the bias fp32; a bias cast to bf16 would route with rounded values: other experts),
+    in mixed-dtype buckets; every other parameter holds the bf16-rounded tensor."""
+    case = loaded[variant]
+    result = case["sglang"]["loads"]["sync_bf16"]
+    sent = {n: t for bucket in case["bf16_buckets"] for n, t in bucket}
+    mixed = [b for b in case["bf16_buckets"] if len({t.dtype for _, t in b}) > 1]
+    assert mixed, "the biases travel in buckets of their own: mixed-dtype buckets are not under test"
+    biases = {n: t for n, t in case["stream"].items() if n.endswith(".e_score_correction_bias")}
+    assert biases and all(sent[n].dtype == torch.float32 for n in biases)
+    assert all(t.dtype == torch.bfloat16 for n, t in sent.items() if n not in biases)
+    for i, bias in result["routing_bias"].items():
+        trainer = biases[f"model.layers.{i}.mlp.gate.e_score_correction_bias"]
+        assert not torch.equal(trainer.bfloat16().float(), trainer), "a bias bf16 holds exactly tests nothing"
+        assert hf_tiny.same_bits(bias, trainer), f"layer {i}: SGLang routes with another bias than the trainer's"
+    expected, _ = expected_params({n: t.float() for n, t in sent.items()}, case["config"])
+    params = {name: p[: case["config"]["vocab_size"]] if name in VOCAB_PARAMS else p
+              for name, p in result["params"].items()}
+    assert set(params) == set(expected) and not result["warnings"], result["warnings"]
+    wrong = [name for name, p in params.items() if not torch.equal(p, expected[name])]
+    assert not wrong, wrong
