@@ -2,7 +2,8 @@
 shared expert, qkv bias, qk-norm, partial rotary) served by a real SGLang server on CPU (fp32): its per-token
 log-probs equal the trainer-side model's (transformers, through the fused log-prob op) within ``TOLERANCE``, before
 and after a distributed weight sync of a trained model whose expert bias was moved too (a sync that dropped the bias
-would leave SGLang routing differently from the trainer: the stale check shows the moved bias alone is visible).
+would leave SGLang routing differently from the trainer: the stale check shows the moved bias alone is visible), and
+after a bf16 sync (distributed, flattened or not, and disk), which must keep the expert bias fp32.
 Rollout routing replay (R3) with its sigmoid, bias-corrected, group-limited router and a dense first layer: the
 server's routes replayed in the Megatron policy (TP2 + SP) are used by every MoE router for every token, and the
 log-probs equal SGLang's.
@@ -106,3 +107,37 @@ def test_glm_weight_sync_carries_the_expert_bias(glm):
         after = _mismatch(model, batch)
         print(f"GLM mismatch after the {method} sync:", after)
         assert after["mismatch/token_max_abs"] <= TOLERANCE, (method, after)
+
+
+@pytest.mark.parametrize("method, flattened", [("distributed", True), ("distributed", False), ("disk", None)])
+def test_a_bf16_sync_routes_with_the_trainers_fp32_bias(glm, monkeypatch, method, flattened):
+    """``weight_sync.dtype="bfloat16"`` into the fp32 server, in 4 KiB buckets (mixed: the bias among bf16 tensors):
+    every weight arrives bf16-rounded but the expert bias, which SGLang's Glm4MoeGate keeps fp32 as megatron does
+    (``mapping.KEPT_FP32``), so its log-probs equal a model holding exactly that. The biases sit at 100 with a spread
+    of a few bf16 steps (0.5 there), as GLM-5's do: the same model with them rounded too routes far off."""
+    from transformers import AutoModelForCausalLM
+
+    from gspo_megatron.model.mapping import export_dtype
+    from gspo_megatron.rollout import WeightSyncConfig, hf_weights
+
+    engine, model_dir = glm
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            gate = layer.mlp.gate if hasattr(layer.mlp, "gate") else None
+            if gate is not None and hasattr(gate, "e_score_correction_bias"):
+                gate.e_score_correction_bias.copy_(100 + torch.randn(gate.e_score_correction_bias.shape, generator=g))
+    sent = [(n, t.to(export_dtype(n, t, torch.bfloat16)).float()) for n, t in hf_weights.checkpoint_tensors(model)]
+    served = hf_weights.load_checkpoint_tensors(model, sent).eval()
+    rounded = hf_weights.load_checkpoint_tensors(model, [(n, t.bfloat16().float()) for n, t in sent]).eval()
+    sync = WeightSyncConfig(method=method, bucket_bytes=4096, flatten=flattened, dtype="bfloat16")
+    monkeypatch.setattr(engine, "config", replace(engine.config, weight_sync=sync))
+    version = f"glm-bf16-{method}-{flattened}"
+    stats = engine.update_weights(hf_weights.checkpoint_tensors(model), version, method=method)
+    assert stats.weight_version == version and stats.num_buckets > 10
+    _, batch = _rollout(engine, seed=20)
+    exact, off = _mismatch(served, batch), _mismatch(rounded, batch)
+    print(f"GLM bf16 {method} sync (flattened {flattened}): vs fp32 bias {exact}; vs rounded bias {off}")
+    assert exact["mismatch/token_max_abs"] <= TOLERANCE, exact
+    assert off["mismatch/token_max_abs"] > 10 * TOLERANCE, off
