@@ -82,7 +82,7 @@ class Bridge:
     def __init__(self, spec: ModelSpec, padded_vocab_size: int | None = None):
         self.spec = spec
         self.padded_vocab_size = padded_vocab_size or spec.padded_vocab_size()
-        self.rules = mapping.rules_for(spec)
+        self._dims = spec.dims()
         self._heads_per_group = spec.num_attention_heads // spec.num_key_value_heads
 
     # ---- names and shapes -------------------------------------------------------------------------
@@ -116,6 +116,7 @@ class Bridge:
     def placements(self, model) -> list[Placement]:
         """Every parameter of this rank's model with its rule, in export order. Checks the table covers all."""
         gpt = unwrap(model)
+        rules = mapping.rules_for(self.spec, getattr(gpt.config, "mla_down_proj_fusion", False))
         params = dict(gpt.named_parameters())
         # The sigmoid router's expert bias is a buffer (megatron updates it outside the optimizer, if at all).
         params.update((name, buffer) for name, buffer in gpt.named_buffers() if name.endswith(".router.expert_bias"))
@@ -138,7 +139,7 @@ class Bridge:
             out.append(Placement(rule, name, param, tuple(p.name.format(**hf_where) for p in rule.hf), **extra))
 
         def model_rules(stage):
-            for rule in self.rules:
+            for rule in rules:
                 if rule.scope == mapping.MODEL and rule.stage == stage:
                     add(rule, {}, {})
 
@@ -150,7 +151,7 @@ class Bridge:
             if is_moe != hasattr(layer.mlp, "router"):
                 raise MappingError(f"decoder layer {global_layer}: the config says {'MoE' if is_moe else 'dense'}, "
                                    "the Megatron model disagrees")
-            for rule in self.rules:
+            for rule in rules:
                 if rule.scope == mapping.MODEL or (rule.scope == mapping.DENSE and is_moe) or (
                         rule.scope in (mapping.MOE, mapping.EXPERT) and not is_moe):
                     continue
@@ -200,6 +201,13 @@ class Bridge:
 
     # ---- Megatron -> HF ---------------------------------------------------------------------------
 
+    def _unjoin(self, placement: Placement, split: str, tp_size: int) -> list[torch.Tensor]:
+        """This rank's parameter as its HF parts' shards."""
+        shards = tp_size if sharding.split_dim(split) == 0 else 1
+        rows = tuple(self._dims[part.dims[0]] // shards for part in placement.rule.hf)
+        return sharding.unjoin(placement.rule.join, placement.param.detach(), self._heads_per_group,
+                               self.spec.head_dim, rows)
+
     @torch.no_grad()
     def export_hf_weights(self, model, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Full HF tensors of this rank's pipeline stage; see the module docstring (call on every rank)."""
@@ -210,8 +218,8 @@ class Bridge:
             if rule.tied_copy:
                 continue
             tp = self._tp(placement, groups)
-            parts = sharding.unjoin(rule.join, placement.param.detach(), self._heads_per_group, self.spec.head_dim)
             split = sharding.resolve(rule.split, placement.param)
+            parts = self._unjoin(placement, split, tp.size)
             parts = [sharding.gather(p, split, tp.group, tp.size) for p in parts]
             if rule.split == mapping.VOCAB:
                 parts = [p[: self.spec.vocab_size] for p in parts]
@@ -238,8 +246,8 @@ class Bridge:
             if rule.tied_copy or not (experts if is_expert else dense):
                 continue
             tp = self._tp(placement, groups)
-            parts = sharding.unjoin(rule.join, placement.param.detach(), self._heads_per_group, self.spec.head_dim)
             split = sharding.resolve(rule.split, placement.param)
+            parts = self._unjoin(placement, split, tp.size)
             parts = [sharding.gather_to_first(p, split, tp.group, tp.size) for p in parts]
             if tp.rank != 0:
                 continue  # this rank's shards are on their way to its TP group's first rank

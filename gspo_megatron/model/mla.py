@@ -6,7 +6,8 @@ and 0.19) has no such arguments. ``LocalMLAAttention`` is that core attention wr
 (CPU, tests): softmax(q k^T * softmax_scale + mask) v in fp32, per head, causal unless a mask is given (megatron's
 convention: True where masked, [b, 1, sq, sk], as the packed-sequence path passes). ``mla_spec`` puts it into a
 decoder block spec built with the local spec, and drops the q latent norm where there is no q LoRA (0.19 refuses a
-norm it would not use; 0.16 builds none). Shapes: q, k [s, b, heads/TP, nope + rope], v [s, b, heads/TP, v]; out [s, b, heads/TP * v].
+norm it would not use; 0.16 builds none), and with ``mla_down_proj_fusion`` gives the local spec megatron's fused
+down projection, which only megatron's TE spec builds (``down_proj_fusion_problem`` says where it cannot). Shapes: q, k [s, b, heads/TP, nope + rope], v [s, b, heads/TP, v]; out [s, b, heads/TP * v].
 """
 
 from __future__ import annotations
@@ -38,9 +39,36 @@ class LocalMLAAttention(MegatronModule):
         return context.reshape(context.shape[0], context.shape[1], -1)
 
 
-def mla_spec(block, local: bool, q_lora: bool):
+def megatron_has_down_proj_fusion() -> bool:
+    from megatron.core.transformer import MLATransformerConfig
+
+    return "mla_down_proj_fusion" in {field.name for field in dataclasses.fields(MLATransformerConfig)}
+
+
+def down_proj_fusion_problem(spec) -> str | None:
+    """Why ``model.mla_down_proj_fusion=true`` cannot build ``spec`` (a ``ModelSpec``) here, else None."""
+    from importlib.metadata import version
+
+    if spec.attention != "mla":
+        return (f"model.mla_down_proj_fusion=true fuses multi-latent attention's down projections, and "
+                f"{spec.family} has none: set model.mla_down_proj_fusion=false")
+    if not megatron_has_down_proj_fusion():
+        return (f"model.mla_down_proj_fusion=true needs a megatron-core whose MLATransformerConfig has "
+                f"mla_down_proj_fusion (0.19.2 has it); this is megatron-core {version('megatron-core')}: "
+                "set model.mla_down_proj_fusion=false")
+    if not spec.q_lora_rank:
+        return ("model.mla_down_proj_fusion=true fuses q_a_proj with kv_a_proj_with_mqa, and this model has no q "
+                "LoRA (q_lora_rank null, as Moonlight): megatron's FusedMLASelfAttention requires one; set "
+                "model.mla_down_proj_fusion=false")
+    return None
+
+
+def mla_spec(block, local: bool, q_lora: bool, down_proj_fusion: bool = False):
     """``block`` with ``LocalMLAAttention`` in its MLA layers (``local``: built with megatron's local spec) and
-    without a q latent norm unless ``q_lora``."""
+    without a q latent norm unless ``q_lora``. ``down_proj_fusion`` on the local spec: megatron's
+    ``FusedMLASelfAttention`` with the local spec's down-projection class (column-parallel) as
+    ``linear_qkv_down_proj``, the input norm kept separate (megatron's TE spec builds the fused layer itself, with
+    the norm fused in; its local spec ignores the flag)."""
     from megatron.core.transformer.identity_op import IdentityOp
 
     def with_core(layer):
@@ -48,6 +76,12 @@ def mla_spec(block, local: bool, q_lora: bool):
         changes = {"core_attention": LocalMLAAttention} if local else {}
         if not q_lora:
             changes["q_layernorm"] = IdentityOp
+        if local and down_proj_fusion:
+            from megatron.core.transformer.multi_latent_attention import FusedMLASelfAttention
+
+            changes.update(linear_qkv_down_proj=attention.submodules.linear_kv_down_proj, linear_q_down_proj=None,
+                           linear_kv_down_proj=None)
+            attention = dataclasses.replace(attention, module=FusedMLASelfAttention)
         submodules = dataclasses.replace(attention.submodules, **changes)
         attention = dataclasses.replace(attention, submodules=submodules)
         return dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, self_attention=attention))

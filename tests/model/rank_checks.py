@@ -60,11 +60,12 @@ def megatron_logits(model, tokens: torch.Tensor):
     return torch.cat(shards, dim=-1)
 
 
-def bridge_case(hf_dir: str, layout: Layout, source: str = "dir", control: bool = False) -> dict:
+def bridge_case(hf_dir: str, layout: Layout, source: str = "dir", control: bool = False, **build) -> dict:
     """Logits against transformers' and the export against the HF files, on this rank.
 
     ``source="dict"`` loads from an in-memory {name: tensor} dict (the weight-sync path) instead of files.
     ``control``: load q/k/v stacked as [q; k; v] (not Megatron's per-group layout); the logits must differ.
+    ``build``: more ``build_gpt_model`` arguments.
     """
     from gspo_megatron.model import mapping, sharding
     from gspo_megatron.model.bridge import Bridge
@@ -77,7 +78,7 @@ def bridge_case(hf_dir: str, layout: Layout, source: str = "dir", control: bool 
     spec = read_hf_config(hf_dir)
     bridge = Bridge(spec)
     files = SafetensorsDir(hf_dir)
-    model = build_gpt_model(spec, layout)
+    model = build_gpt_model(spec, layout, **build)
     weights = {name: files.read(name) for name in files.shapes()} if source == "dict" else hf_dir
     if control:
         grouped_join = sharding.join
@@ -103,7 +104,27 @@ def bridge_case(hf_dir: str, layout: Layout, source: str = "dir", control: bool 
     result["not_bitwise"] = [name for name, tensor in exported if not hf_tiny.same_bits(tensor, files.read(name))]
     result["export_names_match"] = bridge.export_names(model) == result["exported"]
     result.update(_export_to_sender(bridge, model, files))
+    result["attention"] = {name: tuple(p.shape) for name, p in model.named_parameters()
+                           if name.startswith("decoder.layers.0.self_attention.linear_")}
+    result["attention_class"] = type(model.decoder.layers[0].self_attention).__name__
     return result
+
+
+def fused_down_proj_case(hf_dir: str, layout: Layout) -> dict:
+    """``bridge_case`` with megatron's fused MLA down projection (``mla_down_proj_fusion``), or the sentence that
+    refuses it on a megatron-core without it."""
+    from gspo_megatron.model.mla import megatron_has_down_proj_fusion
+
+    if not megatron_has_down_proj_fusion():
+        from gspo_megatron.model.hf_config import read_hf_config
+        from gspo_megatron.model.provider import build_gpt_model
+
+        try:
+            build_gpt_model(read_hf_config(hf_dir), layout, mla_down_proj_fusion=True)
+        except ValueError as e:
+            return {"refused": str(e)}
+        return {"refused": None}
+    return bridge_case(hf_dir, layout, "dir", mla_down_proj_fusion=True)
 
 
 def _export_to_sender(bridge, model, files) -> dict:
@@ -147,6 +168,9 @@ def bridge_cases(hf_models: dict) -> list:
         cases.append((("bridge", name, "tp2"), bridge_case, (path, tp2), tp2))
         pp2 = pp2_layout(path)
         cases.append((("bridge", name, "pp2"), bridge_case, (path, pp2), pp2))
+        if name == "deepseek_v3":  # q LoRA: megatron's fused down projection, at world 1 (two replicas) and TP2
+            cases.append((("bridge", name, "tp1_fused"), fused_down_proj_case, (path, Layout()), Layout()))
+            cases.append((("bridge", name, "tp2_fused"), fused_down_proj_case, (path, tp2), tp2))
         if moe:
             cases.append((("bridge", name, "ep2"), bridge_case, (path, Layout(expert=2)), Layout(expert=2)))
             # dense layers split over TP=2, experts over EP=2 on the same two ranks without expert-TP
