@@ -219,7 +219,42 @@ def convert_cases(hf_models: dict, work: Path) -> list:
         cases.append((("to_megatron", name), to_megatron_case, (str(sources[name]), megatron_dir, there), there))
         cases.append((("to_hf", name), to_hf_case, (megatron_dir, str(work / "hf_back" / name), str(sources[name]),
                                                     back), back))
+    fused_layout = Layout(tensor=2, sequence_parallel=True)  # the checkpoint was written under PP2
+    cases.append((("to_hf", "deepseek_v3_fused"), fused_checkpoint_case,
+                  (str(work / "megatron" / "deepseek_v3"), str(sources["deepseek_v3"]),
+                   str(work / "megatron" / "deepseek_v3_fused"), fused_layout), fused_layout))
     return cases
+
+
+
+def fused_checkpoint_case(megatron_dir: str, hf_dir: str, out: str, layout: Layout) -> dict:
+    """megatron's fused MLA down projection reads and writes the separate layout's dist checkpoints: the converted
+    (separate) checkpoint loads into a fused model, whose checkpoint loads into a separate one; after each, the
+    export is the HF files bit for bit. On a megatron-core without the fusion: nothing to check."""
+    from gspo_megatron.model.bridge import Bridge
+    from gspo_megatron.model.checkpoint import load_weights, save_weights
+    from gspo_megatron.model.hf_config import read_hf_config
+    from gspo_megatron.model.hf_files import SafetensorsDir
+    from gspo_megatron.model.mla import megatron_has_down_proj_fusion
+    from gspo_megatron.model.process_groups import ensure_model_parallel
+    from gspo_megatron.model.provider import build_gpt_model
+
+    if not megatron_has_down_proj_fusion():
+        return {"refused": True}
+    ensure_model_parallel(layout)
+    spec, files = read_hf_config(hf_dir), SafetensorsDir(hf_dir)
+    bridge = Bridge(spec)
+    result = {}
+    for name, fused, source in (("into_fused", True, megatron_dir), ("from_fused", False, out)):
+        model = build_gpt_model(spec, layout, mla_down_proj_fusion=fused)
+        load_weights(model, source)
+        exported = list(bridge.export_hf_weights(model))
+        result[name] = {"names": sorted(n for n, _ in exported),
+                        "not_bitwise": [n for n, t in exported if not hf_tiny.same_bits(t, files.read(n))]}
+        if fused:
+            Path(out).mkdir(parents=True, exist_ok=True)
+            save_weights(model, out)
+    return result
 
 
 # ---- scoring ------------------------------------------------------------------------------------------------

@@ -88,6 +88,20 @@ def test_fused_mla_down_projection_maps_or_is_refused(kind, hf_models, rank_resu
         "the fused model exports other tensors")
 
 
+@pytest.mark.megatron  # loads dist checkpoints into Megatron models
+def test_fused_mla_down_projection_shares_the_separate_layouts_checkpoints(hf_models, rank_results):
+    """A checkpoint converted with separate down projections (PP2) loads into the fused model at TP2, and the
+    fused model's own checkpoint loads back into a separate one: both export the HF files bit for bit."""
+    per_rank = rank_checks.result(rank_results, ("to_hf", "deepseek_v3_fused"))
+    if per_rank[0] == {"refused": True}:
+        return  # megatron-core 0.16.1: no fusion (test_fused_mla_down_projection_maps_or_is_refused)
+    spec = read_hf_config(hf_models["deepseek_v3"])
+    names = sorted(n for n in SafetensorsDir(hf_models["deepseek_v3"]).shapes() if mapping.mtp_layer_of(spec, n) is None)
+    for rank, r in enumerate(per_rank):
+        for way in ("into_fused", "from_fused"):
+            assert r[way]["names"] == names and not r[way]["not_bitwise"], (rank, way, r[way]["not_bitwise"])
+
+
 # Which of the two ranks gathers to rank 0 in each layout (rank 1's role).
 RANK1_JOINS_GATHERS = {"tp1_dict": False, "tp2": True, "pp2": False, "ep2": "moe", "tp2_ep2_etp1": True}
 
