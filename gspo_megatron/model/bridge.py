@@ -94,7 +94,7 @@ class Bridge:
         """Raise ``MappingError`` naming missing, unexpected and mis-shaped tensors (all of them at once)."""
         expected = self.hf_tensor_shapes()
         present = {k: tuple(v) for k, v in shapes.items()
-                   if not mapping.is_ignored(k) and mapping.mtp_layer_of(self.spec, k) is None}
+                   if not mapping.is_ignored(k) and not mapping.is_carried(self.spec, k)}
         problems = []
         missing = set(expected) - set(present)
         unexpected = set(present) - set(expected)
@@ -136,7 +136,8 @@ class Bridge:
                 raise MappingError(f"the Megatron model has no parameter {candidates[0]}{others} "
                                    f"for HF {rule.hf[0].name.format(**hf_where)}")
             param = params[name]
-            out.append(Placement(rule, name, param, tuple(p.name.format(**hf_where) for p in rule.hf), **extra))
+            hf_names = tuple(self.spec.weights_prefix + p.name.format(**hf_where) for p in rule.hf)
+            out.append(Placement(rule, name, param, hf_names, **extra))
 
         def model_rules(stage):
             for rule in rules:
@@ -172,6 +173,9 @@ class Bridge:
             title = f"Megatron parameters without a rule in the {self.spec.family} mapping"
             raise MappingError(listing(title, unmapped))
         return out
+
+    def _hf_name(self, part: mapping.Part, layer: int, expert: int) -> str:
+        return self.spec.weights_prefix + part.name.format(layer=layer, expert=expert)
 
     def _tp(self, placement: Placement, groups) -> _Group:
         return groups["etp"] if placement.rule.scope == mapping.EXPERT else groups["tp"]
@@ -227,7 +231,7 @@ class Bridge:
                 for part, hf in zip(parts, rule.hf):
                     for ep_rank, tensor in enumerate(sharding.all_gather(part, ep.group, ep.size)):
                         expert = ep_rank * placement.num_local_experts + placement.local_expert
-                        yield hf.name.format(layer=placement.layer, expert=expert), _cast(tensor, dtype)
+                        yield self._hf_name(hf, placement.layer, expert), _cast(tensor, dtype)
                 continue
             for name, part in zip(placement.hf_names, parts):
                 yield name, _cast(part, dtype)
@@ -258,7 +262,7 @@ class Bridge:
                     gathered = sharding.gather_list_to_first(part, ep.group, ep.size)
                     for ep_rank, tensor in enumerate(gathered or []):
                         expert = ep_rank * placement.num_local_experts + placement.local_expert
-                        yield hf.name.format(layer=placement.layer, expert=expert), _cast(tensor, dtype)
+                        yield self._hf_name(hf, placement.layer, expert), _cast(tensor, dtype)
                 continue
             for name, part in zip(placement.hf_names, parts):
                 yield name, _cast(part, dtype)
@@ -275,7 +279,7 @@ class Bridge:
                 continue
             if rule.scope == mapping.EXPERT and ep_size > 1:
                 experts = [r * placement.num_local_experts + placement.local_expert for r in range(ep_size)]
-                names += [hf.name.format(layer=placement.layer, expert=e) for hf in rule.hf for e in experts]
+                names += [self._hf_name(hf, placement.layer, e) for hf in rule.hf for e in experts]
             else:
                 names += list(placement.hf_names)
         return names

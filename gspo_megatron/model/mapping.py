@@ -236,7 +236,7 @@ def hf_tensor_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
             instances = [dict(layer=i) for i in layers_in_scope(spec, rule.scope)]
         for where in instances:
             for part in rule.hf:
-                shapes[part.name.format(**where)] = tuple(dims[d] for d in part.dims)
+                shapes[spec.weights_prefix + part.name.format(**where)] = tuple(dims[d] for d in part.dims)
     return shapes
 
 
@@ -253,8 +253,16 @@ def mtp_layer_of(spec: ModelSpec, name: str) -> int | None:
     DeepSeek-V3 and GLM-4.5 store their ``num_nextn_predict_layers`` multi-token-prediction layers as decoder layers
     after the last one (``model.layers.{num_hidden_layers + i}.*``). The policy does not build them: they are
     carried through conversion unchanged (never trained), and a checkpoint may lack them (transformers re-saves)."""
-    match = _LAYER_NAME.match(name)
+    match = _LAYER_NAME.match(name.removeprefix(spec.weights_prefix))
     if not match or not spec.mtp_layers:
         return None
     index = int(match.group(1)) - spec.num_layers
     return index if 0 <= index < spec.mtp_layers else None
+
+
+def is_carried(spec: ModelSpec, name: str) -> bool:
+    """An HF tensor the policy does not hold, carried through conversion unchanged: an MTP layer's, or in a
+    multimodal checkpoint one outside the language model's ``weights_prefix`` (Kimi-K2.5's vision tower and
+    projector: not trained)."""
+    outside = bool(spec.weights_prefix) and not name.startswith(spec.weights_prefix)
+    return outside or mtp_layer_of(spec, name) is not None
