@@ -329,17 +329,24 @@ def _int(config: dict, key: str, default=None) -> int:
     return int(value)
 
 
+def text_config(config: dict) -> dict:
+    """The config of the model the policy trains: a multimodal wrapper's text model (``WRAPPERS``), else ``config``."""
+    if config.get("model_type") not in WRAPPERS:
+        return config
+    key = WRAPPERS[config["model_type"]][0]
+    text = config.get(key)
+    if not isinstance(text, dict):
+        raise UnsupportedModel(f"model_type={config['model_type']!r} without a {key} object: its text model is what "
+                               "the policy trains")
+    return text
+
+
 def read_hf_config(config: dict | str | Path) -> ModelSpec:
     """A ``ModelSpec`` from an HF config dict, a ``config.json`` path or a directory holding one."""
     if not isinstance(config, dict):
         config = load_config_json(config)
     if config.get("model_type") in WRAPPERS:
-        key, prefix = WRAPPERS[config["model_type"]]
-        text = config.get(key)
-        if not isinstance(text, dict):
-            raise UnsupportedModel(f"model_type={config['model_type']!r} without a {key} object: its text model is "
-                                   "what the policy trains")
-        return replace(read_hf_config(text), weights_prefix=prefix)
+        return replace(read_hf_config(text_config(config)), weights_prefix=WRAPPERS[config["model_type"]][1])
     family = family_of(config)
     _check_requires(config, family)
     heads = _int(config, "num_attention_heads")

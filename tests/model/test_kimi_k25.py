@@ -78,3 +78,14 @@ def test_text_model_loads_exports_and_converts_with_the_vision_tower_carried(kim
     assert r["logits_diff"] <= ATOL, r["logits_diff"]
     assert r["exported"] == sorted(n for n in names if not mapping.is_carried(spec, n)) and not r["not_bitwise"], r
     assert r["back"] == names and not r["back_not_bitwise"], r["back_not_bitwise"]
+
+
+def test_training_config_is_validated_against_the_text_model(kimi_k25):
+    import json
+
+    from gspo_megatron.train.startup.config import ConfigError, load_config
+    from gspo_megatron.train.startup.validate import validate
+
+    hf = json.loads((Path(kimi_k25) / "config.json").read_text())
+    with pytest.raises(ConfigError, match="n_routed_experts=8 is not divisible by parallel.expert=3"):
+        validate(load_config(None, ["data.task=count", "parallel.expert=3"]), 3, hf)

@@ -261,6 +261,9 @@ def validate_partial(cfg: Config) -> None:
 
 
 def validate(cfg: Config, world_size: int, hf: dict | None = None) -> None:
+    from gspo_megatron.model.hf_config import text_config
+
+    hf = text_config(hf) if hf is not None else None  # a multimodal wrapper (Kimi-K2.5): its text model
     a, r, o = cfg.algo, cfg.rollout, cfg.optimizer
     _one_of(a.name, ALGORITHMS, "algo.name")
     _one_of(a.grpo_aggregation, AGGREGATIONS, "algo.grpo_aggregation")
