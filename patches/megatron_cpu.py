@@ -33,8 +33,6 @@ What it changes, from broad to narrow:
      get from the model provider.
    - ``multi_latent_attention.HAVE_TE`` (0.16.1 only): the TE extension's own flag (MLA sets it True whenever the
      extension imports, which it does without TE, and then calls ``isinstance`` with a MagicMock class).
-   - ``mla_qk_norm_config.QKNormConfigResolver`` (0.19.2 only, without TE): MLA without q LoRA keeps the spec's
-     plain ``linear_q_proj`` (0.19 asks for a fused norm+linear there, which only TE has, though no norm is fused).
    - ``moe_utils.maybe_move_tensor_to_cpu`` (0.16.1, 0.19.2): honour ``as_numpy`` for CPU tensors, so split
      sizes reach ``all_to_all_single`` as a list, not a tensor.
    - ``tensor_parallel.mappings._gather_along_first_dim/_reduce_scatter_along_first_dim`` (0.16.1, 0.19.2)
@@ -411,29 +409,6 @@ def _mla_without_te() -> None:
     from megatron.core.transformer import multi_latent_attention
 
     multi_latent_attention.HAVE_TE = transformer_engine.HAVE_TE
-
-
-@_applies_to("0.19.2")
-def _mla_q_proj_without_te() -> None:
-    """0.19.2's ``QKNormConfigResolver`` insists, under ``qk_layernorm`` and without q LoRA (Moonlight, DeepSeek-V2-Lite),
-    that ``linear_q_proj`` be the backend's fused norm+linear, which does not exist without TE (the local backend has
-    none; the default TE backend gives a MagicMock). There is no q latent norm to fuse there: without TE, keep the
-    spec's plain column-parallel ``linear_q_proj``."""
-    from megatron.core.extensions import transformer_engine
-    from megatron.core.transformer import mla_qk_norm_config
-
-    resolver = mla_qk_norm_config.QKNormConfigResolver
-    original = resolver._mla_fused_linear_or_default
-    if getattr(original, "_gspo_cpu_patch", False) or transformer_engine.HAVE_TE:
-        return
-
-    def _mla_fused_linear_or_default(self, module_spec, module_name):
-        if module_name == "linear_q_proj" and module_spec is not None and not self._is_fused_norm_linear(module_spec):
-            return module_spec
-        return original(self, module_spec, module_name)
-
-    _mla_fused_linear_or_default._gspo_cpu_patch = True
-    resolver._mla_fused_linear_or_default = _mla_fused_linear_or_default
 
 
 @_applies_to("0.16.1", "0.19.2")

@@ -82,7 +82,7 @@ class Bridge:
     def __init__(self, spec: ModelSpec, padded_vocab_size: int | None = None):
         self.spec = spec
         self.padded_vocab_size = padded_vocab_size or spec.padded_vocab_size()
-        self.rules = mapping.rules_for(spec)
+        self._dims = spec.dims()
         self._heads_per_group = spec.num_attention_heads // spec.num_key_value_heads
 
     # ---- names and shapes -------------------------------------------------------------------------
@@ -94,7 +94,7 @@ class Bridge:
         """Raise ``MappingError`` naming missing, unexpected and mis-shaped tensors (all of them at once)."""
         expected = self.hf_tensor_shapes()
         present = {k: tuple(v) for k, v in shapes.items()
-                   if not mapping.is_ignored(k) and mapping.mtp_layer_of(self.spec, k) is None}
+                   if not mapping.is_ignored(k) and not mapping.is_carried(self.spec, k)}
         problems = []
         missing = set(expected) - set(present)
         unexpected = set(present) - set(expected)
@@ -116,6 +116,7 @@ class Bridge:
     def placements(self, model) -> list[Placement]:
         """Every parameter of this rank's model with its rule, in export order. Checks the table covers all."""
         gpt = unwrap(model)
+        rules = mapping.rules_for(self.spec, getattr(gpt.config, "mla_down_proj_fusion", False))
         params = dict(gpt.named_parameters())
         # The sigmoid router's expert bias is a buffer (megatron updates it outside the optimizer, if at all).
         params.update((name, buffer) for name, buffer in gpt.named_buffers() if name.endswith(".router.expert_bias"))
@@ -135,10 +136,11 @@ class Bridge:
                 raise MappingError(f"the Megatron model has no parameter {candidates[0]}{others} "
                                    f"for HF {rule.hf[0].name.format(**hf_where)}")
             param = params[name]
-            out.append(Placement(rule, name, param, tuple(p.name.format(**hf_where) for p in rule.hf), **extra))
+            hf_names = tuple(self.spec.weights_prefix + p.name.format(**hf_where) for p in rule.hf)
+            out.append(Placement(rule, name, param, hf_names, **extra))
 
         def model_rules(stage):
-            for rule in self.rules:
+            for rule in rules:
                 if rule.scope == mapping.MODEL and rule.stage == stage:
                     add(rule, {}, {})
 
@@ -150,7 +152,7 @@ class Bridge:
             if is_moe != hasattr(layer.mlp, "router"):
                 raise MappingError(f"decoder layer {global_layer}: the config says {'MoE' if is_moe else 'dense'}, "
                                    "the Megatron model disagrees")
-            for rule in self.rules:
+            for rule in rules:
                 if rule.scope == mapping.MODEL or (rule.scope == mapping.DENSE and is_moe) or (
                         rule.scope in (mapping.MOE, mapping.EXPERT) and not is_moe):
                     continue
@@ -171,6 +173,9 @@ class Bridge:
             title = f"Megatron parameters without a rule in the {self.spec.family} mapping"
             raise MappingError(listing(title, unmapped))
         return out
+
+    def _hf_name(self, part: mapping.Part, layer: int, expert: int) -> str:
+        return self.spec.weights_prefix + part.name.format(layer=layer, expert=expert)
 
     def _tp(self, placement: Placement, groups) -> _Group:
         return groups["etp"] if placement.rule.scope == mapping.EXPERT else groups["tp"]
@@ -200,6 +205,13 @@ class Bridge:
 
     # ---- Megatron -> HF ---------------------------------------------------------------------------
 
+    def _unjoin(self, placement: Placement, split: str, tp_size: int) -> list[torch.Tensor]:
+        """This rank's parameter as its HF parts' shards."""
+        shards = tp_size if sharding.split_dim(split) == 0 else 1
+        rows = tuple(self._dims[part.dims[0]] // shards for part in placement.rule.hf)
+        return sharding.unjoin(placement.rule.join, placement.param.detach(), self._heads_per_group,
+                               self.spec.head_dim, rows)
+
     @torch.no_grad()
     def export_hf_weights(self, model, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Full HF tensors of this rank's pipeline stage; see the module docstring (call on every rank)."""
@@ -210,8 +222,8 @@ class Bridge:
             if rule.tied_copy:
                 continue
             tp = self._tp(placement, groups)
-            parts = sharding.unjoin(rule.join, placement.param.detach(), self._heads_per_group, self.spec.head_dim)
             split = sharding.resolve(rule.split, placement.param)
+            parts = self._unjoin(placement, split, tp.size)
             parts = [sharding.gather(p, split, tp.group, tp.size) for p in parts]
             if rule.split == mapping.VOCAB:
                 parts = [p[: self.spec.vocab_size] for p in parts]
@@ -219,7 +231,7 @@ class Bridge:
                 for part, hf in zip(parts, rule.hf):
                     for ep_rank, tensor in enumerate(sharding.all_gather(part, ep.group, ep.size)):
                         expert = ep_rank * placement.num_local_experts + placement.local_expert
-                        name = hf.name.format(layer=placement.layer, expert=expert)
+                        name = self._hf_name(hf, placement.layer, expert)
                         yield name, _cast(name, tensor, dtype)
                 continue
             for name, part in zip(placement.hf_names, parts):
@@ -239,8 +251,8 @@ class Bridge:
             if rule.tied_copy or not (experts if is_expert else dense):
                 continue
             tp = self._tp(placement, groups)
-            parts = sharding.unjoin(rule.join, placement.param.detach(), self._heads_per_group, self.spec.head_dim)
             split = sharding.resolve(rule.split, placement.param)
+            parts = self._unjoin(placement, split, tp.size)
             parts = [sharding.gather_to_first(p, split, tp.group, tp.size) for p in parts]
             if tp.rank != 0:
                 continue  # this rank's shards are on their way to its TP group's first rank
@@ -251,7 +263,7 @@ class Bridge:
                     gathered = sharding.gather_list_to_first(part, ep.group, ep.size)
                     for ep_rank, tensor in enumerate(gathered or []):
                         expert = ep_rank * placement.num_local_experts + placement.local_expert
-                        name = hf.name.format(layer=placement.layer, expert=expert)
+                        name = self._hf_name(hf, placement.layer, expert)
                         yield name, _cast(name, tensor, dtype)
                 continue
             for name, part in zip(placement.hf_names, parts):
@@ -274,7 +286,7 @@ class Bridge:
                 continue
             if rule.scope == mapping.EXPERT and ep_size > 1:
                 experts = [r * placement.num_local_experts + placement.local_expert for r in range(ep_size)]
-                names = [hf.name.format(layer=placement.layer, expert=e) for hf in rule.hf for e in experts]
+                names = [self._hf_name(hf, placement.layer, e) for hf in rule.hf for e in experts]
             else:
                 names = placement.hf_names
             dtypes.update((name, placement.param.dtype) for name in names)

@@ -17,7 +17,8 @@ Multi-token-prediction layers (DeepSeek-V3 / GLM-4.5 ``num_nextn_predict_layers`
 the last: ``mapping.mtp_layer_of``) are not part of the policy and never trained: ``hf_to_megatron`` copies them
 beside the checkpoint (``mtp/``, safetensors) and ``megatron_to_hf`` writes them back unchanged (an FP8 checkpoint's
 dequantized, as all its weights), so an exported checkpoint still serves SGLang's NEXTN speculative decoding.
-A checkpoint without them (every transformers re-save) converts too.
+A checkpoint without them (every transformers re-save) converts too. A multimodal checkpoint's tensors outside its
+language model (Kimi-K2.5's vision tower and projector: ``mapping.is_carried``) are carried the same way, untrained.
 
 Both run in one process (world of one) or under torchrun (``parallel.groups.init_distributed``).
 """
@@ -41,7 +42,7 @@ from .bridge import Bridge
 from .errors import MappingError, listing
 from .hf_config import load_config_json, read_hf_config, serving_config, spec_differences
 from .layout_check import check_layout
-from .mapping import KEPT_FP32, export_dtype, is_ignored, mtp_layer_of
+from .mapping import KEPT_FP32, export_dtype, is_carried, is_ignored
 from .process_groups import ensure_model_parallel
 from .provider import build_gpt_model
 
@@ -86,7 +87,7 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, layout: Layout = Layout(
     source = hf_files.open_hf_dir(hf_dir)  # FP8 block-scaled weights dequantized on read (model.fp8)
     bridge = Bridge(spec)
     bridge.check_hf_tensors(source.shapes())
-    mtp = [n for n in source.shapes() if mtp_layer_of(spec, n) is not None]
+    mtp = [n for n in source.shapes() if is_carried(spec, n)]  # MTP layers, a vision tower
     dtypes = {n: d for n, d in source.dtypes().items() if not is_ignored(n) and n not in mtp}
     build_dtype = dtype or model_dtype(dtypes)
     check_layout(spec, layout, _world_size(), padded_vocab_size=bridge.padded_vocab_size)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +76,10 @@ FAMILIES: dict[str, Family] = {
 }
 # model types read as another family: Kimi-K2 is the DeepSeek-V3 architecture (transformers has no config class for it)
 ALIASES = {"kimi_k2": "deepseek_v3"}
+# Multimodal wrappers whose text model we train: (its config key, the prefix of its tensors). Kimi-K2.5 (SGLang's
+# KimiK25ForConditionalGeneration) holds a kimi_k2 text model as language_model.model.* / language_model.lm_head.*
+# beside vision_tower.* and mm_projector.*.
+WRAPPERS = {"kimi_k25": ("text_config", "language_model.")}
 
 # Llama-3.1 style frequency scaling as megatron-core implements it (its constants are fixed).
 _LLAMA3_ROPE_CONSTANTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -126,6 +130,9 @@ class ModelSpec:
     yarn_mscale: float = 1.0
     yarn_mscale_all_dim: float = 0.0
     dtype: str = "float32"  # the config's weight dtype (informational: tensors carry their own)
+    # Where the language model's tensors sit in a multimodal checkpoint (Kimi-K2.5: "language_model."): every
+    # mapped HF name carries it; tensors outside it (the vision tower) are not trained (mapping.is_carried).
+    weights_prefix: str = ""
 
     @property
     def is_moe(self) -> bool:
@@ -194,7 +201,7 @@ def family_of(config: dict) -> Family:
     if family is None:
         raise UnsupportedModel(
             f"model_type={model_type!r} (architectures={config.get('architectures')}) is not supported; "
-            f"supported model types: {', '.join(sorted([*FAMILIES, *ALIASES]))}"
+            f"supported model types: {', '.join(sorted([*FAMILIES, *ALIASES, *WRAPPERS]))}"
         )
     architectures = config.get("architectures") or [family.architecture]
     if family.architecture not in architectures:
@@ -332,10 +339,24 @@ def _int(config: dict, key: str, default=None) -> int:
     return int(value)
 
 
+def text_config(config: dict) -> dict:
+    """The config of the model the policy trains: a multimodal wrapper's text model (``WRAPPERS``), else ``config``."""
+    if config.get("model_type") not in WRAPPERS:
+        return config
+    key = WRAPPERS[config["model_type"]][0]
+    text = config.get(key)
+    if not isinstance(text, dict):
+        raise UnsupportedModel(f"model_type={config['model_type']!r} without a {key} object: its text model is what "
+                               "the policy trains")
+    return text
+
+
 def read_hf_config(config: dict | str | Path) -> ModelSpec:
     """A ``ModelSpec`` from an HF config dict, a ``config.json`` path or a directory holding one."""
     if not isinstance(config, dict):
         config = load_config_json(config)
+    if config.get("model_type") in WRAPPERS:
+        return replace(read_hf_config(text_config(config)), weights_prefix=WRAPPERS[config["model_type"]][1])
     family = family_of(config)
     _check_requires(config, family)
     heads = _int(config, "num_attention_heads")

@@ -7,6 +7,8 @@ it (``join``), and how the joined tensor is split over tensor-parallel ranks (``
           "qkv"   q, k, v projections fused per query group: for each KV group g,
                   [q rows of g's heads (heads/groups * head_dim), k rows of g (head_dim), v rows of g (head_dim)]
           "glu"   gate and up projections concatenated: [gate; up] (Megatron's fc1 for a gated MLP)
+          "cat"   the parts' rows stacked in order, of any sizes: [q_a_proj; kv_a_proj_with_mqa] (MLA's fused down
+                  projection); under "column" each part is split first, so a rank holds [q_r; kv_r]
     split "none"    replicated on every TP rank (norms, router)
           "column"  dim 0 over TP (ColumnParallelLinear); every HF part is split, then the parts are joined,
                     so a rank holds [q_r|k_r|v_r per local group] or [gate_r; up_r], as megatron-core does
@@ -44,7 +46,7 @@ import torch
 from .errors import UnsupportedModel
 from .hf_config import ModelSpec
 
-COPY, QKV, GLU = "copy", "qkv", "glu"
+COPY, QKV, GLU, CAT = "copy", "qkv", "glu", "cat"
 NONE, COLUMN, ROW, VOCAB, DOWN = "none", "column", "row", "vocab", "down"
 MODEL, LAYER, DENSE, MOE, EXPERT = "model", "layer", "dense", "moe", "expert"
 FIRST, LAST = "first", "last"
@@ -68,7 +70,9 @@ class Rule:
     stage: str | None = None  # model scope: the pipeline stage holding it
     te_name: str | None = None
     grouped: str | None = None  # expert rules: the name under TEGroupedMLP
-    # only for some models: "tied" / "untied" embeddings, "qkv_bias" / "qk_norm" where the config turns them on
+    # only for some models: "tied" / "untied" embeddings, "qkv_bias" / "qk_norm" where the config turns them on;
+    # MLA's "q_lora" / "no_q_lora", and its down projections: "q_down_proj" + "kv_down_proj" (separate) or
+    # "qkv_down_proj" (megatron's mla_down_proj_fusion)
     when: str | None = None
     # The last pipeline stage's copy of a tied embedding: filled on load where the model has it, never exported
     # (the first stage exports the embedding once).
@@ -135,14 +139,20 @@ MOE_MLP = (
 # DeepSeek's multi-latent attention (megatron's MLASelfAttention). HF keeps each head's q rows as [nope; rope] and
 # kv_b_proj's as [k nope; v], as megatron does; the rope dims are stored interleaved and megatron's MLA rope reads
 # them so. TE fuses the q / kv latent norms into the up projections. The two down projections come back to back:
-# SGLang fuses them on load (``LOADED_TOGETHER``).
+# SGLang fuses them on load (``LOADED_TOGETHER``). With ``mla_down_proj_fusion`` (megatron-core
+# >= 0.19, q LoRA only) megatron's FusedMLASelfAttention holds both down projections as one
+# ``linear_qkv_down_proj`` [q_lora + kv_lora + rope, hidden], column-parallel, each rank's rows [q_r; kv_r]
+# (``FusedMLASelfAttention._qkv_down_projection`` splits a rank's output q_lora/TP, (kv_lora + rope)/TP and gathers
+# each); under TE the decoder's input norm is fused into it too (``input_layernorm`` is then an IdentityOp).
 _A, _HA = f"{_M}.self_attention", f"{_L}.self_attn"
+_Q_DOWN = P(f"{_HA}.q_a_proj.weight", "q_lora", "hidden")
+_KV_DOWN = P(f"{_HA}.kv_a_proj_with_mqa.weight", "kv_down", "hidden")
 MLA_ATTENTION = (
-    Rule(f"{_M}.input_layernorm.weight", (P(f"{_L}.input_layernorm.weight", "hidden"),)),
-    Rule(f"{_A}.linear_q_down_proj.weight", (P(f"{_HA}.q_a_proj.weight", "q_lora", "hidden"),), split=DOWN,
-         when="q_lora"),
-    Rule(f"{_A}.linear_kv_down_proj.weight", (P(f"{_HA}.kv_a_proj_with_mqa.weight", "kv_down", "hidden"),),
-         split=DOWN),
+    Rule(f"{_M}.input_layernorm.weight", (P(f"{_L}.input_layernorm.weight", "hidden"),),
+         te_name=f"{_A}.linear_qkv_down_proj.layer_norm_weight"),
+    Rule(f"{_A}.linear_q_down_proj.weight", (_Q_DOWN,), split=DOWN, when="q_down_proj"),
+    Rule(f"{_A}.linear_kv_down_proj.weight", (_KV_DOWN,), split=DOWN, when="kv_down_proj"),
+    Rule(f"{_A}.linear_qkv_down_proj.weight", (_Q_DOWN, _KV_DOWN), join=CAT, split=DOWN, when="qkv_down_proj"),
     Rule(f"{_A}.q_layernorm.weight", (P(f"{_HA}.q_a_layernorm.weight", "q_lora"),), when="q_lora",
          te_name=f"{_A}.linear_q_up_proj.layer_norm_weight"),
     Rule(f"{_A}.linear_q_up_proj.weight", (P(f"{_HA}.q_b_proj.weight", "q", "q_lora"),), split=COLUMN, when="q_lora"),
@@ -213,14 +223,21 @@ def export_dtype(name: str, tensor: torch.Tensor, dtype: torch.dtype | None) -> 
 IGNORED_HF_TENSORS = (re.compile(r"\.rotary_emb\.inv_freq$"),)
 
 
-def rules_for(spec: ModelSpec) -> tuple[Rule, ...]:
-    """The rules that apply to this model (the family's table, filtered by tied / untied embeddings)."""
+def rules_for(spec: ModelSpec, mla_down_proj_fusion: bool = False) -> tuple[Rule, ...]:
+    """The rules that apply to this model (the family's table, filtered by tied / untied embeddings and the like).
+
+    ``mla_down_proj_fusion``: the Megatron model holds MLA's down projections fused (its config's flag; the HF
+    tensors are the same either way)."""
     table = ARCHITECTURES.get(spec.family)
     if table is None:
         raise UnsupportedModel(f"no tensor mapping for family {spec.family!r}; mapped: {', '.join(ARCHITECTURES)}")
     conditions = {None, "tied" if spec.tie_embeddings else "untied"}
     conditions |= {name for name in ("qkv_bias", "qk_norm") if getattr(spec, name)}
     conditions.add("q_lora" if spec.q_lora_rank else "no_q_lora")
+    if mla_down_proj_fusion:
+        conditions.add("qkv_down_proj")
+    else:
+        conditions |= {"kv_down_proj"} | ({"q_down_proj"} if spec.q_lora_rank else set())
     return tuple(rule for rule in table if rule.when in conditions)
 
 
@@ -251,7 +268,7 @@ def hf_tensor_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
             instances = [dict(layer=i) for i in layers_in_scope(spec, rule.scope)]
         for where in instances:
             for part in rule.hf:
-                shapes[part.name.format(**where)] = tuple(dims[d] for d in part.dims)
+                shapes[spec.weights_prefix + part.name.format(**where)] = tuple(dims[d] for d in part.dims)
     return shapes
 
 
@@ -268,8 +285,16 @@ def mtp_layer_of(spec: ModelSpec, name: str) -> int | None:
     DeepSeek-V3 and GLM-4.5 store their ``num_nextn_predict_layers`` multi-token-prediction layers as decoder layers
     after the last one (``model.layers.{num_hidden_layers + i}.*``). The policy does not build them: they are
     carried through conversion unchanged (never trained), and a checkpoint may lack them (transformers re-saves)."""
-    match = _LAYER_NAME.match(name)
+    match = _LAYER_NAME.match(name.removeprefix(spec.weights_prefix))
     if not match or not spec.mtp_layers:
         return None
     index = int(match.group(1)) - spec.num_layers
     return index if 0 <= index < spec.mtp_layers else None
+
+
+def is_carried(spec: ModelSpec, name: str) -> bool:
+    """An HF tensor the policy does not hold, carried through conversion unchanged: an MTP layer's, or in a
+    multimodal checkpoint one outside the language model's ``weights_prefix`` (Kimi-K2.5's vision tower and
+    projector: not trained)."""
+    outside = bool(spec.weights_prefix) and not name.startswith(spec.weights_prefix)
+    return outside or mtp_layer_of(spec, name) is not None

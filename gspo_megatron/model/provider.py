@@ -19,6 +19,7 @@ up (``parallel.groups.init_model_parallel(layout)``). What each family means in 
 - DeepSeek-V3's multi-latent attention (``spec.attention == "mla"``): megatron's ``MLATransformerConfig`` (q LoRA
   rank or none, kv LoRA rank, nope / rope / v head dims, ``qk_layernorm`` for the two latent norms, YaRN as
   ``rope_type="yarn"`` whose mscale_all_dim also sets the softmax scale); the attention builds its own RoPE.
+  ``mla_down_proj_fusion`` (megatron-core >= 0.19, q LoRA): the q and kv down projections as one GEMM.
 - Experts: with TransformerEngine, megatron's ``TEGroupedMLP`` (``moe_grouped_gemm=True``): each layer's local
   experts run as one grouped GEMM per projection. Without TE, a ``SequentialMLP`` (a Python loop over the local
   experts, with a host sync for the split sizes). The mapping names both layouts, and their dist-checkpoint keys
@@ -64,13 +65,14 @@ def skip_weight_init() -> dict:
 
 
 def transformer_config(spec: ModelSpec, layout: Layout, dtype: torch.dtype = torch.float32, init: bool = False,
-                       grouped_gemm: bool = False, **overrides):
+                       grouped_gemm: bool = False, mla_down_proj_fusion: bool = False, **overrides):
     """Megatron's ``TransformerConfig`` for ``spec`` under ``layout``. ``overrides`` win over the defaults.
 
     Defaults suit RL training and scoring: no dropout, per-token-loss mode (``train.update.loss`` needs it),
     no router auxiliary loss, the alltoall token dispatcher, no weight initialisation unless ``init`` (the
     weights come from a checkpoint; ``skip_weight_init``). ``grouped_gemm``: the experts as one grouped GEMM
-    (``build_gpt_model`` decides it and checks that megatron can build it).
+    (``build_gpt_model`` decides it and checks that megatron can build it). ``mla_down_proj_fusion``: megatron's
+    fused MLA down projection (refused, naming why, where ``mla.down_proj_fusion_problem`` finds a reason).
     """
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.transformer import MLATransformerConfig, TransformerConfig
@@ -137,6 +139,13 @@ def transformer_config(spec: ModelSpec, layout: Layout, dtype: torch.dtype = tor
     if spec.attention == "mla":
         config_class = MLATransformerConfig
         kwargs.update(_mla_fields(spec))
+    if mla_down_proj_fusion:
+        from .mla import down_proj_fusion_problem
+
+        problem = down_proj_fusion_problem(spec)
+        if problem:
+            raise ValueError(problem)
+        kwargs["mla_down_proj_fusion"] = True
     kwargs.update(overrides)
     config = config_class(**kwargs)
     config.finalize_model_grads_func = finalize_model_grads
@@ -214,7 +223,8 @@ def decoder_block_spec(config, use_te: bool):
     if config.multi_latent_attention:
         from .mla import mla_spec
 
-        block = mla_spec(block, local=not use_te, q_lora=config.q_lora_rank is not None)
+        block = mla_spec(block, local=not use_te, q_lora=config.q_lora_rank is not None,
+                         down_proj_fusion=getattr(config, "mla_down_proj_fusion", False))
     if config.moe_grouped_gemm:
         _check_grouped_experts(block)
     return block
@@ -263,14 +273,16 @@ def megatron_patches(use_te: bool, cuda: bool) -> list:
 
 def build_gpt_model(spec: ModelSpec, layout: Layout = Layout(), dtype: torch.dtype = torch.float32,
                     padded_vocab_size: int | None = None, use_te: bool | None = None, init: bool = False,
-                    grouped_gemm: bool | None = None, update_expert_bias: bool = False, **config_overrides):
+                    grouped_gemm: bool | None = None, update_expert_bias: bool = False,
+                    mla_down_proj_fusion: bool = False, **config_overrides):
     """This rank's ``GPTModel`` for ``spec`` under ``layout`` (Megatron's groups must already match it).
 
     ``padded_vocab_size`` defaults to ``spec.padded_vocab_size()``; a checkpoint records the value it was
     converted with. ``use_te`` defaults to whether TransformerEngine imports; ``grouped_gemm`` (MoE experts as
     TEGroupedMLP) to ``use_te``. ``grouped_gemm=True`` where megatron cannot build TEGroupedMLP is an error.
     ``update_expert_bias``: let megatron update sigmoid routers' expert bias from load statistics (default: frozen,
-    ``freeze_expert_bias``).
+    ``freeze_expert_bias``). ``mla_down_proj_fusion``: MLA's q and kv down projections as megatron's one fused
+    ``linear_qkv_down_proj`` (megatron-core >= 0.19, q LoRA only; ``transformer_config``).
     """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -287,7 +299,7 @@ def build_gpt_model(spec: ModelSpec, layout: Layout = Layout(), dtype: torch.dty
     _check_groups_match(layout)
     grouped_gemm = use_te if grouped_gemm is None else grouped_gemm
     config = transformer_config(spec, layout, dtype=dtype, init=init, grouped_gemm=grouped_gemm and spec.is_moe,
-                                **config_overrides)
+                                mla_down_proj_fusion=mla_down_proj_fusion, **config_overrides)
     model = GPTModel(
         config=config,
         transformer_layer_spec=decoder_block_spec(config, use_te),

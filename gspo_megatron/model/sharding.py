@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .mapping import COLUMN, COPY, DOWN, GLU, NONE, QKV, ROW, VOCAB
+from .mapping import CAT, COLUMN, COPY, DOWN, GLU, NONE, QKV, ROW, VOCAB
 
 
 def resolve(split: str, param: torch.Tensor) -> str:
@@ -57,7 +57,7 @@ def join(kind: str, parts: list[torch.Tensor], heads_per_group: int, head_dim: i
     if kind == COPY:
         (tensor,) = parts
         return tensor
-    if kind == GLU:
+    if kind in (GLU, CAT):
         return torch.cat(parts, dim=0)
     if kind == QKV:
         q, k, v = parts
@@ -70,12 +70,18 @@ def join(kind: str, parts: list[torch.Tensor], heads_per_group: int, head_dim: i
     raise ValueError(f"unknown join {kind!r}")
 
 
-def unjoin(kind: str, tensor: torch.Tensor, heads_per_group: int, head_dim: int) -> list[torch.Tensor]:
-    """This rank's Megatron tensor -> its HF parts (views where possible)."""
+def unjoin(kind: str, tensor: torch.Tensor, heads_per_group: int, head_dim: int,
+           rows: tuple[int, ...] = ()) -> list[torch.Tensor]:
+    """This rank's Megatron tensor -> its HF parts (views where possible). ``rows``: for ``cat``, each part's rows
+    on this rank."""
     if kind == COPY:
         return [tensor]
     if kind == GLU:
         return list(tensor.chunk(2, dim=0))
+    if kind == CAT:
+        if sum(rows) != tensor.shape[0]:
+            raise ValueError(f"parts of {rows} rows do not make a tensor of {tensor.shape[0]} rows")
+        return list(tensor.split(list(rows), dim=0))
     if kind == QKV:
         rest = tuple(tensor.shape[1:])
         per_group = (heads_per_group + 2) * head_dim

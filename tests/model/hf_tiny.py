@@ -190,3 +190,26 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
     return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
+def save_kimi_k25(text_model: Path, target: Path) -> Path:
+    """A tiny Kimi-K2.5 checkpoint as SGLang's ``KimiK25ForConditionalGeneration`` reads one: the text model's
+    config as ``text_config`` (model_type ``kimi_k2``) and its tensors under ``language_model.``, beside a small
+    stand-in vision tower and projector (``vision_tower.*``, ``mm_projector.*``) the policy must carry, not train."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(text_model, target)
+    g = torch.Generator().manual_seed(7)
+    tensors = {f"language_model.{n}": t for n, t in load_file(target / "model.safetensors").items()}
+    tensors.update({"vision_tower.patch_embed.proj.weight": torch.randn(8, 3, 2, 2, generator=g),
+                    "vision_tower.encoder.blocks.0.wqkv.weight": torch.randn(24, 8, generator=g),
+                    "mm_projector.proj.0.weight": torch.randn(32, 32, generator=g).to(torch.bfloat16)})
+    save_file(tensors, target / "model.safetensors", metadata={"format": "pt"})
+    text = {**json.loads((target / "config.json").read_text()), "model_type": "kimi_k2"}
+    config = {"model_type": "kimi_k25", "architectures": ["KimiK25ForConditionalGeneration"], "text_config": text,
+              "vision_config": {"vt_hidden_size": 8, "vt_num_hidden_layers": 1, "mm_hidden_size": 8}}
+    (target / "config.json").write_text(json.dumps(config, indent=2))
+    return target

@@ -60,11 +60,12 @@ def megatron_logits(model, tokens: torch.Tensor):
     return torch.cat(shards, dim=-1)
 
 
-def bridge_case(hf_dir: str, layout: Layout, source: str = "dir", control: bool = False) -> dict:
+def bridge_case(hf_dir: str, layout: Layout, source: str = "dir", control: bool = False, **build) -> dict:
     """Logits against transformers' and the export against the HF files, on this rank.
 
     ``source="dict"`` loads from an in-memory {name: tensor} dict (the weight-sync path) instead of files.
     ``control``: load q/k/v stacked as [q; k; v] (not Megatron's per-group layout); the logits must differ.
+    ``build``: more ``build_gpt_model`` arguments.
     """
     from gspo_megatron.model import mapping, sharding
     from gspo_megatron.model.bridge import Bridge
@@ -77,7 +78,7 @@ def bridge_case(hf_dir: str, layout: Layout, source: str = "dir", control: bool 
     spec = read_hf_config(hf_dir)
     bridge = Bridge(spec)
     files = SafetensorsDir(hf_dir)
-    model = build_gpt_model(spec, layout)
+    model = build_gpt_model(spec, layout, **build)
     weights = {name: files.read(name) for name in files.shapes()} if source == "dict" else hf_dir
     if control:
         grouped_join = sharding.join
@@ -103,7 +104,27 @@ def bridge_case(hf_dir: str, layout: Layout, source: str = "dir", control: bool 
     result["not_bitwise"] = [name for name, tensor in exported if not hf_tiny.same_bits(tensor, files.read(name))]
     result["export_names_match"] = bridge.export_names(model) == result["exported"]
     result.update(_export_to_sender(bridge, model, files))
+    result["attention"] = {name: tuple(p.shape) for name, p in model.named_parameters()
+                           if name.startswith("decoder.layers.0.self_attention.linear_")}
+    result["attention_class"] = type(model.decoder.layers[0].self_attention).__name__
     return result
+
+
+def fused_down_proj_case(hf_dir: str, layout: Layout) -> dict:
+    """``bridge_case`` with megatron's fused MLA down projection (``mla_down_proj_fusion``), or the sentence that
+    refuses it on a megatron-core without it."""
+    from gspo_megatron.model.mla import megatron_has_down_proj_fusion
+
+    if not megatron_has_down_proj_fusion():
+        from gspo_megatron.model.hf_config import read_hf_config
+        from gspo_megatron.model.provider import build_gpt_model
+
+        try:
+            build_gpt_model(read_hf_config(hf_dir), layout, mla_down_proj_fusion=True)
+        except ValueError as e:
+            return {"refused": str(e)}
+        return {"refused": None}
+    return bridge_case(hf_dir, layout, "dir", mla_down_proj_fusion=True)
 
 
 def _export_to_sender(bridge, model, files) -> dict:
@@ -147,6 +168,9 @@ def bridge_cases(hf_models: dict) -> list:
         cases.append((("bridge", name, "tp2"), bridge_case, (path, tp2), tp2))
         pp2 = pp2_layout(path)
         cases.append((("bridge", name, "pp2"), bridge_case, (path, pp2), pp2))
+        if name == "deepseek_v3":  # q LoRA: megatron's fused down projection, at world 1 (two replicas) and TP2
+            cases.append((("bridge", name, "tp1_fused"), fused_down_proj_case, (path, Layout()), Layout()))
+            cases.append((("bridge", name, "tp2_fused"), fused_down_proj_case, (path, tp2), tp2))
         if moe:
             cases.append((("bridge", name, "ep2"), bridge_case, (path, Layout(expert=2)), Layout(expert=2)))
             # dense layers split over TP=2, experts over EP=2 on the same two ranks without expert-TP
@@ -195,7 +219,42 @@ def convert_cases(hf_models: dict, work: Path) -> list:
         cases.append((("to_megatron", name), to_megatron_case, (str(sources[name]), megatron_dir, there), there))
         cases.append((("to_hf", name), to_hf_case, (megatron_dir, str(work / "hf_back" / name), str(sources[name]),
                                                     back), back))
+    fused_layout = Layout(tensor=2, sequence_parallel=True)  # the checkpoint was written under PP2
+    cases.append((("to_hf", "deepseek_v3_fused"), fused_checkpoint_case,
+                  (str(work / "megatron" / "deepseek_v3"), str(sources["deepseek_v3"]),
+                   str(work / "megatron" / "deepseek_v3_fused"), fused_layout), fused_layout))
     return cases
+
+
+
+def fused_checkpoint_case(megatron_dir: str, hf_dir: str, out: str, layout: Layout) -> dict:
+    """megatron's fused MLA down projection reads and writes the separate layout's dist checkpoints: the converted
+    (separate) checkpoint loads into a fused model, whose checkpoint loads into a separate one; after each, the
+    export is the HF files bit for bit. On a megatron-core without the fusion: nothing to check."""
+    from gspo_megatron.model.bridge import Bridge
+    from gspo_megatron.model.checkpoint import load_weights, save_weights
+    from gspo_megatron.model.hf_config import read_hf_config
+    from gspo_megatron.model.hf_files import SafetensorsDir
+    from gspo_megatron.model.mla import megatron_has_down_proj_fusion
+    from gspo_megatron.model.process_groups import ensure_model_parallel
+    from gspo_megatron.model.provider import build_gpt_model
+
+    if not megatron_has_down_proj_fusion():
+        return {"refused": True}
+    ensure_model_parallel(layout)
+    spec, files = read_hf_config(hf_dir), SafetensorsDir(hf_dir)
+    bridge = Bridge(spec)
+    result = {}
+    for name, fused, source in (("into_fused", True, megatron_dir), ("from_fused", False, out)):
+        model = build_gpt_model(spec, layout, mla_down_proj_fusion=fused)
+        load_weights(model, source)
+        exported = list(bridge.export_hf_weights(model))
+        result[name] = {"names": sorted(n for n, _ in exported),
+                        "not_bitwise": [n for n, t in exported if not hf_tiny.same_bits(t, files.read(n))]}
+        if fused:
+            Path(out).mkdir(parents=True, exist_ok=True)
+            save_weights(model, out)
+    return result
 
 
 # ---- scoring ------------------------------------------------------------------------------------------------

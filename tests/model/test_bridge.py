@@ -59,6 +59,49 @@ def test_megatron_logits_equal_transformers_and_export_is_bitwise(variant, hf_mo
             assert all(e == all_names for e in exported), kind
 
 
+@pytest.mark.megatron  # builds a Megatron model, or is refused one on megatron-core 0.16.1
+@pytest.mark.parametrize("kind", ["tp1_fused", "tp2_fused"])
+def test_fused_mla_down_projection_maps_or_is_refused(kind, hf_models, rank_results):
+    """megatron's ``mla_down_proj_fusion`` (0.19): one ``linear_qkv_down_proj`` [q_lora + kv_lora + rope, hidden]
+    holding HF's q_a_proj and kv_a_proj_with_mqa (each rank [q_r; kv_r] at TP2) gives transformers' logits and
+    exports bit for bit; megatron-core 0.16.1, which lacks the field, refuses it by name."""
+    from gspo_megatron.model.mla import megatron_has_down_proj_fusion
+
+    per_rank = rank_checks.result(rank_results, ("bridge", "deepseek_v3", kind))
+    if not megatron_has_down_proj_fusion():
+        for r in per_rank:
+            assert r["refused"] and "model.mla_down_proj_fusion" in r["refused"] and "0.16.1" in r["refused"], r
+        return
+    spec = read_hf_config(hf_models["deepseek_v3"])
+    tp = 2 if kind == "tp2_fused" else 1
+    fused = spec.q_lora_rank + spec.kv_lora_rank + spec.qk_rope_head_dim
+    for rank, r in enumerate(per_rank):
+        assert r["attention_class"] == "FusedMLASelfAttention", r["attention_class"]
+        assert r["attention"]["decoder.layers.0.self_attention.linear_qkv_down_proj.weight"] == (
+            fused // tp, spec.hidden_size), r["attention"]
+        assert not any("linear_q_down_proj" in n or "linear_kv_down_proj" in n for n in r["attention"]), r["attention"]
+        assert r["logits_diff"] <= ATOL, f"{kind}: logits differ by {r['logits_diff']:.2e} > {ATOL}"
+        assert not r["not_bitwise"] and not r["to_sender_not_bitwise"], f"{kind} rank {rank}: {r['not_bitwise']}"
+        assert r["export_names_match"]
+    unfused = rank_checks.result(rank_results, ("bridge", "deepseek_v3", "tp2" if tp == 2 else "tp1_dict"))
+    assert [sorted(r["exported"]) for r in per_rank] == [sorted(r["exported"]) for r in unfused], (
+        "the fused model exports other tensors")
+
+
+@pytest.mark.megatron  # loads dist checkpoints into Megatron models
+def test_fused_mla_down_projection_shares_the_separate_layouts_checkpoints(hf_models, rank_results):
+    """A checkpoint converted with separate down projections (PP2) loads into the fused model at TP2, and the
+    fused model's own checkpoint loads back into a separate one: both export the HF files bit for bit."""
+    per_rank = rank_checks.result(rank_results, ("to_hf", "deepseek_v3_fused"))
+    if per_rank[0] == {"refused": True}:
+        return  # megatron-core 0.16.1: no fusion (test_fused_mla_down_projection_maps_or_is_refused)
+    spec = read_hf_config(hf_models["deepseek_v3"])
+    names = sorted(n for n in SafetensorsDir(hf_models["deepseek_v3"]).shapes() if mapping.mtp_layer_of(spec, n) is None)
+    for rank, r in enumerate(per_rank):
+        for way in ("into_fused", "from_fused"):
+            assert r[way]["names"] == names and not r[way]["not_bitwise"], (rank, way, r[way]["not_bitwise"])
+
+
 # Which of the two ranks gathers to rank 0 in each layout (rank 1's role).
 RANK1_JOINS_GATHERS = {"tp1_dict": False, "tp2": True, "pp2": False, "ep2": "moe", "tp2_ep2_etp1": True}
 

@@ -59,6 +59,38 @@ def test_sharding_parts_then_joining_gives_megatrons_tp_shards(tp):
         assert row == (slice(None), slice(rank * 8 // tp, (rank + 1) * 8 // tp))
 
 
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_cat_join_is_megatrons_fused_mla_down_projection_and_unjoin_inverts_it(tp):
+    """MLA's fused down projection (``linear_qkv_down_proj``): rank r holds [q_a rows block r; kv_a rows block r],
+    which megatron's ``FusedMLASelfAttention._qkv_down_projection`` splits at q_lora / TP and gathers per part."""
+    q_lora, kv_down = 24, 16 + 8
+    q_a, kv_a = torch.randn(q_lora, HIDDEN), torch.randn(kv_down, HIDDEN)
+    for rank in range(tp):
+        shards = [p[sharding.local_index(mapping.COLUMN, tuple(p.shape), tp, rank)[0]] for p in (q_a, kv_a)]
+        local = sharding.join(mapping.CAT, shards, 0, 0)
+        q_local, kv_local = local.split([q_lora // tp, kv_down // tp])  # megatron's split of the rank's output
+        assert torch.equal(q_local, q_a.chunk(tp)[rank]) and torch.equal(kv_local, kv_a.chunk(tp)[rank])
+        back = sharding.unjoin(mapping.CAT, local, 0, 0, (q_lora // tp, kv_down // tp))
+        assert all(torch.equal(a, b) for a, b in zip(back, shards))
+    with pytest.raises(ValueError, match="do not make"):
+        sharding.unjoin(mapping.CAT, torch.zeros(5, 2), 0, 0, (2, 2))
+
+
+def test_mla_down_projections_are_separate_or_fused_by_the_models_flag(hf_models):
+    """The same HF tensors either way; the Megatron names follow megatron's ``mla_down_proj_fusion``."""
+    spec = read_hf_config(hf_models["deepseek_v3"])
+
+    def down(fused):
+        return [(r.megatron.rsplit(".", 2)[-2], [p.name.rsplit(".", 2)[-2] for p in r.hf])
+                for r in mapping.rules_for(spec, fused) if "down_proj" in r.megatron]
+
+    assert down(False) == [("linear_q_down_proj", ["q_a_proj"]), ("linear_kv_down_proj", ["kv_a_proj_with_mqa"])]
+    assert down(True) == [("linear_qkv_down_proj", ["q_a_proj", "kv_a_proj_with_mqa"])]
+    moonlight = read_hf_config(hf_models["moonlight"])
+    assert [r.megatron for r in mapping.rules_for(moonlight) if "down_proj" in r.megatron] == [
+        "decoder.layers.{layer}.self_attention.linear_kv_down_proj.weight"]
+
+
 def test_vocab_rows_are_padded_with_zero_rows_beyond_the_real_vocabulary():
     # vocab 100 padded to 128 over 2 ranks: rank 0 rows 0..63, rank 1 rows 64..99 + 28 zero rows
     assert sharding.local_index(mapping.VOCAB, (100, 4), 2, 0, 128) == ((slice(0, 64), slice(None)), 0)
@@ -70,7 +102,7 @@ def test_vocab_rows_are_padded_with_zero_rows_beyond_the_real_vocabulary():
 
 
 def test_rule_tables_are_well_formed():
-    arity = {mapping.COPY: 1, mapping.QKV: 3, mapping.GLU: 2}
+    arity = {mapping.COPY: 1, mapping.QKV: 3, mapping.GLU: 2, mapping.CAT: 2}
     for family, rules in mapping.ARCHITECTURES.items():
         megatron_names = set()
         for rule in rules:

@@ -53,6 +53,11 @@ class ModelConfig:
     """MoE experts as one grouped GEMM per projection (megatron's TEGroupedMLP) instead of a Python loop over the
     local experts (SequentialMLP). null: on where TransformerEngine imports; true without TE is an error.
     Checkpoints load into either layout."""
+    mla_down_proj_fusion: bool = False
+    """Multi-latent attention with q LoRA (DeepSeek-V3, Kimi-K2): megatron's fused down projection, q_a_proj and
+    kv_a_proj_with_mqa as one GEMM (``linear_qkv_down_proj``; under TransformerEngine the input norm is fused in
+    too). Needs megatron-core 0.19 (0.16.1 lacks it: an error, as are models without q LoRA or MLA). Checkpoints
+    load into either layout; conversion and weight sync name the same HF tensors."""
     update_expert_bias: bool = False
     """DeepSeek-V3 / GLM-4.5 sigmoid routers: let megatron move each router's expert bias (HF
     ``e_score_correction_bias``) towards balanced expert load after every step (aux-loss-free balancing). Off by

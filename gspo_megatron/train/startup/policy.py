@@ -103,6 +103,7 @@ def _starting_model(cfg: Config, hf_dir, spec, bridge, dtype, routing_replay: bo
         calculate_per_token_loss=True,
         moe_enable_routing_replay=routing_replay,
         grouped_gemm=cfg.model.grouped_gemm,
+        mla_down_proj_fusion=cfg.model.mla_down_proj_fusion,
         update_expert_bias=cfg.model.update_expert_bias,
         **recompute.transformer_config_fields(cfg),
         **performance.transformer_config_fields(cfg, is_moe=spec.is_moe),

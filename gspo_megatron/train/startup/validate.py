@@ -88,6 +88,13 @@ def validate_model(cfg: Config, hf: dict) -> None:
     if cfg.model.grouped_gemm and not transformer_engine_available():
         raise ConfigError("model.grouped_gemm=true needs TransformerEngine (megatron's TEGroupedMLP): install the gpu "
                           "extra, or set model.grouped_gemm=null (grouped where TE imports) or false")
+    if cfg.model.mla_down_proj_fusion:
+        from gspo_megatron.model.hf_config import read_hf_config
+        from gspo_megatron.model.mla import down_proj_fusion_problem
+
+        problem = down_proj_fusion_problem(read_hf_config(hf))
+        if problem:
+            raise ConfigError(problem)
 
 
 def validate_timeouts(cfg: Config) -> None:
@@ -254,6 +261,9 @@ def validate_partial(cfg: Config) -> None:
 
 
 def validate(cfg: Config, world_size: int, hf: dict | None = None) -> None:
+    from gspo_megatron.model.hf_config import text_config
+
+    hf = text_config(hf) if hf is not None else None  # a multimodal wrapper (Kimi-K2.5): its text model
     a, r, o = cfg.algo, cfg.rollout, cfg.optimizer
     _one_of(a.name, ALGORITHMS, "algo.name")
     _one_of(a.grpo_aggregation, AGGREGATIONS, "algo.grpo_aggregation")

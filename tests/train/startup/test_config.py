@@ -254,3 +254,22 @@ def test_sglang_flags_in_extra_args_are_checked_against_sglang():
         check_sglang_flags(["--mem-fracton-static", "0.5"])
     assert str(error.value) == ("rollout.server_args.extra_args: not flags of sglang.launch_server "
                                 "['--mem-fracton-static'] (did you mean '--mem-fraction-static'?)")
+
+
+@pytest.mark.megatron  # what it accepts depends on megatron-core's version
+def test_mla_down_proj_fusion_is_checked_before_any_rank_starts():
+    """megatron's fused MLA down projection: accepted for MLA with q LoRA on a megatron-core that has it (0.19),
+    refused by name on 0.16.1, for Moonlight's shape (no q LoRA) and for models without MLA."""
+    from gspo_megatron.model.mla import megatron_has_down_proj_fusion
+    from tests.model.test_hf_config import DEEPSEEK_V3
+
+    fused = cfg("model.mla_down_proj_fusion=true")
+    if not megatron_has_down_proj_fusion():
+        with pytest.raises(ConfigError, match=r"model.mla_down_proj_fusion=true needs a megatron-core .* 0.16.1"):
+            validate(fused, 1, DEEPSEEK_V3)
+        return
+    validate(fused, 1, DEEPSEEK_V3)
+    with pytest.raises(ConfigError, match=r"has no q LoRA \(q_lora_rank null, as Moonlight\)"):
+        validate(fused, 1, dict(DEEPSEEK_V3, q_lora_rank=None))
+    with pytest.raises(ConfigError, match=r"qwen3_moe has none: set model.mla_down_proj_fusion=false"):
+        validate(fused, 1, QWEN3_30B_A3B)
