@@ -213,7 +213,11 @@ def family_of(config: dict) -> Family:
 
 
 def serving_config(config: dict) -> dict:
-    """``config`` with its family's ``serving_fields`` added where it lacks them (what an export writes)."""
+    """``config`` with its family's ``serving_fields`` added where it lacks them (what an export writes); in a
+    multimodal wrapper (``WRAPPERS``), to its text model's config, which is what SGLang's language model reads."""
+    if config.get("model_type") in WRAPPERS:
+        key = WRAPPERS[config["model_type"]][0]
+        return {**config, key: serving_config(text_config(config))}
     return {**family_of(config).serving_fields, **config}
 
 
