@@ -19,6 +19,7 @@ import os
 
 import torch
 
+from tests import test_megatron_019 as megatron_019
 from tests.megatron_use import MegatronCheck
 
 pytest_plugins = ["tests.sglang_servers"]  # the session's SGLang servers (fixtures started_servers, engine, ...)
@@ -42,5 +43,14 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     """Tests that hang, kill or shut down the session's SGLang servers run after every test that needs them (in
-    their collected order)."""
-    items.sort(key=lambda item: item.get_closest_marker("destroys_server") is not None)
+    their collected order); the megatron-core 0.19 run's test waits for that run, so it comes last of all."""
+    items.sort(key=lambda item: (item.nodeid == megatron_019.NODE_ID,
+                                 item.get_closest_marker("destroys_server") is not None))
+
+
+def pytest_collection_finish(session):
+    megatron_019.start_in_background(session.items)  # it runs beside this run (tests/test_megatron_019.py)
+
+
+def pytest_sessionfinish(session):
+    megatron_019.stop_background()
