@@ -7,8 +7,9 @@ and 0.19) has no such arguments. ``LocalMLAAttention`` is that core attention wr
 convention: True where masked, [b, 1, sq, sk], as the packed-sequence path passes). ``mla_spec`` puts it into a
 decoder block spec built with the local spec, and drops the q latent norm where there is no q LoRA (0.19 refuses a
 norm it would not use; 0.16 builds none) and, on 0.19 without q LoRA, keeps ``linear_q_proj`` a plain linear under
-either spec (``MLASelfAttentionWithoutQNorm``), and with ``mla_down_proj_fusion`` gives the local spec megatron's fused
-down projection, which only megatron's TE spec builds (``down_proj_fusion_problem`` says where it cannot). Shapes: q, k [s, b, heads/TP, nope + rope], v [s, b, heads/TP, v]; out [s, b, heads/TP * v].
+either spec (``MLASelfAttentionWithoutQNorm``), and with ``mla_down_proj_fusion`` gives the local spec megatron's
+fused down projection, which only megatron's TE spec builds (``down_proj_fusion_problem`` says where it cannot).
+Shapes: q, k [s, b, heads/TP, nope + rope], v [s, b, heads/TP, v]; out [s, b, heads/TP * v].
 """
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ at a time, whichever sender it comes from.
 A bucket is consecutive tensors up to ``bucket_bytes``: one HTTP call per bucket. With ``dtype`` every floating
 tensor is cast to it but the router's correction bias, which the engine keeps fp32 (``mapping.export_dtype``): the
 names / dtypes / shapes POST carries each tensor's dtype, and SGLang's flattened bucket reads each at its byte offset,
-which must be a multiple of its dtype's size (a tensor that would sit unaligned starts the next bucket). The source produces
-bucket k+1 (the bridge's gathers) and it is packed while bucket k is on the wire, so about two buckets are alive
+which must be a multiple of its dtype's size (a tensor that would sit unaligned starts the next bucket). The source
+produces bucket k+1 (the bridge's gathers) and it is packed while bucket k is on the wire, so about two buckets are alive
 at a time (three when ``dtype`` casts). With ``flatten`` a bucket is packed into one of two reused byte buffers and
 broadcast at once (SGLang's ``flattened_bucket``): one collective per bucket, what NCCL wants; without it each
 tensor is broadcast as it is (no copy), which bench/weight_sync.py measured faster on gloo. ``flatten=None``

@@ -226,7 +226,6 @@ def convert_cases(hf_models: dict, work: Path) -> list:
     return cases
 
 
-
 def fused_checkpoint_case(megatron_dir: str, hf_dir: str, out: str, layout: Layout) -> dict:
     """megatron's fused MLA down projection reads and writes the separate layout's dist checkpoints: the converted
     (separate) checkpoint loads into a fused model, whose checkpoint loads into a separate one; after each, the

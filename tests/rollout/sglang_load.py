@@ -22,10 +22,11 @@ halves ``post_load_weights`` derives from ``kv_b_proj``) and ``warnings`` (what 
 from __future__ import annotations
 
 import logging
-import socket
 import sys
 
 import torch
+
+from gspo_megatron.parallel.groups import free_port
 
 
 def build_model(model_dir: str):
@@ -42,11 +43,8 @@ def build_model(model_dir: str):
                       attention_backend="torch_native", skip_tokenizer_init=True)
     publish(args, role="scheduler", ranks=SpawnRanks(world_rank=0, dp_rank=None, gpu_id=0))  # the last one wins
     if not torch.distributed.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
         init_distributed_environment(backend="gloo", world_size=1, rank=0, local_rank=0,
-                                     distributed_init_method=f"tcp://127.0.0.1:{port}")
+                                     distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
         initialize_model_parallel()
     initialize_dp_attention(server_args=args)
     model_config = ModelConfig.from_server_args(args)

@@ -10,8 +10,8 @@ def pipeline_gathered(bridge, model):
     """The bridge's export, with every pipeline stage's tensors delivered to the first stage (collective).
 
     Stage by stage: the stage's tensor names and dtypes travel first (a small object broadcast over the PP group;
-    the router's bias and torch norms are fp32 in a bf16 model), then each tensor as the stage exports it. First-stage ranks yield all of them, in stage order; other stages
-    yield nothing. Peak extra memory is one tensor.
+    the router's bias and torch norms are fp32 in a bf16 model), then each tensor as the stage exports it.
+    First-stage ranks yield all of them, in stage order; other stages yield nothing. Peak extra memory is one tensor.
     """
     from megatron.core import parallel_state as ps
 
