@@ -115,12 +115,14 @@ def context(warm: bool):
     return _warm_context
 
 
-def collect(out_dir: Path, world_size: int, exitcodes: list[int | None], timed_out: bool) -> list[Any]:
+def collect(out_dir: Path, world_size: int, exitcodes: list[int | None], timed_out: bool,
+            killed: frozenset[int] = frozenset()) -> list[Any]:
     """Each rank's result from ``out_dir``; RankFailed naming the first rank that failed (its traceback), or the
-    rank that exited or hung without one."""
+    rank that exited or hung without one. ``killed``: the ranks we stopped after a peer failed (never the cause)."""
     errors = sorted(out_dir.glob("rank*.err"), key=lambda f: f.stat().st_mtime_ns)
     died = [] if timed_out else [r for r in range(world_size)  # (the ranks of a time-out are killed by us)
-                                 if exitcodes[r] not in (None, 0) and not (out_dir / f"rank{r}.err").exists()]
+                                 if exitcodes[r] not in (None, 0) and r not in killed
+                                 and not (out_dir / f"rank{r}.err").exists()]
     if died:
         # A rank that exited without a traceback (os._exit, a signal) is the cause: its peers fail on it after.
         others = sorted(int(e.stem.removeprefix("rank")) for e in errors)
@@ -183,10 +185,11 @@ def run_on_ranks(
                     break
                 time.sleep(0.05)
         finally:
-            # A rank that failed leaves its peers blocked in a collective: stop them all.
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
+            # A rank that failed leaves its peers blocked in a collective: stop them all (and remember which, so
+            # that a peer killed before it wrote its own error is not taken for the cause).
+            killed = frozenset(r for r, p in enumerate(procs) if p.is_alive())
+            for r in killed:
+                procs[r].kill()
             for p in procs:
                 p.join()
-        return collect(Path(out_dir), world_size, [p.exitcode for p in procs], time.monotonic() > deadline)
+        return collect(Path(out_dir), world_size, [p.exitcode for p in procs], time.monotonic() > deadline, killed)

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from gspo_megatron.parallel.launch import RankFailed, run_on_ranks
+from gspo_megatron.parallel.launch import RankFailed, collect, run_on_ranks
 
 
 def _rank_and_sum():
@@ -86,3 +86,12 @@ def test_warm_ranks_report_a_failed_or_dead_rank_and_go_on(monkeypatch):
     with pytest.raises(RankFailed, match="rank 1 of 2 exited with code 3"):
         run_on_ranks(_rank_exits, 2, None, timeout=60)
     assert run_on_ranks(_rank_and_sum, 2, None) == [{"rank": r, "world": 2, "sum": 3.0} for r in range(2)]
+
+
+def test_a_peer_killed_before_it_wrote_its_error_is_not_the_cause(tmp_path):
+    """Under load the launcher can see rank 1's exit and kill rank 0 (-9) before rank 0 fails on the closed
+    connection: the rank that died on its own is named, not the one we killed (CI once named rank 0)."""
+    with pytest.raises(RankFailed, match=r"^rank 1 of 2 exited with code 3$"):
+        collect(tmp_path, 2, [-9, 3], timed_out=False, killed=frozenset({0}))
+    with pytest.raises(RankFailed, match=r"^rank 0 of 2 exited with code -9$"):  # a rank killed by something else
+        collect(tmp_path, 2, [-9, None], timed_out=False)
