@@ -19,8 +19,10 @@ import os
 
 import torch
 
-from tests import test_megatron_019 as megatron_019
+from tests import background
+from tests import test_megatron_019  # noqa: F401  (registers its background run)
 from tests.megatron_use import MegatronCheck
+from tests.soak import test_soak  # noqa: F401  (registers its background run)
 
 pytest_plugins = ["tests.sglang_servers"]  # the session's SGLang servers (fixtures started_servers, engine, ...)
 
@@ -43,14 +45,15 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     """Tests that hang, kill or shut down the session's SGLang servers run after every test that needs them (in
-    their collected order); the megatron-core 0.19 run's test waits for that run, so it comes last of all."""
-    items.sort(key=lambda item: (item.nodeid == megatron_019.NODE_ID,
+    their collected order); the tests whose command runs in the background (tests/background.py: the megatron-core
+    0.19 run, the soak) wait for it, so they come last of all."""
+    items.sort(key=lambda item: (background.is_background(item.nodeid),
                                  item.get_closest_marker("destroys_server") is not None))
 
 
 def pytest_collection_finish(session):
-    megatron_019.start_in_background(session.items)  # it runs beside this run (tests/test_megatron_019.py)
+    background.start_collected(session.items)  # they run beside this run
 
 
 def pytest_sessionfinish(session):
-    megatron_019.stop_background()
+    background.stop_all()

@@ -12,28 +12,23 @@ It fails with the tail of the output if anything fails there, or if a test skips
 in ``EXPECTED_SKIPS`` (it has no SGLang and no GPU, by design). One subprocess rather than a second pytest command
 keeps CI at the README's single test command.
 
-The run starts in the background as soon as this test is collected (tests/conftest.py), at a lower CPU priority
-(``NICE``), and this test, ordered last, waits for it: the main run spends much of its time waiting (for servers
-to start, time-outs to fire, a rank to restart), and the 0.19 run fills those gaps on the 2 cores instead of
-taking ~7 minutes after them, while the main run's own timings keep the CPU first. ``GSPO_MEGATRON_019=inline``
-runs it here instead, after everything else.
+It runs in the background (tests/background.py): started as soon as the tests are collected, at a lower CPU
+priority (``NICE``), and this test, ordered last, waits for it; ``GSPO_BACKGROUND=inline`` runs it here instead.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import shutil
-import signal
 import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 import pytest
 
 from patches.megatron_cpu import TESTED_MEGATRON_VERSIONS
+from tests import background
+from tests.background import BackgroundRun
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV312 = Path(os.environ.get("VENV312", ROOT / ".venv312"))  # as tools/install.sh
@@ -58,59 +53,21 @@ def _python312() -> Path:
     return python
 
 
-class Run019:
-    """The 0.19 pytest run as a child process: its output goes to a file in its own temporary directory."""
-
-    def __init__(self, python: Path, nice: int):
-        self.work = Path(tempfile.mkdtemp(prefix="gspo_megatron_019_"))
-        self.log = self.work / "output.txt"
-        # No CI variable there: the SGLang tests skip (this environment has none) instead of failing.
-        env = {k: v for k, v in os.environ.items() if k not in ("CI", "PYTHONPATH", "VIRTUAL_ENV")}
-        self.command = [str(python), "-m", "pytest", "-p", "no:cacheprovider", f"--basetemp={self.work / 'run'}",
-                        "-q", "-rs", "-m", SELECTION, "tests", f"--deselect={NODE_ID}"]
-        if os.environ.get("GSPO_DURATIONS"):
-            self.command.append(f"--durations={os.environ['GSPO_DURATIONS']}")
-        with open(self.log, "w") as out:  # a file, not a pipe: nobody reads it until the end
-            self.proc = subprocess.Popen(["nice", "-n", str(nice), *self.command] if nice else self.command,
-                                         cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                         process_group=0)  # stop() ends its ranks and servers with it
-        self.started = time.monotonic()
-
-    def wait(self) -> tuple[int | None, str]:
-        """(exit status, output); status None if it ran past TIMEOUT_S (it is then stopped)."""
-        left = TIMEOUT_S - (time.monotonic() - self.started)
-        try:
-            status = self.proc.wait(timeout=max(left, 1))
-        except subprocess.TimeoutExpired:
-            self.stop()
-            status = None
-        return status, self.log.read_text(errors="replace")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-
-    def remove(self) -> None:
-        shutil.rmtree(self.work, ignore_errors=True)
+def _start(nice: int) -> BackgroundRun | None:
+    """The 0.19 pytest run as a child process (None where this is that run, or without .venv312: the test says why)."""
+    python = VENV312 / "bin" / "python"
+    if sys.version_info >= (3, 12) or not python.exists():
+        return None
+    # No CI variable there: the SGLang tests skip (this environment has none) instead of failing.
+    env = {k: v for k, v in os.environ.items() if k not in ("CI", "PYTHONPATH", "VIRTUAL_ENV")}
+    command = [str(python), "-m", "pytest", "-p", "no:cacheprovider", "--basetemp={work}/run",
+               "-q", "-rs", "-m", SELECTION, "tests", f"--deselect={NODE_ID}"]
+    if os.environ.get("GSPO_DURATIONS"):
+        command.append(f"--durations={os.environ['GSPO_DURATIONS']}")
+    return BackgroundRun("megatron-core 0.19", command, env, nice, TIMEOUT_S)
 
 
-_background: Run019 | None = None
-
-
-def start_in_background(items) -> None:
-    """tests/conftest.py, once the session's tests are known: start the 0.19 run now if this test is among them."""
-    global _background
-    if os.environ.get("GSPO_MEGATRON_019", "background") == "inline" or sys.version_info >= (3, 12):
-        return
-    if any(item.nodeid == NODE_ID for item in items) and (VENV312 / "bin" / "python").exists():
-        _background = Run019(VENV312 / "bin" / "python", NICE)
-
-
-def stop_background() -> None:
-    """tests/conftest.py at the session's end: a run this test never waited for (``-x``, Ctrl-C) is stopped."""
-    if _background is not None:
-        _background.stop()
+background.register(NODE_ID, _start, NICE)
 
 
 def unexpected_skips(output: str) -> list[str]:
@@ -126,12 +83,9 @@ def test_megatron_side_tests_pass_on_megatron_core_019(capsys):
                              capture_output=True, text=True, check=True).stdout.strip()
     assert version.startswith("0.19.") and version in TESTED_MEGATRON_VERSIONS, (
         f"{VENV312} has megatron-core {version}, not the tested 0.19 release: rerun `bash tools/install.sh`")
-    run = _background or Run019(python, nice=0)
-    if run.proc.poll() is None:
-        with capsys.disabled():
-            print(f"\n[megatron-core {version}] waiting for its run, started {time.monotonic() - run.started:.0f} s "
-                  f"ago (output: {run.log})", flush=True)
-    status, output = run.wait()
+    run = background.take(NODE_ID) or _start(nice=0)
+    with capsys.disabled():
+        status, output = run.wait(say=lambda line: print("\n" + line, flush=True))
     command = " ".join(run.command[2:])
     if status is None:
         pytest.fail(f"the megatron-core {version} run took over {TIMEOUT_S} s; its output ends:\n{output[-6000:]}",
@@ -145,7 +99,7 @@ def test_megatron_side_tests_pass_on_megatron_core_019(capsys):
         "\n".join(surprises)
     with capsys.disabled():
         print(f"\n[megatron-core {version}, Python 3.12, -m '{SELECTION}', "
-              f"{time.monotonic() - run.started:.0f} s from its start] {summary}")
+              f"started {run.elapsed():.0f} s before this line] {summary}")
         if os.environ.get("GSPO_DURATIONS"):
             print(output[output.find("slowest"):][:6000])
     run.remove()
