@@ -12,11 +12,11 @@ Conversion (``convert``), SGLang weight sync (``rollout``) and the local engine 
     Megatron -> HF, for weight sync and conversion. Call it on **every rank** of the model (it all-gathers
     over the TP, expert-TP and EP groups, so all ranks must iterate it to the end, in step). Each rank gets
     full, HF-shaped tensors (TP/EP gathered, vocabulary padding removed) on the parameters' device, in
-    ``dtype`` if given (but the router's correction bias, which stays fp32: ``mapping.export_dtype``), else in each
-    parameter's dtype (megatron's torch norms stay fp32 in a bf16 model: pass ``dtype`` to get the engine's
-    dtype). Under pipeline parallelism each stage yields its own layers (global HF layer indices), the first stage the embedding, the last stage the final norm and
-    ``lm_head`` (not for tied embeddings: their one copy comes from the first stage); data-parallel replicas
-    yield the same tensors.
+    ``dtype`` if given (but the router's correction bias, which stays fp32: ``mapping.export_dtype``), else in
+    each parameter's dtype (megatron's torch norms stay fp32 in a bf16 model: pass ``dtype`` to get the engine's
+    dtype). Under pipeline parallelism each stage yields its own layers (global HF layer indices), the first
+    stage the embedding, the last stage the final norm and ``lm_head`` (not for tied embeddings: their one copy
+    comes from the first stage); data-parallel replicas yield the same tensors.
     Order: embedding, then layer by layer (within a MoE layer, experts in (local index, EP rank) order),
     then the head. Tensors may be views of live parameters: copy before modifying or keeping across an
     optimizer step. ``rollout.weight_sync.buckets`` groups the stream for bucketed transfer.

@@ -278,12 +278,19 @@ def run_phases(hf_dir: str) -> dict:
         if layout_name == "pp2":  # every stage's tensors reach rank 0 (the local engine's and disk sync's path)
             names = [n for n, _ in pipeline.pipeline_gathered(policy.bridge, policy.model)]
             results["pp2/gathered"] = (sorted(names), sorted(policy.bridge.hf_tensor_shapes()))
+            # In bf16 a stage holds fp32 tensors too (megatron's torch norms): each must arrive in its own dtype.
+            RouterReplay.clear_global_router_replay_instances()
+            bf16 = build_policy(load_config(None, BASE + layout_overrides + [f"model.hf_dir={hf_dir}",
+                                                                               "model.dtype=bfloat16"]), hf_dir)
+            own = {n: t.clone() for n, t in bf16.bridge.export_hf_weights(bf16.model)}
+            results["pp2/bf16"] = (own, {n: t.clone() for n, t in pipeline.pipeline_gathered(bf16.bridge, bf16.model)})
     return results
 
 
 @pytest.mark.megatron  # builds a Megatron model
 def test_token_budget_micro_batches_equal_padded(moe_then_dense_dir):
-    for rank, results in enumerate(run_on_ranks(run_phases, 2, None, moe_then_dense_dir)):
+    run = run_on_ranks(run_phases, 2, None, moe_then_dense_dir)
+    for rank, results in enumerate(run):
         for layout_name in PHASE_LAYOUTS:
             for algo_name in ALGOS:
                 ref = results[f"{layout_name}/{algo_name}/padded"]
@@ -315,3 +322,9 @@ def test_token_budget_micro_batches_equal_padded(moe_then_dense_dir):
         if rank == 0:
             names, expected = results["pp2/gathered"]
             assert names == expected, (set(expected) - set(names), set(names) - set(expected))
+    # bf16 under PP2: rank 0 gathers every stage's tensors bit for bit, each in the dtype its stage exports it in
+    (first_stage, gathered), (last_stage, _) = (r["pp2/bf16"] for r in run)
+    assert {t.dtype for t in last_stage.values()} == {torch.bfloat16, torch.float32}  # what makes this a test
+    assert set(gathered) == set(first_stage) | set(last_stage)
+    for name, tensor in {**first_stage, **last_stage}.items():
+        assert gathered[name].dtype == tensor.dtype and torch.equal(gathered[name], tensor), name
