@@ -63,14 +63,13 @@ class BackgroundRun:
         shutil.rmtree(self.work, ignore_errors=True)
 
 
-_registered: dict[str, Callable[[int], BackgroundRun | None]] = {}  # node id -> start(nice)
-_nice: dict[str, int] = {}
+_registered: dict[str, tuple[Callable[[int], BackgroundRun | None], int]] = {}  # node id -> (start, nice)
 _running: dict[str, BackgroundRun] = {}
 
 
 def register(node_id: str, start: Callable[[int], BackgroundRun | None], nice: int) -> None:
     """``start(nice)`` launches the command of the test ``node_id`` (None: it cannot run here; its test says why)."""
-    _registered[node_id], _nice[node_id] = start, nice
+    _registered[node_id] = (start, nice)
 
 
 def is_background(node_id: str) -> bool:
@@ -86,9 +85,9 @@ def start_collected(items) -> None:
     if inline():
         return
     collected = {item.nodeid for item in items}
-    for node_id, start in _registered.items():
+    for node_id, (start, nice) in _registered.items():
         if node_id in collected and node_id not in _running:
-            run = start(_nice[node_id])
+            run = start(nice)
             if run is not None:
                 _running[node_id] = run
 

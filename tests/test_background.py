@@ -22,7 +22,7 @@ class _Item:
 
 
 def test_collected_commands_start_are_taken_once_and_the_rest_are_stopped(monkeypatch):
-    monkeypatch.setattr(background, "_registered", {}), monkeypatch.setattr(background, "_nice", {})
+    monkeypatch.setattr(background, "_registered", {})
     monkeypatch.setattr(background, "_running", {})
     monkeypatch.delenv("GSPO_BACKGROUND", raising=False)
     background.register("a::taken", lambda nice: BackgroundRun("a", [sys.executable, "-c", "print('{work}')"], None,
@@ -54,7 +54,7 @@ def test_collected_commands_start_are_taken_once_and_the_rest_are_stopped(monkey
 
 
 def test_inline_starts_nothing(monkeypatch):
-    monkeypatch.setattr(background, "_registered", {}), monkeypatch.setattr(background, "_nice", {})
+    monkeypatch.setattr(background, "_registered", {})
     monkeypatch.setattr(background, "_running", {})
     monkeypatch.setenv("GSPO_BACKGROUND", "inline")
     background.register("a::t", lambda nice: BackgroundRun("a", SLEEPER, None, nice, 60), nice=0)
