@@ -154,15 +154,20 @@ def main(argv: list[str] | None = None) -> int:
     from gspo_megatron.environment import EnvironmentMismatch
     from gspo_megatron.train.startup.config import ConfigError
 
+    from gspo_megatron.parallel import groups
+
     try:
         if args.command == "score":
             from gspo_megatron import score
 
-            return score.run(args)
-        return _train(args) if args.command == "train" else _plan(args)
+            status = score.run(args)
+        else:
+            status = _train(args) if args.command == "train" else _plan(args)
     except (ConfigError, EnvironmentMismatch) as error:
         print(f"gspo-megatron {args.command}: {error}", file=sys.stderr)
-        return 2
+        status = 2
+    groups.destroy()  # before the interpreter's exit, which may abort a rank holding gloo groups (groups.destroy)
+    return status
 
 
 if __name__ == "__main__":

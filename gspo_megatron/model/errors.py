@@ -28,9 +28,13 @@ def exit_status(tool: str, convert) -> int:
     or path (UnsupportedModel, LayoutError and MappingError are ValueErrors), instead of a traceback."""
     import sys
 
+    from gspo_megatron.parallel import groups
+
     try:
         convert()
+        status = 0
     except (ValueError, FileExistsError, FileNotFoundError) as e:
         print(f"{tool}: error: {e}", file=sys.stderr)
-        return 2
-    return 0
+        status = 2
+    groups.destroy()  # before the interpreter's exit, which may abort a rank holding gloo groups (groups.destroy)
+    return status

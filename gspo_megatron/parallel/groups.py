@@ -205,9 +205,15 @@ def init_model_parallel(layout: Layout, seed: int = 1234, timeout_s: float | Non
 
 
 def destroy() -> None:
-    from megatron.core import parallel_state
+    """Tear down Megatron's groups and every torch.distributed group (local, no collective).
 
-    if parallel_state.model_parallel_is_initialized():
+    A command that ran collectives calls it before it returns: a gloo group left to the interpreter's exit has its
+    worker threads destroyed during finalization, which can abort a rank that finished its work ("terminate called
+    without an active exception", SIGABRT; pytorch/pytorch#190489), as one of four colocated ranks did in CI."""
+    import sys
+
+    parallel_state = sys.modules.get("megatron.core.parallel_state")  # not imported: no megatron groups to drop
+    if parallel_state is not None and parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
