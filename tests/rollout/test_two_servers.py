@@ -15,7 +15,10 @@ and holds one back for HOLD_S: at server 0 the second stage's first bucket, at s
 makes stages sending at once take opposite orders. On NCCL (a ring broadcast: each receiver forwards to the next)
 that is the deadlock, until ``weight_sync.timeout_s``; gloo's broadcast sends from the root to each receiver
 directly, so here it finishes, with the orders crossed (measured with the stages unordered: server 0 took
-0, 1, 0, 1, ..., server 1 1, 0, 0, 1, ...): the test checks the order. The stages send one after another, so both servers must see every bucket of stage 0, then
+0, 1, 0, 1, ..., server 1 1, 0, 0, 1, ...): the test checks the order. Forming the groups has the same hazard
+on every backend (a server joins one group at a time; two senders forming theirs at once were joined in opposite
+orders by the two servers in CI, each waiting in one group for the other until the time-out): the proxies hold
+back server 0's first join and server 1's second, and both servers must join stage 0's group, then stage 1's. The stages send one after another, so both servers must see every bucket of stage 0, then
 every bucket of stage 1, the same sequence; the update finishes and both servers serve the trainer's weights:
 SGLang's log-probs equal the trainer's (<= 1e-3 per token, fp32; ~1e-6 measured) on every rank, from both servers.
 """
@@ -58,12 +61,20 @@ def two_servers(tiny_model_dir, tmp_path_factory):
             server.shutdown()
 
 
-def _recording(server: int, order: list):
+def _recording(server: int, order: list, joins: list):
     """``on_request`` for server ``server``'s proxy: records each update call's group, holding back the first call of
-    stage 1 - server (rank 0's sender is stage 0, its group has no ``_r<rank>`` tag)."""
+    stage 1 - server (rank 0's sender is stage 0, its group has no ``_r<rank>`` tag), and the order in which it is
+    asked to join the senders' groups, holding back stage ``server``'s: senders forming their groups at once would
+    have the two servers join them in opposite orders, each then waiting in one group for the other."""
     held = []
 
     def on_request(path, body):
+        if path == "/init_weights_update_group":
+            stage = 1 if "_r" in json.loads(body)["group_name"] else 0
+            if stage == server:
+                time.sleep(HOLD_S)
+            joins.append(stage)
+            return
         if path != "/update_weights_from_distributed":
             return
         group = json.loads(body)["group_name"]
@@ -80,12 +91,13 @@ def _recording(server: int, order: list):
 def test_two_stage_senders_update_two_servers_in_one_order(two_servers, tiny_model_dir, record_property):
     _, urls = two_servers
     sync = dict(bucket_bytes=4096, timeout_s=SYNC_TIMEOUT_S)
-    orders = [[], []]
-    with FailingProxy(urls[0], fail_paths=(), on_request=_recording(0, orders[0])) as p0, \
-            FailingProxy(urls[1], fail_paths=(), on_request=_recording(1, orders[1])) as p1:
+    orders, joins = [[], []], [[], []]
+    with FailingProxy(urls[0], fail_paths=(), on_request=_recording(0, orders[0], joins[0])) as p0, \
+            FailingProxy(urls[1], fail_paths=(), on_request=_recording(1, orders[1], joins[1])) as p1:
         results = run_on_ranks(stage_senders_sync, 2, Layout(pipeline=2), str(tiny_model_dir), [p0.url, p1.url],
                                "pp2-two-servers", sync, timeout=600)
-    print(f"update calls by stage, per server: {orders}")
+    print(f"update calls by stage, per server: {orders}; groups joined: {joins}")
+    assert joins == [[0, 1], [0, 1]], joins  # the groups formed one after another, in stage order, on both
     assert orders[0] == orders[1] == sorted(orders[0]), orders  # one order, stage by stage, on both servers
     assert 0 < orders[0].count(0) < len(orders[0]), orders  # both stages sent
     metrics = results[0]["sync"]

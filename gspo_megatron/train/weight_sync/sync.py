@@ -90,24 +90,31 @@ def _sync_from_stage_senders(policy, engine, version, target) -> dict | None:
 
     rank0 = dist.get_rank() == 0
     start = time.perf_counter()
+    stages, my_stage = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
+    if rank0:
+        assert is_stage_sender() and my_stage == 0, "global rank 0 must be the first pipeline stage's sender"
     sender, problem = None, None
-    try:
-        if rank0:
-            assert is_stage_sender(), "global rank 0 must be the first pipeline stage's sender"
-            sender = engine.begin_distributed_update(str(version))
-            if isinstance(version, int):
-                fault_injection.at("weight_sync", version, engine)  # the soak run's schedule (GSPO_FAULTS)
-        elif is_stage_sender():
-            sender = _stage_sender(target)  # formed with the servers on first use (rank 0 opens the update meanwhile)
-    except (RolloutError, RuntimeError, OSError) as e:  # a server gone: its group or its update cannot start
-        problem = f"rank {dist.get_rank()}: {type(e).__name__}: {e}"
-    control.barrier()  # the update is open on every server before any sender sends
+    # Each sender joins its group with the servers (on first use) one stage after another, rank 0 as it opens the
+    # update: a server joins one group at a time, so two senders forming theirs at once could be joined in opposite
+    # orders by two servers, each then waiting in one group's rendezvous for the other (seen in CI, PP2 with two
+    # servers: "2/3 clients joined" in both groups until weight_sync.timeout_s).
+    for stage in range(stages):
+        if stage == my_stage and is_stage_sender():
+            try:
+                if rank0:
+                    sender = engine.begin_distributed_update(str(version))
+                    if isinstance(version, int):
+                        fault_injection.at("weight_sync", version, engine)  # the soak run's schedule (GSPO_FAULTS)
+                else:
+                    sender = _stage_sender(target)
+            except (RolloutError, RuntimeError, OSError) as e:  # a server gone: its group or its update cannot start
+                problem = f"rank {dist.get_rank()}: {type(e).__name__}: {e}"
+        control.barrier()  # this stage's group formed (and, after stage 0, the update open) before the next
     begun = time.perf_counter()
     sent = None
     # Stage by stage, so that every server receives the buckets in one order: a server takes one update call at a
     # time and broadcasts on that call's group, so two stages sending at once could be taken in opposite orders by
     # two servers, each then waiting in one stage's broadcast for the other (until weight_sync.timeout_s).
-    stages, my_stage = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
     failed = False  # some rank failed in an earlier stage: the update is sent again anyway, later stages skip it
     for stage in range(stages):
         if stage == my_stage:
