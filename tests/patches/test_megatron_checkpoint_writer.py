@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
+
+from tests.processes import still_running
 
 ROOT = Path(__file__).resolve().parents[2]
 RANK = """
@@ -34,10 +35,6 @@ def test_the_writer_queue_process_dies_with_a_killed_rank():
         assert psutil.Process(manager).ppid() == rank.pid
         rank.kill()  # SIGKILL: no atexit, no finalizer
         rank.wait()
-        deadline = time.monotonic() + 20
-        while psutil.pid_exists(manager) and psutil.Process(manager).status() != psutil.STATUS_ZOMBIE \
-                and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not psutil.pid_exists(manager) or psutil.Process(manager).status() == psutil.STATUS_ZOMBIE
+        assert not still_running([manager], seconds=20)
     finally:
         rank.kill()

@@ -18,6 +18,8 @@ from gspo_megatron.parallel.groups import free_port
 from gspo_megatron.rollout import (RequestFailed, SamplingParams, ServerDied, ServerUnresponsive, SGLangConfig,
                                    SGLangEngine)
 
+from tests.processes import still_running
+
 from .helpers import prompts
 from .proxy import FailingProxy
 
@@ -124,9 +126,5 @@ def test_ctrl_c_shuts_the_servers_down(started_servers):
             finally:
                 ended.set()
     presser.join()
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
-                                              for p in tree):
-        time.sleep(0.1)
-    alive = [p for p in tree if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+    alive = still_running(tree, seconds=10)
     assert not alive, f"processes of the interrupted engine's server still running: {alive}"

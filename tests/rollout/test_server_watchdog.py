@@ -15,6 +15,7 @@ import psutil
 
 from gspo_megatron.rollout import server_watchdog
 from gspo_megatron.rollout.server import ServerProcess
+from tests.processes import running
 
 SLEEPER = [sys.executable, "-c", "import subprocess, sys, time; "
            "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); time.sleep(600)"]
@@ -53,8 +54,7 @@ def test_the_watchdog_stops_kept_servers_when_the_agent_is_gone(tmp_path):
         agent.kill()
         agent.wait()
         assert watchdog.wait(timeout=30) == 0
-        assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-                       for group in groups for pid in group), "a server or its child survived"
+        assert not [pid for group in groups for pid in group if running(pid)], "a server or its child survived"
         assert "agent" in (tmp_path / "watchdog.log").read_text()
     finally:
         for s in servers:

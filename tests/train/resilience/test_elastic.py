@@ -26,6 +26,7 @@ import torch
 from gspo_megatron.parallel.launch import run_on_ranks
 from gspo_megatron.rollout.server_watchdog import running
 from gspo_megatron.train.records.metrics_log import read_metrics
+from tests.processes import running as process_running
 from tests.rollout.helpers import require_sglang
 from tests.train.saved import final_weights
 from tests.train.torchrun_runs import ROOT, STEPS, env, logged_steps, rank_process, two_ranks
@@ -81,9 +82,7 @@ def _gone(record: dict, seconds: float = 30.0) -> bool:
     """The recorded server(s) and their watchdog no longer run (within ``seconds``)."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        watchdog = psutil.pid_exists(record["watchdog"]) and \
-            psutil.Process(record["watchdog"]).status() != psutil.STATUS_ZOMBIE
-        if not watchdog and not any(running(s["pid"], s["started"]) for s in record["servers"]):
+        if not process_running(record["watchdog"]) and not any(running(s["pid"], s["started"]) for s in record["servers"]):
             return True
         time.sleep(0.2)
     return False
