@@ -18,8 +18,9 @@ directly, so here it finishes, with the orders crossed (measured with the stages
 0, 1, 0, 1, ..., server 1 1, 0, 0, 1, ...): the test checks the order. Forming the groups has the same hazard
 on every backend (a server joins one group at a time; two senders forming theirs at once were joined in opposite
 orders by the two servers in CI, each waiting in one group for the other until the time-out): the proxies hold
-back server 0's first join and server 1's second, and both servers must join stage 0's group, then stage 1's. The stages send one after another, so both servers must see every bucket of stage 0, then
-every bucket of stage 1, the same sequence; the update finishes and both servers serve the trainer's weights:
+back server 0's first join and server 1's second, and both servers must join stage 0's group, then stage 1's.
+The stages send one after another, so both servers must see every bucket of stage 0, then every bucket of
+stage 1, the same sequence; the update finishes and both servers serve the trainer's weights:
 SGLang's log-probs equal the trainer's (<= 1e-3 per token, fp32; ~1e-6 measured) on every rank, from both servers.
 """
 

@@ -82,7 +82,8 @@ def _gone(record: dict, seconds: float = 30.0) -> bool:
     """The recorded server(s) and their watchdog no longer run (within ``seconds``)."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        if not process_running(record["watchdog"]) and not any(running(s["pid"], s["started"]) for s in record["servers"]):
+        servers = any(running(s["pid"], s["started"]) for s in record["servers"])
+        if not process_running(record["watchdog"]) and not servers:
             return True
         time.sleep(0.2)
     return False
