@@ -144,6 +144,7 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None,
     """
     if dist.is_initialized():
         control.init(control_timeout_s)
+        _wait_for_every_rank_to_join()
         return
     check_torch_fits_machine()
     os.environ.setdefault("RANK", "0")
@@ -158,6 +159,7 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None,
     timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
     dist.init_process_group(backend=backend, timeout=timeout, **_attempt_store(timeout))
     control.init(control_timeout_s)
+    _wait_for_every_rank_to_join()
 
 
 def _attempt_store(timeout: timedelta | None) -> dict:
@@ -202,6 +204,17 @@ def init_model_parallel(layout: Layout, seed: int = 1234, timeout_s: float | Non
         **({} if timeout_s is None else {"distributed_timeout_minutes": timeout_s / 60}),
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    _wait_for_every_rank_to_join()
+
+
+def _wait_for_every_rank_to_join() -> None:
+    """Return from creating groups only once every rank has created its own.
+
+    A gloo group's creation ends in a handshake with each peer. A rank that returned early and then tore its groups
+    down at once (a job with no collective of its own, a command refusing its input) closed connections that a
+    slower peer was still completing, which failed there: "Gloo connectFullMesh failed ... Connection closed by
+    peer" (seen in CI)."""
+    control.barrier()
 
 
 def destroy() -> None:

@@ -95,3 +95,46 @@ def test_a_peer_killed_before_it_wrote_its_error_is_not_the_cause(tmp_path):
         collect(tmp_path, 2, [-9, 3], timed_out=False, killed=frozenset({0}))
     with pytest.raises(RankFailed, match=r"^rank 0 of 2 exited with code -9$"):  # a rank killed by something else
         collect(tmp_path, 2, [-9, None], timed_out=False)
+
+
+def _groups_made_again_with_rank1_slow():
+    """Tear the call's groups down, then make them again with rank 1 slow to finish each step: when does each rank
+    come back from making them?"""
+    from megatron.core import parallel_state
+
+    from gspo_megatron.parallel import control, groups
+    from gspo_megatron.parallel.groups import Layout, free_port
+
+    rank = torch.distributed.get_rank()
+    port = control.broadcast_from_rank0(free_port())
+    groups.destroy()
+    os.environ["MASTER_PORT"] = str(port)
+    finished = {}
+
+    def slow_on_rank1(step, name):
+        def wrapped(*args, **kwargs):
+            out = step(*args, **kwargs)
+            if rank == 1:
+                time.sleep(1.5)  # its handshakes still going on
+            finished[name] = time.monotonic()  # (system-wide on Linux: comparable between the ranks)
+            return out
+        return wrapped
+
+    control.init = slow_on_rank1(control.init, "control")
+    parallel_state.initialize_model_parallel = slow_on_rank1(parallel_state.initialize_model_parallel, "megatron")
+    groups.init_distributed()
+    returned = {"control": time.monotonic()}
+    groups.init_model_parallel(Layout(tensor=2))
+    returned["megatron"] = time.monotonic()
+    return finished, returned
+
+
+def test_no_rank_returns_with_its_groups_before_every_rank_has_made_them(monkeypatch):
+    """A rank back from making its groups may tear them down at once (a job with no collective, a refused input):
+    had a peer not finished its own, its gloo handshake failed ("connectFullMesh failed ... Connection closed by
+    peer", CI). So each rank returns from init_distributed and init_model_parallel only after rank 1, slow on
+    purpose, has finished making them."""
+    monkeypatch.setenv("GSPO_RANK_WORKERS", "warm")
+    (_, rank0_returned), (rank1_finished, _) = run_on_ranks(_groups_made_again_with_rank1_slow, 2, None)
+    for step in ("control", "megatron"):
+        assert rank0_returned[step] >= rank1_finished[step], step
