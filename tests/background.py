@@ -25,15 +25,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 class BackgroundRun:
-    """A command as a child process in its own temporary directory (``work``; ``{work}`` in the command or in an
-    environment variable's value names it), its output going to a file there."""
+    """A command as a child process in its own temporary directory (``work``; ``{work}`` in the command names it),
+    its output going to a file there."""
 
     def __init__(self, name: str, command: list[str], env: dict[str, str] | None, nice: int, timeout_s: float):
         self.name, self.timeout_s = name, timeout_s
         self.work = Path(tempfile.mkdtemp(prefix="gspo_background_"))
         self.log = self.work / "output.txt"
         self.command = command = [part.replace("{work}", str(self.work)) for part in command]
-        self.env = env = None if env is None else {k: v.replace("{work}", str(self.work)) for k, v in env.items()}
         with open(self.log, "w") as out:  # a file, not a pipe: nobody reads it until the end
             self.proc = subprocess.Popen(["nice", "-n", str(nice), *command] if nice else command, cwd=ROOT,
                                          env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

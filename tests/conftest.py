@@ -2,8 +2,6 @@
 
 - tests/gpu runs in its CPU mode (``GSPO_GPU_TESTS_ON_CPU=1``) on a machine without CUDA.
 - The session's SGLang servers: ``tests/sglang_servers.py`` (tests that destroy them run last).
-- ``@pytest.mark.beside``: an end-to-end test of its own child processes runs in a second session beside this one
-  (``tests/beside.py``); the megatron-core 0.19 run and the soak run beside it too (``tests/background.py``).
 - ``run_on_ranks`` uses warm workers here (``GSPO_RANK_WORKERS=warm``, see ``gspo_megatron.parallel.launch``):
   ~100 multi-rank launches would otherwise pay ~8 s of start-up each. ``GSPO_RANK_WORKERS=fresh`` in the
   environment restores fresh processes for every call.
@@ -19,10 +17,9 @@ from __future__ import annotations
 
 import os
 
-import pytest
 import torch
 
-from tests import background, beside
+from tests import background
 from tests import test_megatron_019  # noqa: F401  (registers its background run)
 from tests.megatron_use import MegatronCheck
 from tests.soak import test_soak  # noqa: F401  (registers its background run)
@@ -44,17 +41,12 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "triton: runs Triton kernels (runs again under the 0.19 environment's own Triton)")
     config.addinivalue_line("markers", "destroys_server: hangs or stops the session's SGLang server; runs last")
-    config.addinivalue_line("markers", "beside: an end-to-end test of its own child processes; runs in a second "
-                            "session beside this one (tests/beside.py)")
 
 
-@pytest.hookimpl(trylast=True)  # after -m / -k have deselected: only the selected tests go beside
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``beside`` run in the side session (tests/beside.py). Tests that hang, kill or shut down the
-    session's SGLang servers run after every test that needs them (in their collected order); the tests whose
-    command runs in the background (tests/background.py: the megatron-core 0.19 run, the soak, the side session)
-    wait for it, so they come last of all."""
-    items[:] = beside.replace_marked(items)
+    """Tests that hang, kill or shut down the session's SGLang servers run after every test that needs them (in
+    their collected order); the tests whose command runs in the background (tests/background.py: the megatron-core
+    0.19 run, the soak) wait for it, so they come last of all."""
     items.sort(key=lambda item: (background.is_background(item.nodeid),
                                  item.get_closest_marker("destroys_server") is not None))
 

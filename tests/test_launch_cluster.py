@@ -48,7 +48,6 @@ def _stop(process: subprocess.Popen) -> None:
     process.wait(timeout=30)
 
 
-@pytest.mark.beside  # three launched "nodes" only: in the side session (tests/beside.py)
 def test_two_training_nodes_and_a_rollout_node(tmp_path):
     require_sglang()
     from gspo_megatron.rollout.synthetic import save_tiny_model

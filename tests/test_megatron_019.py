@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 VENV312 = Path(os.environ.get("VENV312", ROOT / ".venv312"))  # as tools/install.sh
 SELECTION = "megatron or triton"
 TIMEOUT_S = 45 * 60  # from its start, which overlaps the main run
-NICE = 15  # the main run and the side session first (their tests time servers and collectives): it only has to end
+NICE = 10  # the main run first: its tests time servers and collectives; this one only has to end
 NODE_ID = "tests/test_megatron_019.py::test_megatron_side_tests_pass_on_megatron_core_019"
 # Why a selected test may skip in this environment: no SGLang (tests/rollout/helpers.require_sglang) and no GPU.
 EXPECTED_SKIPS = ("sglang is not installed", "needs CUDA", "auto picks the kernels for CUDA inputs only",
@@ -60,7 +60,6 @@ def _start(nice: int) -> BackgroundRun | None:
         return None
     # No CI variable there: the SGLang tests skip (this environment has none) instead of failing.
     env = {k: v for k, v in os.environ.items() if k not in ("CI", "PYTHONPATH", "VIRTUAL_ENV")}
-    env["GSPO_BACKGROUND"] = "inline"  # its tests run in it, none in a run beside it (tests/beside.py)
     command = [str(python), "-m", "pytest", "-p", "no:cacheprovider", "--basetemp={work}/run",
                "-q", "-rs", "-m", SELECTION, "tests", f"--deselect={NODE_ID}"]
     if os.environ.get("GSPO_DURATIONS"):

@@ -24,8 +24,7 @@ from gspo_megatron.rollout.synthetic import char_tokenizer
 from tests import warm_cli
 from tests.rollout.helpers import require_sglang
 
-pytestmark = [pytest.mark.megatron,  # trains the Megatron policy through the CLI
-              pytest.mark.beside]  # its runs and their servers only: in the side session (tests/beside.py)
+pytestmark = pytest.mark.megatron  # trains the Megatron policy through the CLI
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "examples/tool_use_cpu.yaml"

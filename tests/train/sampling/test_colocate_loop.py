@@ -24,7 +24,6 @@ ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.mark.megatron  # trains the Megatron policy through the CLI
-@pytest.mark.beside  # its runs and their colocated servers only: in the side session (tests/beside.py)
 def test_colocated_loop_syncs_by_tensor_and_matches_the_trainer(tmp_path):
     require_sglang()
     cmd = [sys.executable, "-m", "gspo_megatron.cli", "train", str(ROOT / "examples/tiny_moe_cpu.yaml"),
@@ -209,7 +208,6 @@ def test_plan_gives_both_sides_peaks_and_refuses_naming_the_knob():
 
 
 @pytest.mark.megatron  # trains the Megatron policy under torchrun
-@pytest.mark.beside  # its runs and their colocated servers only: in the side session (tests/beside.py)
 def test_colocated_under_torchrun_tp2_ep2(tmp_path):
     """Four gloo ranks at TP=2 x EP=2 with rank 0's colocated server: the export gathers every shard, rank 0 writes
     the whole update through update_weights_from_tensor, the other ranks wait for the release in the control group.
@@ -242,7 +240,6 @@ def test_colocated_under_torchrun_tp2_ep2(tmp_path):
 
 
 @pytest.mark.megatron  # trains the Megatron policy on two ranks
-@pytest.mark.beside  # its runs and their colocated servers only: in the side session (tests/beside.py)
 def test_colocated_on_two_nodes_each_leader_syncs_its_own_server(tmp_path):
     """Two ranks, each its own node as torchrun would start them on two nodes (LOCAL_RANK 0, LOCAL_WORLD_SIZE 1,
     GROUP_RANK 0 / 1), at EP=2: each node's leader launches its own colocated CPU server; rank 0 generates on both

@@ -15,8 +15,7 @@ import pytest
 from tests import warm_cli
 from tests.rollout.helpers import require_sglang
 
-pytestmark = [pytest.mark.megatron,  # trains the Megatron policy through the CLI
-              pytest.mark.beside]  # its run and its server only: in the side session (tests/beside.py)
+pytestmark = pytest.mark.megatron  # trains the Megatron policy through the CLI
 
 ROOT = Path(__file__).resolve().parents[3]
 
