@@ -36,6 +36,9 @@ log = logging.getLogger(__name__)
 Stop = Optional[Callable[[], Optional[int]]]  # the stop signal caught so far, if any (train.preemption.requested)
 # Lines (lower case) of a server's log after which it never becomes healthy
 FATAL_LINES = ("address already in use",)
+# Restarts on a new port of a launched server whose port was taken before it bound it. Kept servers get none: their
+# URL is recorded for the next attempt before they are ready (train.resilience.elastic).
+PORT_RETRIES = 3
 
 _LIVE: set["ServerProcess"] = set()
 _LIVE_LOCK = threading.Lock()
@@ -102,17 +105,35 @@ class ServerProcess:
 
     ``keep``: the server outlives this process (no PR_SET_PDEATHSIG, no ``atexit`` stop), for ``adopt``."""
 
-    def __init__(self, cmd: list[str], env: dict[str, str], url: str, log_path: Path, name: str, keep: bool = False):
+    def __init__(self, cmd: list[str], env: dict[str, str], url: str, log_path: Path, name: str, keep: bool = False,
+                 port_retries: int = 0):
+        """``port_retries``: how often ``wait_ready`` may restart the server on a new port when its own was taken
+        (the port is picked free at launch, but SGLang binds it only after loading the model, tens of seconds later:
+        meanwhile any process on the host may take it). Only for a server whose URL nobody has read yet."""
         self.url, self.log_path, self.name, self.keep = url, log_path, name, keep
         self.cmd, self.env = list(cmd), dict(env)
-        self._log_file = open(log_path, "ab")
-        self.process = subprocess.Popen(cmd, env=env, stdout=self._log_file, stderr=subprocess.STDOUT,
+        self.port_retries = port_retries
+        self._start()
+
+    def _start(self) -> None:
+        self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0  # fatal lines: this start's
+        self._log_file = open(self.log_path, "ab")
+        self.process = subprocess.Popen(self.cmd, env=self.env, stdout=self._log_file, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, start_new_session=True,
-                                        preexec_fn=None if keep else _die_with_parent)
-        if not keep:
+                                        preexec_fn=None if self.keep else _die_with_parent)
+        if not self.keep:
             with _LIVE_LOCK:
                 _LIVE.add(self)
-        log.info("%s: started pid %d at %s, log %s", name, self.process.pid, url, log_path)
+        log.info("%s: started pid %d at %s, log %s", self.name, self.process.pid, self.url, self.log_path)
+
+    def _restart_on_a_new_port(self, fatal: str) -> None:
+        self.shutdown()
+        port = free_port()
+        self.cmd[self.cmd.index("--port") + 1] = str(port)
+        log.warning("%s: its port was taken meanwhile (%r); restarting it on port %d", self.name, fatal, port)
+        self.url = f"{self.url.rsplit(':', 1)[0]}:{port}"
+        self.port_retries -= 1
+        self._start()
 
     def record(self) -> dict:
         """What ``adopt`` needs, JSON-serialisable (the start time tells this process from a later one that got
@@ -129,7 +150,7 @@ class ServerProcess:
         server = cls.__new__(cls)
         server.url, server.log_path, server.name, server.keep = record["url"], Path(record["log"]), record["name"], True
         server.cmd, server.env = list(record["cmd"]), dict(record["env"])  # to relaunch it if it dies
-        server._log_file, server.process = None, process
+        server._log_file, server.process, server._log_offset, server.port_retries = None, process, 0, 0
         log.info("%s: adopted pid %d at %s", server.name, process.pid, server.url)
         return server
 
@@ -166,6 +187,7 @@ class ServerProcess:
         """The first line of the log that says the server cannot start (``FATAL_LINES``), or None."""
         try:
             with open(self.log_path, errors="replace") as f:
+                f.seek(self._log_offset)  # a relaunch appends to the log of the start before
                 for line in f:
                     if any(pattern in line.lower() for pattern in FATAL_LINES):
                         return line.strip()
@@ -190,6 +212,10 @@ class ServerProcess:
             if not self.alive():
                 raise ServerStartError(f"SGLang server did not start: {self.describe_exit()}")
             fatal = self.fatal_line()
+            if fatal is not None and "address already in use" in fatal.lower() and self.port_retries > 0:
+                self._restart_on_a_new_port(fatal)
+                client = HttpClient(self.url, RetryPolicy(max_retries=0), timeout=10.0)
+                continue
             if fatal is not None:
                 self.shutdown()
                 raise ServerStartError(f"{self.name} at {self.url} cannot start (shut down): {fatal!r} in "
@@ -294,7 +320,8 @@ def start_servers(config: SGLangConfig, keep: bool = False) -> list[ServerProces
             port = free_port()
             url = f"http://{config.host}:{port}"
             servers.append(ServerProcess(launch_command(config, port, gpus), server_env(config, gpus), url,
-                                         log_dir / f"sglang_server_{i}.log", name=f"sglang server {i}", keep=keep))
+                                         log_dir / f"sglang_server_{i}.log", name=f"sglang server {i}", keep=keep,
+                                         port_retries=0 if keep else PORT_RETRIES))
     except BaseException:
         for server in servers:
             server.shutdown()

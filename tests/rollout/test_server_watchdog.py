@@ -112,6 +112,59 @@ def test_a_start_that_cannot_succeed_stops_at_its_fatal_line_and_a_wait_says_wha
         silent.shutdown()
 
 
+# Binds --port as SGLang's HTTP server does (uvicorn's line if taken, then lingers), then answers every GET with 200.
+BINDER = [sys.executable, "-c", """
+import http.server, sys, time
+port = int(sys.argv[sys.argv.index("--port") + 1])
+try:
+    server = http.server.HTTPServer(("127.0.0.1", port), http.server.BaseHTTPRequestHandler)
+except OSError as e:
+    print(f"ERROR:    [Errno {e.errno}] error while attempting to bind on address ('127.0.0.1', {port}): "
+          f"{e.strerror.lower()}", flush=True)
+    time.sleep(600)
+class Ok(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.send_header("Content-Length", "0"); self.end_headers()
+server.RequestHandlerClass = Ok
+server.serve_forever()
+"""]
+
+
+def test_a_launched_server_whose_port_was_taken_meanwhile_restarts_on_a_new_port(tmp_path):
+    """The port is picked free at launch but SGLang binds it only after loading the model: another process may take
+    it meanwhile (CI on 94f1c1c: 'address already in use' failed a module's servers). A launched server moves to a
+    new port, at most ``port_retries`` times; a kept one (its URL already recorded for the next attempt) does not."""
+    import socket
+
+    import pytest
+
+    from gspo_megatron.rollout.errors import ServerStartError
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        moved = ServerProcess(BINDER + ["--port", str(port)], {}, f"http://127.0.0.1:{port}", tmp_path / "moved.log",
+                              name="server 0", port_retries=1)
+        kept = ServerProcess(BINDER + ["--port", str(port)], {}, f"http://127.0.0.1:{port}", tmp_path / "kept.log",
+                             name="server 1", keep=True)
+        try:
+            moved.wait_ready(timeout=60)
+            assert moved.url != f"http://127.0.0.1:{port}" and moved.url == f"http://127.0.0.1:{moved.cmd[-1]}"
+            assert moved.port_retries == 0 and "address already in use" in moved.log_path.read_text()
+            with pytest.raises(ServerStartError, match=r"server 1 at http://127.0.0.1:%d cannot start" % port):
+                kept.wait_ready(timeout=60)
+            moved.shutdown()
+            # Its log keeps the taken port's line: a relaunch on the new port reads only its own start's lines.
+            again = moved.relaunch()
+            again.wait_ready(timeout=60)
+            assert again.url == moved.url
+            again.shutdown()
+        finally:
+            moved.shutdown()
+            kept.shutdown()
+
+
 def _stop_after(seconds: float):
     """A stand-in for train.preemption.requested: SIGTERM once ``seconds`` have passed."""
     import signal
