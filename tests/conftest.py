@@ -7,7 +7,8 @@
   environment restores fresh processes for every call.
 - ``@pytest.mark.megatron``: the test depends on megatron-core's version — it builds or runs a Megatron model,
   optimizer or dist checkpoint, or one of our megatron patches, in its process, in its ranks or through a CLI that
-  trains one. tests/test_megatron_019.py runs exactly these again on megatron-core 0.19.2. So that the subset cannot
+  trains one. tests/test_megatron_019.py runs exactly these again on megatron-core 0.19.2, except those also marked
+  ``megatron_covered_by`` a test that runs there (``tests.megatron_use``). So that the subset cannot
   rot, a test that builds a megatron-core module without the marker fails here (``tests.megatron_use``): in its
   process, in its ``run_on_ranks`` ranks, in a command run through ``tests.warm_cli``, or in a session fixture it
   uses. Commands under torchrun or plain ``subprocess`` are out of its sight: those tests carry the marker by hand.
@@ -40,6 +41,8 @@ def pytest_configure(config):
         "markers", "megatron: depends on megatron-core's version (runs again on 0.19 in tests/test_megatron_019.py)")
     config.addinivalue_line(
         "markers", "triton: runs Triton kernels (runs again under the 0.19 environment's own Triton)")
+    config.addinivalue_line(
+        "markers", "megatron_covered_by(node_id): builds Megatron only through that test's calls; not run on 0.19")
     config.addinivalue_line("markers", "destroys_server: hangs or stops the session's SGLang server; runs last")
 
 

@@ -42,6 +42,32 @@ class MegatronUse:
 
 probe = MegatronUse()
 
+# ``@pytest.mark.megatron_covered_by("<node id>")`` on a test marked ``megatron``: it builds a Megatron model only
+# through the calls the named test makes, which runs on 0.19 too; what it tests on top (the loop's rollout
+# schedule, say) does not depend on megatron-core's version. So it runs once, in the main run: the 0.19 run
+# selects ``megatron and not megatron_covered_by`` (tests/test_megatron_019.py).
+COVERED_BY = "megatron_covered_by"
+
+
+def check_covering_tests(items) -> None:
+    """Each ``megatron_covered_by`` marker names a collected test that runs on 0.19 (marked ``megatron``, not covered
+    by another), checked before any selection wherever the named test's module was collected: a covering test
+    renamed, or no longer marked, stops the collection with both names."""
+    by_id = {item.nodeid: item for item in items}
+    collected_files = {item.nodeid.split("::")[0] for item in items}
+    for item in items:
+        marker = item.get_closest_marker(COVERED_BY)
+        if marker is None:
+            continue
+        (covering,) = marker.args
+        if covering.split("::")[0] not in collected_files:
+            continue  # a run of a subset without the covering test's module
+        runs_on_019 = covering in by_id and by_id[covering].get_closest_marker("megatron") is not None \
+            and by_id[covering].get_closest_marker(COVERED_BY) is None
+        if not runs_on_019:
+            raise pytest.UsageError(f"{item.nodeid} is marked {COVERED_BY}({covering!r}), but no collected test of "
+                                    "that name runs on megatron-core 0.19 (marked megatron, not covered by another)")
+
 
 class MegatronCheck:
     """The suite's hooks (tests/conftest.py registers them): a test that built megatron-core modules, in its process,
@@ -50,6 +76,10 @@ class MegatronCheck:
 
     def __init__(self):
         self.fixture_builds: dict[str, set[str]] = {}
+
+    @pytest.hookimpl(tryfirst=True)  # before -m / -k deselect: the whole collection
+    def pytest_collection_modifyitems(self, items):
+        check_covering_tests(items)
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_setup(self, item):

@@ -1,12 +1,14 @@
 """The session's SGLang servers on 127.0.0.1 (a pytest plugin: tests/conftest.py loads it), started on first use
 and shut down at the end of the run.
 
-Two servers of the tiny random Qwen3-MoE model (fp32, so train/inference log-probs agree to ~1e-6) are started
+Three servers of the tiny random Qwen3-MoE model (fp32, so train/inference log-probs agree to ~1e-6) are started
 together on first use, so their start-ups (~40 CPU-seconds each) overlap: ``main`` serves the generation,
 weight-sync and routing-replay tests (it is started with --enable-return-routed-experts; idle, it takes no CPU),
 and is then hung (SIGSTOP) and killed by the failure tests, then restarted and killed by the restart tests
 (``tests/rollout/test_restart.py``), which are marked ``destroys_server`` and so run at the end of the session
-(tests/conftest.py orders them); ``interrupt`` is shut down by the Ctrl-C test. The restart tests therefore start
+(tests/conftest.py orders them). The ``pair``, two servers with small KV caches (``PAIR_KV_TOKENS``), serve the
+two-server tests (``tests/rollout/test_two_servers.py``: requests sized from the caches, two stage senders); the
+Ctrl-C test, run after them, then shuts the second one down. The restart tests therefore start
 from a killed server whose last sync may have been distributed (``test_weight_sync.py``): the first one syncs
 before it generates, which restarts it at its weights. A new test that needs a server uses ``engine`` (or
 ``started_servers``); one that serves weights of its own loads them into ``main`` through the engine
@@ -19,6 +21,7 @@ If sglang is not installed the server tests skip, except under CI=true, where th
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -46,6 +49,15 @@ def tiny_model_dir(tmp_path_factory):
     return synthetic.save_tiny_model(tmp_path_factory.mktemp("tiny_qwen3_moe"), seed=0)
 
 
+PAIR_KV_TOKENS = 1024  # each pair server's KV cache: a fraction of the two-server tests' rollout call
+
+
+def pair_config(config: SGLangConfig) -> SGLangConfig:
+    """The ``pair`` servers' configuration (the session's ``config`` with two servers of small KV caches)."""
+    return replace(config, num_servers=2, max_total_tokens=PAIR_KV_TOKENS, context_length=256,
+                   log_dir=str(Path(config.log_dir) / "pair"))
+
+
 @pytest.fixture(scope="session")
 def started_servers(tiny_model_dir, tmp_path_factory):
     require_sglang()
@@ -53,10 +65,10 @@ def started_servers(tiny_model_dir, tmp_path_factory):
     config = server_config(tiny_model_dir, log_dir)
     started = {}
     try:
-        for name in ("main", "interrupt"):
-            # main also captures the experts it routes to (rollout routing replay's tests ask for them)
-            extra = ("--enable-return-routed-experts",) if name == "main" else ()
-            started[name] = server_mod.start_servers(replace(config, log_dir=str(log_dir / name), extra_args=extra))
+        # main also captures the experts it routes to (rollout routing replay's tests ask for them)
+        started["main"] = server_mod.start_servers(replace(config, log_dir=str(log_dir / "main"),
+                                                           extra_args=("--enable-return-routed-experts",)))
+        started["pair"] = server_mod.start_servers(pair_config(config))
         yield config, started
     finally:
         for servers in started.values():

@@ -4,8 +4,9 @@ megatron-core stops at 0.16.1 on Python 3.11 (0.17 onwards require 3.12), and cl
 test runs, with the interpreter of ``.venv312`` (``tools/install.sh`` builds it: Python 3.12, torch 2.14.1,
 megatron-core 0.19.2, no SGLang):
 - every test marked ``megatron`` (it builds or runs a Megatron model, optimizer, dist checkpoint or one of our
-  megatron patches; tests/conftest.py fails an unmarked test that builds one) or ``triton`` (the log-prob kernels
-  under that environment's own Triton);
+  megatron patches; tests/conftest.py fails an unmarked test that builds one), except those marked
+  ``megatron_covered_by`` a test that runs here (tests/megatron_use.py), or ``triton`` (the log-prob kernels under
+  that environment's own Triton);
 - and so a collection of the whole tree: pytest imports every test module before it deselects by marker, and a
   module that fails to import stops the run (``errors during collection``), so every module at least imports there.
 It fails with the tail of the output if anything fails there, or if a test skips there for a reason not listed
@@ -32,7 +33,7 @@ from tests.background import BackgroundRun
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV312 = Path(os.environ.get("VENV312", ROOT / ".venv312"))  # as tools/install.sh
-SELECTION = "megatron or triton"
+SELECTION = "(megatron and not megatron_covered_by) or triton"
 TIMEOUT_S = 45 * 60  # from its start, which overlaps the main run
 NICE = 10  # the main run first: its tests time servers and collectives; this one only has to end
 NODE_ID = "tests/test_megatron_019.py::test_megatron_side_tests_pass_on_megatron_core_019"
@@ -103,3 +104,35 @@ def test_megatron_side_tests_pass_on_megatron_core_019(capsys):
         if os.environ.get("GSPO_DURATIONS"):
             print(output[output.find("slowest"):][:6000])
     run.remove()
+
+
+class _Item:
+    def __init__(self, nodeid: str, *markers):
+        self.nodeid, self.markers = nodeid, {m.name: m for m in markers}
+
+    def get_closest_marker(self, name):
+        return self.markers.get(name)
+
+
+def test_the_run_leaves_out_covered_tests_and_a_cover_must_run_there():
+    """The selection leaves out ``megatron_covered_by`` tests and keeps the test that covers them; a marker naming a
+    test that is missing, unmarked or itself covered stops the collection (``tests.megatron_use``)."""
+    listed = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider",
+                             "-m", SELECTION, "tests/train/test_loop.py"], capture_output=True, text=True, cwd=ROOT)
+    assert listed.returncode == 0, listed.stdout[-3000:]
+    selected = {line.split("::")[-1] for line in listed.stdout.splitlines() if "::" in line}
+    assert "test_train_logs_plots_and_resumes_exactly" in selected, selected
+    assert not {"test_one_step_off_through_the_loop", "test_partial_rollouts_through_the_loop"} & selected, selected
+
+    from tests.megatron_use import check_covering_tests
+
+    mark = pytest.mark.megatron.mark
+    cover = "tests/a.py::test_plain"
+    covered = _Item("tests/a.py::test_schedule", mark, pytest.mark.megatron_covered_by(cover).mark)
+    check_covering_tests([_Item(cover, mark), covered])  # fine
+    elsewhere = _Item("tests/b.py::test_schedule", mark, pytest.mark.megatron_covered_by(cover).mark)
+    check_covering_tests([elsewhere])  # the covering test's module not collected: a run of a subset
+    for wrong in ([_Item(cover), covered], [_Item("tests/a.py::test_renamed", mark), covered],
+                  [_Item(cover, mark, pytest.mark.megatron_covered_by("tests/b.py::test_x").mark), covered]):
+        with pytest.raises(pytest.UsageError, match=r"test_schedule is marked megatron_covered_by\('tests/a.py::te"):
+            check_covering_tests(wrong)

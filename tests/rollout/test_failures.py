@@ -19,6 +19,7 @@ from gspo_megatron.rollout import (RequestFailed, SamplingParams, ServerDied, Se
                                    SGLangEngine)
 
 from tests.processes import still_running
+from tests.sglang_servers import pair_config
 
 from .helpers import prompts
 from .proxy import FailingProxy
@@ -101,19 +102,21 @@ def test_killed_server_is_reported_with_its_log(engine, monkeypatch):
 @pytest.mark.destroys_server
 def test_ctrl_c_shuts_the_servers_down(started_servers):
     config, started = started_servers
-    engine = SGLangEngine(config, servers=started["interrupt"])
+    engine = SGLangEngine(pair_config(config), servers=started["pair"][1:])  # (after the two-server tests)
     server = engine.servers[0]
     assert os.getpgid(server.process.pid) != os.getpgid(0)  # its own session: a terminal Ctrl-C reaches us only
     tree = [server.process.pid] + [p.pid for p in psutil.Process(server.process.pid).children(recursive=True)]
     assert len(tree) >= 3  # the HTTP server, its scheduler and detokenizer processes
-    # Ctrl-C after 1 s, pressed again each second until the rollout has ended: a (simulated) SIGINT that lands
+    # Ctrl-C after 0.2 s, pressed again every 0.5 s until the rollout has ended: a (simulated) SIGINT that lands
     # while the main thread runs a finalizer is dropped by Python ("Exception ignored in ..."), as happened once
-    # under load. None is pressed once it has ended, so the shut-down under test runs uninterrupted.
+    # under load. None is pressed once it has ended, so the shut-down under test runs uninterrupted. (The first
+    # press came after 1 s once, and the rollout had ended by then: CI on 94bfd82.) The rollout, 32 x 200 tokens
+    # through a KV cache of PAIR_KV_TOKENS, takes several seconds.
     ended = threading.Event()
 
     def press_until_ended():
-        for _ in range(10):
-            if ended.wait(1.0):
+        for wait in [0.2] + [0.5] * 40:
+            if ended.wait(wait):
                 return
             _thread.interrupt_main()
 
@@ -122,7 +125,7 @@ def test_ctrl_c_shuts_the_servers_down(started_servers):
     with pytest.raises(KeyboardInterrupt):
         with engine:
             try:
-                engine.generate(prompts(8), n=4, sampling=LONG)
+                engine.generate(prompts(8), n=4, sampling=SamplingParams(max_new_tokens=200, ignore_eos=True))
             finally:
                 ended.set()
     presser.join()

@@ -1,5 +1,5 @@
-"""Two real SGLang servers on 127.0.0.1 (started once for this module, each with a KV cache of 1024 tokens) and the
-trainer's side of them.
+"""Two real SGLang servers on 127.0.0.1 (the session's ``pair``, tests/sglang_servers.py: each with a KV cache of 1024
+tokens) and the trainer's side of them.
 
 Rollout requests sized from the servers' capacity: one ``generate`` call of 8 prompts x 8 samples x (prompt + 40
 tokens, every response at full length) is ~2.9k tokens, about three of either server's KV caches. The engine
@@ -39,27 +39,22 @@ from gspo_megatron.rollout import server as server_mod
 from gspo_megatron.rollout.sglang_engine import request_tokens
 
 from .bridge_ranks import stage_senders_sync
-from tests.sglang_servers import server_config
-from .helpers import TOLERANCE, prompts, require_sglang
+from tests.sglang_servers import PAIR_KV_TOKENS, pair_config
+from .helpers import TOLERANCE, prompts
 from .proxy import FailingProxy
 
 SYNC_TIMEOUT_S = 90.0  # one bucket's call + broadcast; a deadlock between the stages fails after this
 HOLD_S = 5.0
-KV_TOKENS = 1024  # each server's KV cache: a third of the rollout call below
+KV_TOKENS = PAIR_KV_TOKENS  # each server's KV cache: a third of the rollout call below
 
 
 @pytest.fixture(scope="module")
-def two_servers(tiny_model_dir, tmp_path_factory):
-    require_sglang()
-    config = server_config(tiny_model_dir, tmp_path_factory.mktemp("two_servers_logs"), num_servers=2,
-                           max_total_tokens=KV_TOKENS, context_length=256)
-    servers = server_mod.start_servers(config)
-    try:
-        server_mod.wait_all_ready(servers, config.startup_timeout_s)
-        yield config, [s.url for s in servers]
-    finally:
-        for server in servers:
-            server.shutdown()
+def two_servers(started_servers):
+    """The session's ``pair`` (tests/sglang_servers.py): two servers with KV caches of ``KV_TOKENS``."""
+    config, started = started_servers
+    servers = started["pair"]
+    server_mod.wait_all_ready(servers, config.startup_timeout_s)
+    return pair_config(config), [s.url for s in servers]
 
 
 def _recording(server: int, order: list, joins: list):
