@@ -26,12 +26,13 @@ ROOT = Path(__file__).resolve().parents[3]
 @pytest.mark.megatron  # trains the Megatron policy through the CLI
 def test_colocated_loop_syncs_by_tensor_and_matches_the_trainer(tmp_path):
     require_sglang()
-    cmd = [sys.executable, "-m", "gspo_megatron.cli", "train", str(ROOT / "examples/tiny_moe_cpu.yaml"),
+    cmd = [sys.executable, "-m", "tests.record_rollouts", "train", str(ROOT / "examples/tiny_moe_cpu.yaml"),
            "rollout.colocate=true", "train.steps=3", "train.eval_every=2", "model.warm_start_steps=5",
            "rollout.prompts_per_step=4", "parallel.micro_batch_size=8", f"model.hf_dir={tmp_path / 'model'}",
            f"logging.dir={tmp_path / 'run'}", f"checkpoint.dir={tmp_path / 'run' / 'ck'}", "checkpoint.every=2",
            "logging.plot_every=0"]
-    env = dict(os.environ, WORLD_SIZE="1", OMP_NUM_THREADS="1")
+    (tmp_path / "rollouts").mkdir()
+    env = dict(os.environ, WORLD_SIZE="1", OMP_NUM_THREADS="1", RECORD_ROLLOUTS=str(tmp_path / "rollouts"))
     out = warm_cli.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -45,14 +46,15 @@ def test_colocated_loop_syncs_by_tensor_and_matches_the_trainer(tmp_path):
     assert "eval_reward_mean" in records[1]  # the eval after step 2's sync generated on resumed servers
 
     # rollout.colocate_offload=optimizer: the optimizer state on the host and the gradient buffers freed between
-    # updates changes nothing: the same rollouts (seeded per step), losses and gradient norms, and after step 2's
-    # update (Adam's moments offloaded after step 1 and reloaded) the same weights and optimizer state, bit for bit;
-    # step 2's checkpoint was written from the host copies. (Two launches of SGLang's CPU server return log-probs
-    # that differ in the last bits, offload or not, and from step 2's eval on they draw other tokens; so the runs
-    # are compared up to step 2's update, and not on the engine's log-probs.)
+    # updates changes nothing: on the same rollouts, the same losses and gradient norms at every step, and after
+    # step 2's update (Adam's moments offloaded after step 1 and reloaded) the same weights and optimizer state, bit
+    # for bit; step 2's checkpoint was written from the host copies. The offloaded run generates with its own server
+    # as usual and then trains on this run's recorded rollouts (tests/record_rollouts.py): SGLang's CPU server
+    # samples from its scheduler's RNG, so two launches draw other tokens when their requests are batched
+    # differently (a loaded machine: CI on 4a01b6f, step 1's loss -0.0508 vs -0.0540).
     offloaded = _offload_run(tmp_path)
-    for key in ("loss", "grad_norm", "reward_mean", "response_length_mean"):
-        assert [r[key] for r in offloaded[:2]] == [r[key] for r in records[:2]], key
+    for key in ("loss", "grad_norm"):
+        assert [r[key] for r in offloaded] == [r[key] for r in records], key
     (base, off), = run_on_ranks(final_weights, 1, None, str(tmp_path / "run" / "ck" / "step_000002"),
                                 str(tmp_path / "offload" / "ck" / "step_000002"), optimizer=True)
     assert base.keys() == off.keys() and any(k.startswith("optimizer") for k in base) and len(base) > 10
@@ -68,13 +70,14 @@ def test_colocated_loop_syncs_by_tensor_and_matches_the_trainer(tmp_path):
 
 def _offload_run(tmp_path) -> list[dict]:
     """The same run as ``test_colocated_loop_syncs_by_tensor_and_matches_the_trainer`` with
-    ``rollout.colocate_offload=optimizer``: its checkpoints are written while the optimizer state is on the host."""
-    cmd = [sys.executable, "-m", "gspo_megatron.cli", "train", str(ROOT / "examples/tiny_moe_cpu.yaml"),
+    ``rollout.colocate_offload=optimizer``, on that run's rollouts: its checkpoints are written while the optimizer
+    state is on the host."""
+    cmd = [sys.executable, "-m", "tests.record_rollouts", "train", str(ROOT / "examples/tiny_moe_cpu.yaml"),
            "rollout.colocate=true", "rollout.colocate_offload=optimizer", "train.steps=3", "train.eval_every=2",
            "model.warm_start_steps=5", "rollout.prompts_per_step=4", "parallel.micro_batch_size=8",
            f"model.hf_dir={tmp_path / 'model'}", f"logging.dir={tmp_path / 'offload'}",
            f"checkpoint.dir={tmp_path / 'offload' / 'ck'}", "checkpoint.every=2", "logging.plot_every=0"]
-    env = dict(os.environ, WORLD_SIZE="1", OMP_NUM_THREADS="1")
+    env = dict(os.environ, WORLD_SIZE="1", OMP_NUM_THREADS="1", REPLAY_ROLLOUTS=str(tmp_path / "rollouts"))
     out = warm_cli.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     assert (tmp_path / "offload" / "ck" / "latest").read_text() == "step_000003"  # saved from the host copies
