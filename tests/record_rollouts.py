@@ -8,8 +8,8 @@ samples' turns, as the loop hands them to the update; and ``<dir>/rank{r}_step{s
 ``Rollout``. With ``REPLAY_ROLLOUTS=<dir>`` (a recorded run's directory) each step still generates as usual (the
 servers, the colocation's release and resume, the weight sync all run) and the update then receives the recorded
 step's ``Rollout`` instead: SGLang samples from its scheduler's RNG unless launched with deterministic inference, so
-two launches draw other tokens whenever their requests are batched differently (a loaded machine), and a
-comparison of two runs' updates needs the same rollouts by construction.
+two launches draw other tokens whenever their requests are batched differently (seen on a quiet machine too), and
+a comparison of two runs' updates needs the same rollouts by construction.
 """
 
 from __future__ import annotations

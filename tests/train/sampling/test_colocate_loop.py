@@ -51,7 +51,7 @@ def test_colocated_loop_syncs_by_tensor_and_matches_the_trainer(tmp_path):
     # for bit; step 2's checkpoint was written from the host copies. The offloaded run generates with its own server
     # as usual and then trains on this run's recorded rollouts (tests/record_rollouts.py): SGLang's CPU server
     # samples from its scheduler's RNG, so two launches draw other tokens when their requests are batched
-    # differently (a loaded machine: CI on 4a01b6f, step 1's loss -0.0508 vs -0.0540).
+    # differently (CI on 4a01b6f, a quiet machine: step 1's loss -0.0508 vs -0.0540).
     offloaded = _offload_run(tmp_path)
     for key in ("loss", "grad_norm"):
         assert [r[key] for r in offloaded] == [r[key] for r in records], key
