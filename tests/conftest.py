@@ -21,7 +21,7 @@ import os
 import torch
 
 from tests import background
-from tests import test_megatron_019  # noqa: F401  (registers its background run)
+from tests import test_megatron_019  # registers its background run
 from tests.megatron_use import MegatronCheck
 from tests.soak import test_soak  # noqa: F401  (registers its background run)
 
@@ -56,6 +56,24 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_collection_finish(session):
     background.start_collected(session.items)  # they run beside this run
+    _leave_gpu_cpu_mode_to_the_019_run(session.items)
+
+
+def _leave_gpu_cpu_mode_to_the_019_run(items) -> None:
+    """tests/gpu's CPU mode checks bench/gpu_check.sh's harness, which runs on the GPU machine with the megatron-core
+    0.19.2 wheel it carries there: where this session also runs the 0.19 run (tests/test_megatron_019.py), the tests
+    of tests/gpu that it selects run there only, not twice (~30 s of this run). Run alone (``pytest tests/gpu``), or
+    without that environment, they run here."""
+    import pytest
+
+    if torch.cuda.is_available() or test_megatron_019.NODE_ID not in {item.nodeid for item in items}:
+        return
+    if not test_megatron_019.will_run():
+        return
+    for item in items:
+        if item.nodeid.startswith("tests/gpu/") and test_megatron_019.selects(item):
+            item.add_marker(pytest.mark.skip(reason="tests/gpu's CPU mode runs in the megatron-core 0.19 run "
+                                                    "(tests/test_megatron_019.py), as on the GPU machine"))
 
 
 def pytest_sessionfinish(session):

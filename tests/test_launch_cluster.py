@@ -8,6 +8,10 @@ attached to that server. Each step syncs the
 updated shards to the server; the rollout's log-probs then equal the trainer's only if the synced weights are the
 trained ones, and the server must report the second weight version. The callers' GLOO_SOCKET_IFNAME names an
 interface that does not exist: the run only works if the script's NET_IF reaches every rank and the server.
+This is also the test of the README's CPU example under torchrun at TP=2 x EP=2 (docs/getting-started.md): its
+config, its overrides, metrics gathered over both data-parallel ranks, the plot, and the dist checkpoint the last
+step writes from both nodes. Its other half, rank 0 launching the server under `torchrun --standalone`, is
+tests/test_tool_use_example.py's four-rank run.
 """
 
 from __future__ import annotations
@@ -23,7 +27,6 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-import yaml
 
 from gspo_megatron.parallel.groups import free_port
 from tests.rollout.helpers import require_sglang
@@ -50,9 +53,11 @@ def _stop(process: subprocess.Popen) -> None:
 
 def test_two_training_nodes_and_a_rollout_node(tmp_path):
     require_sglang()
-    from gspo_megatron.rollout.synthetic import save_tiny_model
+    from gspo_megatron.train.startup.bootstrap import build_tiny_model
+    from gspo_megatron.train.startup.config import load_config
 
-    model = save_tiny_model(tmp_path / "model", seed=0, **yaml.safe_load(EXAMPLE.read_text())["model"]["tiny"])
+    model = tmp_path / "model"  # the example's model as its trainer builds it, from a shorter warm start
+    build_tiny_model(load_config(EXAMPLE, ["model.warm_start_steps=5"]), model)
     server_port, master_port = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env.update(VENV=sys.prefix, HF_DIR=str(model), NET_IF="lo", OMP_NUM_THREADS="1",
@@ -62,7 +67,7 @@ def test_two_training_nodes_and_a_rollout_node(tmp_path):
 
     overrides = ["parallel.tensor=2", "parallel.expert=2", "train.steps=2", "train.eval_every=2",
                  "rollout.prompts_per_step=4", "parallel.micro_batch_size=8", f"logging.dir={tmp_path / 'run'}",
-                 "checkpoint.dir=", "logging.plot_every=0"]
+                 f"checkpoint.dir={tmp_path / 'ck'}", "checkpoint.every=0", "logging.plot_every=2"]
     plan = subprocess.run(["bash", str(SBATCH), *overrides], cwd=ROOT, capture_output=True, text=True, timeout=60,
                           env=dict(env, DRY_RUN="1", HOSTS="127.0.0.1 127.0.0.1 127.0.0.1", TRAIN_NODES="2",
                                    ROLLOUT_NODES="1", GPUS_PER_NODE="2", SERVER_TP="1", SERVER_PORT=str(server_port),
@@ -95,6 +100,10 @@ def test_two_training_nodes_and_a_rollout_node(tmp_path):
         assert all(r["logprob_diff_max"] < 1e-4 for r in records), [r["logprob_diff_max"] for r in records]
         assert all(r["weight_sync/tensors"] > 0 for r in records) and "eval_reward_mean" in records[1]
         assert records[0]["grad_norm"] > 0  # the update moved the weights the server must then serve
+        # Metrics over both data-parallel ranks' sequences, and expert volatility summed over TP x EP ranks' routers.
+        assert all(0 < r["clip_frac_seqs"] < 1 and 0 <= r["expert_volatility"] <= 1 for r in records), records
+        assert (tmp_path / "run" / "metrics.png").read_bytes()[:4] == b"\x89PNG"
+        assert (tmp_path / "ck" / "latest").read_text() == "step_000002"  # a dist checkpoint written from two nodes
         with urllib.request.urlopen(f"http://127.0.0.1:{server_port}/model_info", timeout=30) as answer:
             assert json.load(answer)["weight_version"] == "2"
     finally:

@@ -71,6 +71,19 @@ def _start(nice: int) -> BackgroundRun | None:
 background.register(NODE_ID, _start, NICE)
 
 
+def will_run() -> bool:
+    """Whether this session's run of NODE_ID runs the 0.19 tests (it is not that run, and .venv312 is there)."""
+    return sys.version_info < (3, 12) and (VENV312 / "bin" / "python").exists()
+
+
+def selects(item) -> bool:
+    """Whether ``-m SELECTION`` selects a collected item (pytest's own expression, on the item's marker names)."""
+    from _pytest.mark.expression import Expression
+
+    names = {mark.name for mark in item.iter_markers()}
+    return Expression.compile(SELECTION).evaluate(lambda name, **_: name in names)
+
+
 def unexpected_skips(output: str) -> list[str]:
     """pytest's ``-rs`` lines (``SKIPPED [n] file:line: reason``) whose reason is none of ``EXPECTED_SKIPS``."""
     skips = re.findall(r"^SKIPPED \[\d+\] (.*)$", output, flags=re.M)
@@ -113,6 +126,9 @@ class _Item:
     def get_closest_marker(self, name):
         return self.markers.get(name)
 
+    def iter_markers(self):
+        return iter(self.markers.values())
+
 
 def test_the_run_leaves_out_covered_tests_and_a_cover_must_run_there():
     """The selection leaves out ``megatron_covered_by`` tests and keeps the test that covers them; a marker naming a
@@ -123,6 +139,10 @@ def test_the_run_leaves_out_covered_tests_and_a_cover_must_run_there():
     selected = {line.split("::")[-1] for line in listed.stdout.splitlines() if "::" in line}
     assert "test_train_logs_plots_and_resumes_exactly" in selected, selected
     assert not {"test_one_step_off_through_the_loop", "test_partial_rollouts_through_the_loop"} & selected, selected
+    # tests/conftest.py leaves to the 0.19 run the tests/gpu tests that ``selects`` picks: the same as -m picks
+    for markers, picked in (([pytest.mark.megatron.mark], True), ([pytest.mark.triton.mark], True), ([], False),
+                            ([pytest.mark.megatron.mark, pytest.mark.megatron_covered_by("x").mark], False)):
+        assert selects(_Item("tests/gpu/test_x.py::test_x", *markers)) == picked, markers
 
     from tests.megatron_use import check_covering_tests
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import random
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -124,9 +126,36 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+# Where ``free_port`` looks: below the kernel's ephemeral range (ip_local_port_range, 32768-60999 by default), from
+# which every outgoing connection (gloo's pairs, HTTP clients, ZMQ) takes its local port. A port picked inside it
+# (a bind to port 0) was taken by such a connection before torchrun's store bound it (CI on 65b8972: EADDRINUSE
+# for MASTER_PORT 35217); below it only another explicit pick can collide, and picks are spread over ~12,000 ports.
+_PICK_SPAN = 12_000
+_PICKER = random.SystemRandom()  # not the seeded module RNG: seeded processes would pick the same sequence
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    """A TCP port free on this host now (the world group's MASTER_PORT, a server's, a weight-sync group's)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A TCP port free on this host now (the world group's MASTER_PORT, a server's, a weight-sync group's), picked
+    below the ephemeral range so that no outgoing connection takes it before its owner binds it. Checked on every
+    address (0.0.0.0), which a port bound on the loopback alone also fails."""
+    high = _ephemeral_low()
+    low = max(1024, high - _PICK_SPAN)
+    for _ in range(200):
+        port = _PICKER.randrange(low, high)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # that range full: any port the kernel gives
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

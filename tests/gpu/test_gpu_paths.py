@@ -156,7 +156,7 @@ def test_score_equals_transformers(runs):
             assert rel(mine["logprob_sum"], theirs["logprob_sum"]) <= 1e-4, (mine, theirs)
 
 
-@pytest.mark.skipif(ON_CPU, reason="the trainer on the CPU runs in tests/train and tests/test_cpu_example.py")
+@pytest.mark.skipif(ON_CPU, reason="the trainer on the CPU runs in tests/train and tests/test_launch_cluster.py")
 def test_trainer_runs_two_steps_on_the_gpu(tmp_path):
     cmd = [sys.executable, "-m", "gspo_megatron.cli", "train", str(ROOT / "examples/tiny_moe_cpu.yaml"),
            "rollout.engine=local", "train.steps=2", "train.eval_every=0", "model.warm_start_steps=2",

@@ -1,7 +1,7 @@
 """rollout.colocate through the real CLI: the tiny CPU example (world 1) with its launched SGLang server colocated.
 Every step releases the server's memory after the rollout and syncs through update_weights_from_tensor (resuming
 the weights, then the KV cache); each later step's rollout log-probs then equal the trainer's (fp32, as with
-separate servers: ``tests/test_cpu_example.py``). On CPU the release frees nothing (``tests/rollout/test_colocate.py``).
+separate servers: ``tests/test_launch_cluster.py``). On CPU the release frees nothing (``tests/rollout/test_colocate.py``).
 """
 
 from __future__ import annotations
