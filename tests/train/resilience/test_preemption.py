@@ -26,6 +26,9 @@ def _command(run: Path, model: Path, *extra: str) -> list[str]:
     return two_ranks(run, model, "rollout.engine=local", "checkpoint.every=0", *extra)
 
 
+# What these add to the policy's step and checkpoints (which run on megatron-core 0.19 in the covering tests) is the
+# loop's own: when every rank stops, and what a signal does to a wait. Not run again on 0.19.
+@pytest.mark.megatron_covered_by("tests/train/records/test_checkpoint.py::test_resume_is_exact_ep2_distributed_optimizer")
 def test_a_signal_on_one_rank_stops_every_rank_after_the_same_step_and_resume_is_exact(tmp_path,
                                                                                         uninterrupted_two_ranks):
     uninterrupted, model = uninterrupted_two_ranks
@@ -59,6 +62,7 @@ def test_a_signal_on_one_rank_stops_every_rank_after_the_same_step_and_resume_is
     assert not different, f"resumed weights differ from the uninterrupted run: {different[:5]}"
 
 
+@pytest.mark.megatron_covered_by("tests/train/test_loop.py::test_train_logs_plots_and_resumes_exactly")
 def test_a_signal_while_waiting_for_the_rollout_servers_stops_the_wait(tmp_path):
     """SIGTERM while the trainer waits for an attached server that accepts connections but never answers (still
     loading, or hung): the wait ends at its next poll instead of rollout.startup_timeout_s (300 s), the run exits
