@@ -51,6 +51,7 @@ def _stop(process: subprocess.Popen) -> None:
     process.wait(timeout=30)
 
 
+@pytest.mark.megatron  # trains the Megatron policy under torchrun
 def test_two_training_nodes_and_a_rollout_node(tmp_path):
     require_sglang()
     from gspo_megatron.train.startup.bootstrap import build_tiny_model
@@ -109,6 +110,70 @@ def test_two_training_nodes_and_a_rollout_node(tmp_path):
     finally:
         for process in processes.values():
             _stop(process)
+
+
+@pytest.mark.megatron  # trains the Megatron policy under torchrun
+def test_two_colocated_training_nodes(tmp_path):
+    """examples/launch_cluster.sh with ROLLOUT=colocated on two "nodes" of two ranks each (two torchrun agents,
+    NNODES=2, static rendezvous at 127.0.0.1), the tiny CPU example at TP=2 x EP=2 with the optimizer offloaded
+    (rollout.colocate_offload=optimizer). Each node's leader (LOCAL_RANK 0: ranks 0 and 2) launches its own colocated
+    CPU server; rank 0 generates on both by URL and releases / resumes both; each leader writes every update into its
+    own server from its own copy of the export (gathered over TP x EP onto it) through update_weights_from_tensor,
+    while the other ranks wait for the release in the control group; every rank offloads its own shard of the
+    optimizer state and gradient buffers after each update and regains it before the next. After each sync both
+    servers roll out, and their log-probs equal the trainer's (fp32)."""
+    require_sglang()
+    from gspo_megatron.train.startup.bootstrap import build_tiny_model
+    from gspo_megatron.train.startup.config import load_config
+
+    model = tmp_path / "model"
+    build_tiny_model(load_config(EXAMPLE, ["model.warm_start_steps=5"]), model)
+    servers, run = tmp_path / "servers", tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                                                             "ROLLOUT_URLS", "GPU_MEMORY_GIB")}
+    env.update(VENV=sys.prefix, HF_DIR=str(model), NET_IF="lo", OMP_NUM_THREADS="1", ROLLOUT="colocated",
+               CONFIG=str(EXAMPLE), NNODES="2", GPUS_PER_NODE="2", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()), GLOO_SOCKET_IFNAME="no-such-if0")
+    overrides = ["parallel.tensor=2", "parallel.expert=2", "rollout.colocate_offload=optimizer", "train.steps=2",
+                 "train.eval_every=0", "rollout.prompts_per_step=4", "parallel.micro_batch_size=8",
+                 f"logging.dir={run}", "checkpoint.dir=", "logging.plot_every=0",
+                 f"rollout.server_args.log_dir={servers}",
+                 # the script's plan checks colocation as on GPUs: SGLang's share of the memory must be set
+                 "rollout.server_args.mem_fraction_static=0.3",
+                 "rollout.server_args.prompts_per_request=1"]  # 4 requests a step: both servers get some
+    logs = [tmp_path / f"node{n}.log" for n in range(2)]
+    processes = []
+    try:
+        for n, log in enumerate(logs):
+            with open(log, "wb") as out:
+                processes.append(subprocess.Popen(["bash", str(SCRIPT), *overrides], cwd=ROOT,
+                                                  env=dict(env, NODE_RANK=str(n)), stdout=out,
+                                                  stderr=subprocess.STDOUT, start_new_session=True))
+        deadline = time.monotonic() + 600
+        for n, process in enumerate(processes):
+            try:
+                code = process.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                code = "timed out"
+            assert code == 0, f"node {n}: {code}\n{_tail(logs[n])}\n--- the other node:\n{_tail(logs[1 - n], 15)}"
+    finally:
+        for process in processes:
+            _stop(process)
+    assert "colocated: fits" in logs[0].read_text(errors="replace")  # the script's plan ran first on each node
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    diffs = [r["logprob_diff_max"] for r in records]
+    server_logs = [(servers / f"node_{n}" / "sglang_server_0.log").read_text() for n in range(2)]
+    after_sync = [log.split("/update_weights_from_tensor", 1)[1].count("POST /generate") for log in server_logs]
+    print("two colocated nodes: logprob_diff_max per step", diffs, "generate requests per server after the first "
+          "sync", after_sync, "offloaded per rank-0 GPU: bytes", [r["colocate/offload_bytes"] for r in records],
+          "grad buffers", [r["colocate/grad_buffer_bytes"] for r in records])
+    assert [r["step"] for r in records] == [1, 2] and max(diffs) < 1e-4, diffs
+    assert all(r["weight_sync/tensors"] > 0 and r["weight_sync/senders"] == 2 for r in records), records
+    assert all(r["colocate/release_seconds"] >= 0 for r in records), records
+    assert all(r["colocate/offload_bytes"] > 0 and r["colocate/grad_buffer_bytes"] > 0 for r in records), records
+    assert records[1]["colocate/reload_seconds"] >= 0
+    assert all(log.count("POST /update_weights_from_tensor") >= 2 for log in server_logs)  # each leader sent its own
+    assert all(n > 0 for n in after_sync), after_sync  # step 2 rolled out on both servers
 
 
 def test_slurm_script_plans_each_node(tmp_path):

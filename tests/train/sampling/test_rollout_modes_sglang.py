@@ -45,8 +45,10 @@ def attached(engine, trainer, tiny_model_dir, tmp_path):
         try:
             out = warm_cli.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
         finally:
+            # By disk: this process's broadcast group with the server may be gone (in-process tests before this one
+            # destroy torch.distributed's groups), and the run's own group left with it.
             restored.append(f"restored-after-{tmp_path.name}-{name}")
-            engine.update_weights(hf_weights.checkpoint_tensors(trainer.model), restored[-1])
+            engine.update_weights(hf_weights.checkpoint_tensors(trainer.model), restored[-1], method="disk")
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
         return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
 
