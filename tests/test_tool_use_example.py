@@ -3,7 +3,8 @@
 
 Under torchrun at TP=2 x EP=2 every rank's batch must hold the trajectories as the engine and the calculator made
 them: the model's turns trained, each calculator result in the sequence with no loss on it and equal to the call's
-value. At world=1 the example runs through the loop from its own warm start, which calls the tool.
+value; from step 1 the warm-started policy calls the tool. (The loop's multi-turn rollouts at world 1:
+tests/train/sampling/test_multiturn.py.)
 """
 
 from __future__ import annotations
@@ -34,17 +35,13 @@ QUICK = ["model.warm_start_steps=120", "rollout.group_size=4", "rollout.prompts_
          "parallel.micro_batch_size=8", "train.eval_every=2", "checkpoint.every=0"]
 
 
-@pytest.fixture(scope="module")
-def warm_model(tmp_path_factory) -> Path:
+def _warm_model(path: Path) -> None:
     """The example's tiny model warm-started as the trainer builds it (``bootstrap.build_tiny_model``, the QUICK
-    settings), once for both tests: each copies it to its ``model.hf_dir``, where the trainer then finds it."""
+    settings), at ``model.hf_dir``, where the trainer then finds it."""
     from gspo_megatron.train.startup.bootstrap import build_tiny_model
     from gspo_megatron.train.startup.config import load_config
 
-    require_sglang()  # (both tests need the server: no model to build without it)
-    path = tmp_path_factory.mktemp("tool_use") / "model"
     build_tiny_model(load_config(str(CONFIG), QUICK), path)
-    return path
 
 
 def _run(tmp_path, steps: int, launcher: list[str], overrides: list[str], env: dict) -> list[dict]:
@@ -110,9 +107,9 @@ def _check_trajectories(record: dict, tokenizer) -> int:
     return calls
 
 
-def test_tool_use_example_under_torchrun_tp2_ep2(tmp_path, warm_model):
+def test_tool_use_example_under_torchrun_tp2_ep2(tmp_path):
     require_sglang()
-    shutil.copytree(warm_model, tmp_path / "model")
+    _warm_model(tmp_path / "model")
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"
     (tmp_path / "rollouts").mkdir()
     # One torch thread per rank: four ranks and the server share the machine's cores.
@@ -128,13 +125,6 @@ def test_tool_use_example_under_torchrun_tp2_ep2(tmp_path, warm_model):
             assert all(torch.equal(other[k], batches[0][k]) for k in ("input_ids", "loss_mask"))
         calls = _check_trajectories(batches[0], tokenizer)
         assert calls == round(records[step - 1]["observed_frac"] * len(batches[0]["input_ids"])) > 0
-
-
-def test_tool_use_example_runs(tmp_path, warm_model):
-    require_sglang()
-    shutil.copytree(warm_model, tmp_path / "model")
-    records = _run(tmp_path, 3, [sys.executable, "-m", "gspo_megatron.cli"], [], dict(os.environ, WORLD_SIZE="1"))
-    _check_sane(records)
     # The warm start's demonstrations taught it to call the calculator and copy the result: a signal from step 1.
     assert records[0]["observed_frac"] > 0.25 and records[0]["reward_mean"] > 0.05, records[0]
     assert (tmp_path / "ck" / "latest").read_text() == "step_000003"
