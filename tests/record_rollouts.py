@@ -3,9 +3,8 @@ or compare two runs on the same rollouts.
 
     torchrun --nproc-per-node 4 -m tests.record_rollouts train cfg.yaml ...   (RECORD_ROLLOUTS=<dir>)
 
-writes ``<dir>/rank{r}_step{s}.pt``: the batch's input_ids, loss_mask, prompt and response lengths, and the
-samples' turns, as the loop hands them to the update; and ``<dir>/rank{r}_step{s}.rollout.pt``, the whole
-``Rollout``. With ``REPLAY_ROLLOUTS=<dir>`` (a recorded run's directory) each step still generates as usual (the
+writes ``<dir>/rank{r}_step{s}.rollout.pt``: the whole ``Rollout`` (its batch and samples, as the loop hands them to
+the update). With ``REPLAY_ROLLOUTS=<dir>`` (a recorded run's directory) each step still generates as usual (the
 servers, the colocation's release and resume, the weight sync all run) and the update then receives the recorded
 step's ``Rollout`` instead: SGLang samples from its scheduler's RNG unless launched with deterministic inference, so
 two launches draw other tokens whenever their requests are batched differently (seen on a quiet machine too), and
@@ -32,11 +31,7 @@ def collect(sampler, prompts, step, *args, **kwargs):
     name = f"rank{dist.get_rank()}_step{step}"
     if os.environ.get("REPLAY_ROLLOUTS"):
         return torch.load(Path(os.environ["REPLAY_ROLLOUTS"]) / f"{name}.rollout.pt", weights_only=False)
-    out = Path(os.environ["RECORD_ROLLOUTS"])
-    record = {k: rollout.batch[k] for k in ("input_ids", "loss_mask", "prompt_lengths", "response_lengths")}
-    record["turns"] = [s.turns for s in rollout.samples]
-    torch.save(record, out / f"{name}.pt")
-    torch.save(rollout, out / f"{name}.rollout.pt")
+    torch.save(rollout, Path(os.environ["RECORD_ROLLOUTS"]) / f"{name}.rollout.pt")
     return rollout
 
 

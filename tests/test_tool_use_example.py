@@ -78,20 +78,20 @@ def _spans(mask: list[bool]) -> list[tuple[bool, int, int]]:
     return out
 
 
-def _check_trajectories(record: dict, tokenizer) -> int:
+def _check_trajectories(rollout, tokenizer) -> int:
     """Every observation is the calculator's answer to the turn before it, masked; returns how many trajectories
     called the calculator."""
-    calls = 0
-    for b in range(len(record["input_ids"])):
-        P, R = int(record["prompt_lengths"][b]), int(record["response_lengths"][b])
-        ids = record["input_ids"][b].tolist()
-        mask = record["loss_mask"][b].tolist()  # position t predicts token t + 1
+    calls, batch = 0, rollout.batch
+    for b in range(len(batch["input_ids"])):
+        P, R = int(batch["prompt_lengths"][b]), int(batch["response_lengths"][b])
+        ids = batch["input_ids"][b].tolist()
+        mask = batch["loss_mask"][b].tolist()  # position t predicts token t + 1
         assert not any(mask[:P - 1]) and not any(mask[P + R - 1:]), "only response tokens carry loss"
         response_mask = mask[P - 1:P + R - 1]
         text = lambda lo, hi: tokenizer.decode(ids[P + lo:P + hi], skip_special_tokens=True)  # noqa: E731
         spans = _spans(response_mask)
         assert spans[0][0], "a trajectory starts with a model turn"
-        assert len([s for s in spans if s[0]]) == len(record["turns"][b])  # turns end where observations start
+        assert len([s for s in spans if s[0]]) == len(rollout.samples[b].turns)  # turns end where observations start
         for (trained, lo, hi), previous in zip(spans[1:], spans):
             if trained:
                 continue
@@ -120,11 +120,12 @@ def test_tool_use_example_under_torchrun_tp2_ep2(tmp_path):
     assert all(r["weight_sync/tensors"] > 0 for r in records)
     tokenizer = char_tokenizer(128)
     for step in (1, 2, 3):
-        batches = [torch.load(tmp_path / "rollouts" / f"rank{rank}_step{step}.pt") for rank in range(4)]
-        for other in batches[1:]:  # every rank trains on rank 0's rollout
-            assert all(torch.equal(other[k], batches[0][k]) for k in ("input_ids", "loss_mask"))
-        calls = _check_trajectories(batches[0], tokenizer)
-        assert calls == round(records[step - 1]["observed_frac"] * len(batches[0]["input_ids"])) > 0
+        rollouts = [torch.load(tmp_path / "rollouts" / f"rank{rank}_step{step}.rollout.pt", weights_only=False)
+                    for rank in range(4)]
+        for other in rollouts[1:]:  # every rank trains on rank 0's rollout
+            assert all(torch.equal(other.batch[k], rollouts[0].batch[k]) for k in ("input_ids", "loss_mask"))
+        calls = _check_trajectories(rollouts[0], tokenizer)
+        assert calls == round(records[step - 1]["observed_frac"] * len(rollouts[0].batch["input_ids"])) > 0
     # The warm start's demonstrations taught it to call the calculator and copy the result: a signal from step 1.
     assert records[0]["observed_frac"] > 0.25 and records[0]["reward_mean"] > 0.05, records[0]
     assert (tmp_path / "ck" / "latest").read_text() == "step_000003"

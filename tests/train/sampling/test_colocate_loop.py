@@ -26,16 +26,8 @@ ROOT = Path(__file__).resolve().parents[3]
 @pytest.mark.megatron  # trains the Megatron policy through the CLI
 def test_colocated_loop_syncs_by_tensor_and_matches_the_trainer(tmp_path):
     require_sglang()
-    cmd = [sys.executable, "-m", "tests.record_rollouts", "train", str(ROOT / "examples/tiny_moe_cpu.yaml"),
-           "rollout.colocate=true", "train.steps=3", "train.eval_every=2", "model.warm_start_steps=5",
-           "rollout.prompts_per_step=4", "parallel.micro_batch_size=8", f"model.hf_dir={tmp_path / 'model'}",
-           f"logging.dir={tmp_path / 'run'}", f"checkpoint.dir={tmp_path / 'run' / 'ck'}", "checkpoint.every=2",
-           "logging.plot_every=0"]
     (tmp_path / "rollouts").mkdir()
-    env = dict(os.environ, WORLD_SIZE="1", OMP_NUM_THREADS="1", RECORD_ROLLOUTS=str(tmp_path / "rollouts"))
-    out = warm_cli.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
-    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    records = _colocated_run(tmp_path, "run", RECORD_ROLLOUTS=str(tmp_path / "rollouts"))
     assert [r["step"] for r in records] == [1, 2, 3]
     diffs = [r["logprob_diff_max"] for r in records]
     print("colocated: logprob_diff_max per step", diffs, "release s", [r["colocate/release_seconds"] for r in records],
@@ -52,7 +44,9 @@ def test_colocated_loop_syncs_by_tensor_and_matches_the_trainer(tmp_path):
     # as usual and then trains on this run's recorded rollouts (tests/record_rollouts.py): SGLang's CPU server
     # samples from its scheduler's RNG, so two launches draw other tokens when their requests are batched
     # differently (CI on 4a01b6f, a quiet machine: step 1's loss -0.0508 vs -0.0540).
-    offloaded = _offload_run(tmp_path)
+    offloaded = _colocated_run(tmp_path, "offload", "rollout.colocate_offload=optimizer",
+                               REPLAY_ROLLOUTS=str(tmp_path / "rollouts"))
+    assert (tmp_path / "offload" / "ck" / "latest").read_text() == "step_000003"  # saved from the host copies
     for key in ("loss", "grad_norm"):
         assert [r[key] for r in offloaded] == [r[key] for r in records], key
     (base, off), = run_on_ranks(final_weights, 1, None, str(tmp_path / "run" / "ck" / "step_000002"),
@@ -68,20 +62,18 @@ def test_colocated_loop_syncs_by_tensor_and_matches_the_trainer(tmp_path):
           [r.get("colocate/reload_seconds") for r in offloaded])
 
 
-def _offload_run(tmp_path) -> list[dict]:
-    """The same run as ``test_colocated_loop_syncs_by_tensor_and_matches_the_trainer`` with
-    ``rollout.colocate_offload=optimizer``, on that run's rollouts: its checkpoints are written while the optimizer
-    state is on the host."""
+def _colocated_run(tmp_path, name: str, *overrides: str, **env: str) -> list[dict]:
+    """The CPU example colocated at world 1 for 3 steps through ``tests.record_rollouts`` (``env``: RECORD_ROLLOUTS or
+    REPLAY_ROLLOUTS), an eval after step 2 and a checkpoint every 2 steps, in ``tmp_path / name``; its records."""
     cmd = [sys.executable, "-m", "tests.record_rollouts", "train", str(ROOT / "examples/tiny_moe_cpu.yaml"),
-           "rollout.colocate=true", "rollout.colocate_offload=optimizer", "train.steps=3", "train.eval_every=2",
-           "model.warm_start_steps=5", "rollout.prompts_per_step=4", "parallel.micro_batch_size=8",
-           f"model.hf_dir={tmp_path / 'model'}", f"logging.dir={tmp_path / 'offload'}",
-           f"checkpoint.dir={tmp_path / 'offload' / 'ck'}", "checkpoint.every=2", "logging.plot_every=0"]
-    env = dict(os.environ, WORLD_SIZE="1", OMP_NUM_THREADS="1", REPLAY_ROLLOUTS=str(tmp_path / "rollouts"))
-    out = warm_cli.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+           "rollout.colocate=true", *overrides, "train.steps=3", "train.eval_every=2", "model.warm_start_steps=5",
+           "rollout.prompts_per_step=4", "parallel.micro_batch_size=8", f"model.hf_dir={tmp_path / 'model'}",
+           f"logging.dir={tmp_path / name}", f"checkpoint.dir={tmp_path / name / 'ck'}", "checkpoint.every=2",
+           "logging.plot_every=0"]
+    out = warm_cli.run(cmd, cwd=ROOT, env=dict(os.environ, WORLD_SIZE="1", OMP_NUM_THREADS="1", **env),
+                       capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
-    assert (tmp_path / "offload" / "ck" / "latest").read_text() == "step_000003"  # saved from the host copies
-    return [json.loads(line) for line in (tmp_path / "offload" / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_trainer_state_offload_frees_the_originals_and_restores_them_exactly():
