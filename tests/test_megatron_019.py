@@ -57,9 +57,9 @@ def _python312() -> Path:
 
 def _start(nice: int) -> BackgroundRun | None:
     """The 0.19 pytest run as a child process (None where this is that run, or without .venv312: the test says why)."""
-    python = VENV312 / "bin" / "python"
-    if sys.version_info >= (3, 12) or not python.exists():
+    if not will_run():
         return None
+    python = VENV312 / "bin" / "python"
     # No CI variable there: the SGLang tests skip (this environment has none) instead of failing.
     env = {k: v for k, v in os.environ.items() if k not in ("CI", "PYTHONPATH", "VIRTUAL_ENV")}
     command = [str(python), "-m", "pytest", "-p", "no:cacheprovider", "--basetemp={work}/run",

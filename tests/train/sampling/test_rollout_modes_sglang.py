@@ -30,11 +30,10 @@ ROOT = Path(__file__).resolve().parents[3]
 @pytest.fixture
 def attached(engine, trainer, tiny_model_dir, tmp_path):
     """A run of the CLI attached to the session's server: its model directory holds the weights the server serves;
-    each run's syncs are undone after it (``restore``), so the next run, and the session's later tests, start from
-    the session trainer's weights again."""
+    each run's syncs are undone after it, so the next run, and the session's later tests, start from the session
+    trainer's weights again."""
     model = tmp_path / "model"
     save_checkpoint(hf_weights.checkpoint_tensors(trainer.model), model, tiny_model_dir, shard_bytes=1 << 30)
-    restored = []
 
     def run(name: str, *extra: str) -> list[dict]:
         cmd = [sys.executable, "-m", "gspo_megatron.cli", "train", str(ROOT / "examples/tiny_moe_cpu.yaml"),
@@ -47,8 +46,8 @@ def attached(engine, trainer, tiny_model_dir, tmp_path):
         finally:
             # By disk: this process's broadcast group with the server may be gone (in-process tests before this one
             # destroy torch.distributed's groups), and the run's own group left with it.
-            restored.append(f"restored-after-{tmp_path.name}-{name}")
-            engine.update_weights(hf_weights.checkpoint_tensors(trainer.model), restored[-1], method="disk")
+            version = f"restored-after-{tmp_path.name}-{name}"
+            engine.update_weights(hf_weights.checkpoint_tensors(trainer.model), version, method="disk")
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
         return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
 
