@@ -3,6 +3,7 @@ missing)."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import psutil
@@ -21,3 +22,16 @@ def still_running(pids, seconds: float) -> list[int]:
     while any(running(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     return [p for p in pids if running(p)]
+
+
+def in_session(session: int) -> list[int]:
+    """The processes of session ``session`` (a process started with ``start_new_session=True`` leads one, its pid):
+    its descendants, those whose parent died included, unless they started a session of their own."""
+    pids = []
+    for pid in psutil.pids():
+        try:
+            if os.getsid(pid) == session:
+                pids.append(pid)
+        except OSError:
+            continue
+    return pids

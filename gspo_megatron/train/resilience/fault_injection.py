@@ -6,8 +6,8 @@
      {"at": "weight_sync", "step": 90, "action": "kill_server"},
      {"at": "checkpoint_written", "step": 150, "action": "kill_rank", "rank": 1}]
 
-``at`` names a point the trainer passes once per step: ``rollout`` (rank 0, before generation starts: the kill
-lands ``delay_s`` later, mid-generation), ``weight_sync`` (rank 0, a distributed update open on the servers, before
+``at`` names a point the trainer passes once per step: ``rollout`` (rank 0 before generation starts: the kill
+lands ``delay_s`` later, mid-generation; the other ranks as they start waiting for that step's rollout), ``weight_sync`` (rank 0, a distributed update open on the servers, before
 the weights are sent), ``checkpoint_written``
 (every rank, its checkpoint shards written, before the checkpoint is published). Actions: ``kill_server``
 (SIGKILL the first launched SGLang server's process group, after ``delay_s``), ``kill_rank`` (SIGKILL this process

@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch.distributed as dist
 
 from gspo_megatron.parallel import control
+from gspo_megatron.train.resilience import fault_injection
 from gspo_megatron.train.sampling import broadcast, rounds
 from gspo_megatron.train.sampling.broadcast import Rollout
 from gspo_megatron.train.startup.config import Config
@@ -67,6 +68,8 @@ class RolloutSource:
         """Step ``step``'s rollout (collective); ``version``: the weights the trainer holds now, which the engine
         serves. Staleness (mean, max) is ``version`` minus the samples' versions."""
         cfg = self.cfg
+        if not self.rank0:  # rank 0 passes this point in rounds.produce, as its generation starts
+            fault_injection.at("rollout", step)  # the soak run's schedule (GSPO_FAULTS); nothing otherwise
         if not self.ahead:  # sync: sampled now (with dynamic sampling: more prompts drawn as rank 0 needs them)
             # (partial rollouts: rank 0 draws every prompt as it starts groups, the others as many)
             first = [] if cfg.rollout.partial_chunk_tokens else self.prompts.next(cfg.rollout.prompts_per_step)

@@ -1,6 +1,7 @@
 """A trainer rank that dies, under torchrun's elastic agent (`torchrun --nproc-per-node 2 --max-restarts 1`, gloo,
-EP 2): rank 1 SIGKILLed in the middle of step 4 (the checkpoint of step 2 on disk) makes the agent restart both
-workers, which resume from step 2 on their own (no --resume) and finish the run.
+EP 2): rank 1 SIGKILLed in the middle of step 4 (as it waits for the rollout rank 0 generates; the checkpoint of
+step 2 on disk) makes the agent restart both workers, which resume from step 2 on their own (no --resume) and finish
+the run; nothing of the run outlives it (the killed rank's checkpoint writer included).
 
 - With the local engine the final weights are bit-identical to an uninterrupted run's (CPU, fp32).
 - With the real SGLang server on 127.0.0.1 that rank 0 launches, the restarted rank 0 adopts the same server process
@@ -19,46 +20,42 @@ import subprocess
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 
 from gspo_megatron.parallel.launch import run_on_ranks
 from gspo_megatron.rollout.server_watchdog import running
 from gspo_megatron.train.records.metrics_log import read_metrics
+from tests.processes import in_session, still_running
 from tests.processes import running as process_running
 from tests.rollout.helpers import require_sglang
 from tests.train.saved import final_weights
-from tests.train.torchrun_runs import ROOT, STEPS, env, logged_steps, rank_process, two_ranks
+from tests.train.torchrun_runs import ROOT, STEPS, env, logged_steps, two_ranks
 
 pytestmark = pytest.mark.megatron  # trains the Megatron policy through the CLI
 
 
 def _run_killing_rank_1(run: Path, command: list[str]) -> str:
-    """Run ``command``, SIGKILL rank 1 once step 3 is logged (it is then in step 4, rank 0 generating); the output."""
+    """Run ``command`` with rank 1 SIGKILLed as step 4's rollout starts (rank 0 generating, step 2's checkpoint the
+    latest), by the fault schedule (``train.resilience.fault_injection``): the point is fixed whatever the load, as
+    a kill timed from outside is not; the output."""
     run.mkdir(parents=True)
-    log = run.parent / f"{run.name}.out"
-    orphans = []
+    log, faults = run.parent / f"{run.name}.out", run.parent / f"{run.name}.faults.json"
+    faults.write_text(json.dumps([{"at": "rollout", "step": 4, "action": "kill_rank", "rank": 1}]))
     with open(log, "w") as out:  # a file, not a pipe: a killed rank's children keep what they inherited open
-        process = subprocess.Popen(command, cwd=ROOT, env=env(), stdout=out, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
+        process = subprocess.Popen(command, cwd=ROOT, env=dict(env(), GSPO_FAULTS=str(faults)), stdout=out,
+                                   stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            deadline = time.monotonic() + 600
-            while 3 not in logged_steps(run) and process.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.05)
-            rank1 = rank_process(process.pid, 1)
-            orphans = rank1.children(recursive=True)  # megatron's checkpoint writer's Manager, its resource tracker
-            rank1.kill()
             process.wait(timeout=600)
         finally:
-            if process.poll() is None:
+            left = still_running(in_session(process.pid), seconds=10)
+            if process.poll() is None or left:
                 os.killpg(process.pid, signal.SIGKILL)
-            left = [p for p in orphans if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-            for orphan in left:
-                orphan.kill()
     text = log.read_text(errors="replace")
     assert process.returncode == 0, text[-4000:]
-    assert orphans and not left, f"the killed rank's children outlived it: {left}"  # patches.megatron_checkpoint_writer
+    # The killed rank's checkpoint-writer Manager (started at step 2) dies with it: patches.megatron_checkpoint_writer
+    assert not left, f"processes of the run outlived it (pids {left})"
+    assert "fault injection: {'at': 'rollout', 'step': 4, 'action': 'kill_rank', 'rank': 1}" in text, text[-3000:]
     assert "torchrun restart 1 of 1: resuming from" in text and "step_000002" in text, text[-3000:]
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == list(range(1, STEPS + 1))
     assert logged_steps(run)[:4] == [1, 2, 3, 3]  # step 3 done twice: after the failure, from step 2's checkpoint
