@@ -46,11 +46,13 @@ def make_loss_fn(data: dict, entropy_coef: float, calls: list | None = None):
         mask = data["mask"][sequences]
         count = mask.sum(-1).clamp_min(1)
         log_ratio = torch.where(mask, logp - data["old"][sequences].to(logp.dtype), 0).sum(-1) / count
-        loss = -(data["advantages"][sequences].to(logp.dtype) * torch.exp(log_ratio)).sum()
-        loss = loss + 0.1 * (torch.where(mask, logp, 0) ** 2 * data["weights"][sequences].to(logp.dtype)).sum()
+        terms = [-data["advantages"][sequences].to(logp.dtype) * torch.exp(log_ratio),
+                 0.1 * torch.where(mask, logp, 0) ** 2 * data["weights"][sequences].to(logp.dtype)]
         if entropy is not None:
-            loss = loss - entropy_coef * (torch.where(mask, entropy, 0).sum(-1) / count).sum()
-        return loss, {"log_ratio": log_ratio.detach(), "tokens": mask.sum()}
+            terms.append(-entropy_coef * torch.where(mask, entropy, 0).sum(-1) / count)
+        loss = sum(t.sum() for t in terms)
+        scale = sum(t.detach().abs().sum() for t in terms)  # what the loss's rounding is relative to
+        return loss, {"log_ratio": log_ratio.detach(), "tokens": mask.sum(), "scale": scale}
 
     return loss_fn
 
@@ -60,8 +62,8 @@ def reference(hidden, weight, targets, data, temperature, entropy, vocab_size=No
     logp, ent = naive_logprobs(h, w, targets, temperature, vocab_size)  # [s, b]
     loss, extras = make_loss_fn(data, 0.3)(slice(0, targets.shape[1]), logp.t(), ent.t() if entropy else None)
     loss.backward()
-    out = {"loss": loss.detach(), "logp": logp.detach().t(), "hidden_grad": h.grad, "weight_grad": w.grad,
-           "log_ratio": extras["log_ratio"]}
+    out = {"loss": loss.detach(), "loss_scale": extras["scale"], "logp": logp.detach().t(), "hidden_grad": h.grad,
+           "weight_grad": w.grad, "log_ratio": extras["log_ratio"]}
     if entropy:
         out["entropy"] = ent.detach().t()
     return out

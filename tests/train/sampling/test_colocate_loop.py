@@ -1,7 +1,8 @@
 """rollout.colocate through the real CLI: the tiny CPU example (world 1) with its launched SGLang server colocated.
 Every step releases the server's memory after the rollout and syncs through update_weights_from_tensor (resuming
 the weights, then the KV cache); each later step's rollout log-probs then equal the trainer's (fp32, as with
-separate servers: ``tests/test_launch_cluster.py``). On CPU the release frees nothing (``tests/rollout/test_colocate.py``).
+separate servers: ``tests/test_launch_cluster.py``), and its updates (the optimizer state offloaded between them)
+equal a plain run's on the same rollouts. On CPU the release frees nothing (``tests/rollout/test_colocate.py``).
 """
 
 from __future__ import annotations
@@ -24,49 +25,48 @@ ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.mark.megatron  # trains the Megatron policy through the CLI
-def test_colocated_loop_syncs_by_tensor_and_matches_the_trainer(tmp_path):
+def test_colocated_loop_syncs_by_tensor_matches_the_trainer_and_trains_as_a_plain_run(tmp_path):
     require_sglang()
     (tmp_path / "rollouts").mkdir()
-    records = _colocated_run(tmp_path, "run", RECORD_ROLLOUTS=str(tmp_path / "rollouts"))
+    records = _run(tmp_path, "run", "rollout.colocate=true", "rollout.colocate_offload=optimizer",
+                   RECORD_ROLLOUTS=str(tmp_path / "rollouts"))
     assert [r["step"] for r in records] == [1, 2, 3]
     diffs = [r["logprob_diff_max"] for r in records]
     print("colocated: logprob_diff_max per step", diffs, "release s", [r["colocate/release_seconds"] for r in records],
-          "sync s", [r["weight_sync/seconds"] for r in records])
+          "sync s", [r["weight_sync/seconds"] for r in records], "bytes offloaded",
+          [r["colocate/offload_bytes"] for r in records], "grad buffers", [r["colocate/grad_buffer_bytes"] for r in records],
+          "offload s", [r["colocate/offload_seconds"] for r in records], "reload s",
+          [r.get("colocate/reload_seconds") for r in records])
     # Steps 2 and 3 roll out with the weights step 1 and 2 wrote through tensor handles: fp32 agreement.
     assert max(diffs) < 1e-4, diffs
     assert all(r["weight_sync/tensors"] > 0 and r["colocate/release_seconds"] >= 0 for r in records), records
     assert "eval_reward_mean" in records[1]  # the eval after step 2's sync generated on resumed servers
-
     # rollout.colocate_offload=optimizer: the optimizer state on the host and the gradient buffers freed between
-    # updates changes nothing: on the same rollouts, the same losses and gradient norms at every step, and after
-    # step 2's update (Adam's moments offloaded after step 1 and reloaded) the same weights and optimizer state, bit
-    # for bit; step 2's checkpoint was written from the host copies. The offloaded run generates with its own server
-    # as usual and then trains on this run's recorded rollouts (tests/record_rollouts.py): SGLang's CPU server
-    # samples from its scheduler's RNG, so two launches draw other tokens when their requests are batched
-    # differently (CI on 4a01b6f, a quiet machine: step 1's loss -0.0508 vs -0.0540).
-    offloaded = _colocated_run(tmp_path, "offload", "rollout.colocate_offload=optimizer",
-                               REPLAY_ROLLOUTS=str(tmp_path / "rollouts"))
-    assert (tmp_path / "offload" / "ck" / "latest").read_text() == "step_000003"  # saved from the host copies
+    # updates; Adam's moments offloaded after step 1 and reloaded for step 2; step 2's checkpoint written from the
+    # host copies.
+    assert (tmp_path / "run" / "ck" / "latest").read_text() == "step_000003"
+    assert all(r["colocate/offload_bytes"] > 0 and r["colocate/grad_buffer_bytes"] > 0 for r in records), records
+    assert all(r["colocate/reload_seconds"] >= 0 for r in records[1:]) and "colocate/reload_seconds" not in records[0]
+
+    # Colocation and the offload change nothing in training: a plain run (no colocation, the local engine) that
+    # trains on this run's recorded rollouts (tests/record_rollouts.py: SGLang's CPU server samples from its
+    # scheduler's RNG, so two runs' rollouts differ) has the same losses and gradient norms at every step, and the
+    # same weights and optimizer state after step 2, bit for bit.
+    plain = _run(tmp_path, "plain", "rollout.engine=local", REPLAY_ROLLOUTS=str(tmp_path / "rollouts"))
     for key in ("loss", "grad_norm"):
-        assert [r[key] for r in offloaded] == [r[key] for r in records], key
-    (base, off), = run_on_ranks(final_weights, 1, None, str(tmp_path / "run" / "ck" / "step_000002"),
-                                str(tmp_path / "offload" / "ck" / "step_000002"), optimizer=True)
+        assert [r[key] for r in plain] == [r[key] for r in records], key
+    (base, off), = run_on_ranks(final_weights, 1, None, str(tmp_path / "plain" / "ck" / "step_000002"),
+                                str(tmp_path / "run" / "ck" / "step_000002"), optimizer=True)
     assert base.keys() == off.keys() and any(k.startswith("optimizer") for k in base) and len(base) > 10
     different = [k for k in base if not torch.equal(base[k], off[k])]
-    assert not different, f"offloaded run's step-2 weights / optimizer state differ: {different[:5]}"
-    assert all(r["colocate/offload_bytes"] > 0 and r["colocate/grad_buffer_bytes"] > 0 for r in offloaded), offloaded
-    assert all(r["colocate/reload_seconds"] >= 0 for r in offloaded[1:]) and "colocate/reload_seconds" not in offloaded[0]
-    print("offloaded: bytes", [r["colocate/offload_bytes"] for r in offloaded], "grad buffers",
-          [r["colocate/grad_buffer_bytes"] for r in offloaded], "offload s",
-          [r["colocate/offload_seconds"] for r in offloaded], "reload s",
-          [r.get("colocate/reload_seconds") for r in offloaded])
+    assert not different, f"the colocated, offloaded run's step-2 weights / optimizer state differ: {different[:5]}"
 
 
-def _colocated_run(tmp_path, name: str, *overrides: str, **env: str) -> list[dict]:
-    """The CPU example colocated at world 1 for 3 steps through ``tests.record_rollouts`` (``env``: RECORD_ROLLOUTS or
+def _run(tmp_path, name: str, *overrides: str, **env: str) -> list[dict]:
+    """The CPU example at world 1 for 3 steps through ``tests.record_rollouts`` (``env``: RECORD_ROLLOUTS or
     REPLAY_ROLLOUTS), an eval after step 2 and a checkpoint every 2 steps, in ``tmp_path / name``; its records."""
     cmd = [sys.executable, "-m", "tests.record_rollouts", "train", str(ROOT / "examples/tiny_moe_cpu.yaml"),
-           "rollout.colocate=true", *overrides, "train.steps=3", "train.eval_every=2", "model.warm_start_steps=5",
+           *overrides, "train.steps=3", "train.eval_every=2", "model.warm_start_steps=5",
            "rollout.prompts_per_step=4", "parallel.micro_batch_size=8", f"model.hf_dir={tmp_path / 'model'}",
            f"logging.dir={tmp_path / name}", f"checkpoint.dir={tmp_path / name / 'ck'}", "checkpoint.every=2",
            "logging.plot_every=0"]
