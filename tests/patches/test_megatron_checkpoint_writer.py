@@ -8,8 +8,11 @@ import sys
 from pathlib import Path
 
 import psutil
+import pytest
 
 from tests.processes import still_running
+
+pytestmark = pytest.mark.megatron  # one of our megatron patches, in a process of its own
 
 ROOT = Path(__file__).resolve().parents[2]
 RANK = """

@@ -35,6 +35,12 @@ from tests.train.torchrun_runs import ROOT, STEPS, env, logged_steps, two_ranks
 pytestmark = pytest.mark.megatron  # trains the Megatron policy through the CLI
 
 
+# What these add to the policy's step and checkpoints (which run on megatron-core 0.19 in the covering test, and the
+# checkpoint writer's patch in tests/patches) is torchrun's restart and the loop's resume: not run again on 0.19.
+COVERED = pytest.mark.megatron_covered_by(
+    "tests/train/records/test_checkpoint.py::test_resume_is_exact_ep2_distributed_optimizer")
+
+
 def _run_killing_rank_1(run: Path, command: list[str]) -> str:
     """Run ``command`` with rank 1 SIGKILLed as step 4's rollout starts (rank 0 generating, step 2's checkpoint the
     latest), by the fault schedule (``train.resilience.fault_injection``): the point is fixed whatever the load, as
@@ -63,6 +69,7 @@ def _run_killing_rank_1(run: Path, command: list[str]) -> str:
     return text
 
 
+@COVERED
 def test_a_killed_rank_is_restarted_and_the_run_resumes_exactly(tmp_path, uninterrupted_two_ranks):
     uninterrupted, model = uninterrupted_two_ranks
     restarted = tmp_path / "b"
@@ -86,6 +93,7 @@ def _gone(record: dict, seconds: float = 30.0) -> bool:
     return False
 
 
+@COVERED
 def test_a_killed_rank_is_restarted_with_the_sglang_server_kept_and_synced(tmp_path, uninterrupted_two_ranks):
     require_sglang()
     _, model = uninterrupted_two_ranks
