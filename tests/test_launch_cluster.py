@@ -51,14 +51,32 @@ def _stop(process: subprocess.Popen) -> None:
     process.wait(timeout=30)
 
 
-@pytest.mark.megatron  # trains the Megatron policy under torchrun
-def test_two_training_nodes_and_a_rollout_node(tmp_path):
-    require_sglang()
+def _example_model(tmp_path: Path) -> Path:
+    """The CPU example's model as its trainer builds it, from a shorter warm start (5 steps)."""
     from gspo_megatron.train.startup.bootstrap import build_tiny_model
     from gspo_megatron.train.startup.config import load_config
 
-    model = tmp_path / "model"  # the example's model as its trainer builds it, from a shorter warm start
+    model = tmp_path / "model"
     build_tiny_model(load_config(EXAMPLE, ["model.warm_start_steps=5"]), model)
+    return model
+
+
+def _wait_for_nodes(nodes: dict[str, subprocess.Popen], logs: dict[str, Path]) -> None:
+    """Wait (10 minutes in all) for each of ``nodes`` to exit 0; a failure shows its log's tail and the others'."""
+    deadline = time.monotonic() + 600
+    for name, process in nodes.items():
+        try:
+            code = process.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            code = "timed out"
+        others = "".join(f"\n--- {other}:\n{_tail(log, 15)}" for other, log in logs.items() if other != name)
+        assert code == 0, f"{name}: {code}\n{_tail(logs[name])}{others}"
+
+
+@pytest.mark.megatron  # trains the Megatron policy under torchrun
+def test_two_training_nodes_and_a_rollout_node(tmp_path):
+    require_sglang()
+    model = _example_model(tmp_path)
     server_port, master_port = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env.update(VENV=sys.prefix, HF_DIR=str(model), NET_IF="lo", OMP_NUM_THREADS="1",
@@ -87,13 +105,7 @@ def test_two_training_nodes_and_a_rollout_node(tmp_path):
         # The server and both nodes start at once: rank 0 waits for the server to answer (as on a cluster).
         for name, line in zip(("rollout", "node0", "node1"), lines):
             start(name, line)
-        deadline = time.monotonic() + 600
-        for node in ("node0", "node1"):
-            try:
-                code = processes[node].wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                code = "timed out"
-            assert code == 0, f"{node}: {code}\n{_tail(logs[node])}\n--- rollout:\n{_tail(logs['rollout'], 15)}"
+        _wait_for_nodes({node: processes[node] for node in ("node0", "node1")}, logs)
 
         records = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in records] == [1, 2]
@@ -123,11 +135,7 @@ def test_two_colocated_training_nodes(tmp_path):
     optimizer state and gradient buffers after each update and regains it before the next. After each sync both
     servers roll out, and their log-probs equal the trainer's (fp32)."""
     require_sglang()
-    from gspo_megatron.train.startup.bootstrap import build_tiny_model
-    from gspo_megatron.train.startup.config import load_config
-
-    model = tmp_path / "model"
-    build_tiny_model(load_config(EXAMPLE, ["model.warm_start_steps=5"]), model)
+    model = _example_model(tmp_path)
     servers, run = tmp_path / "servers", tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                                                              "ROLLOUT_URLS", "GPU_MEMORY_GIB")}
@@ -141,25 +149,19 @@ def test_two_colocated_training_nodes(tmp_path):
                  # the script's plan checks colocation as on GPUs: SGLang's share of the memory must be set
                  "rollout.server_args.mem_fraction_static=0.3",
                  "rollout.server_args.prompts_per_request=1"]  # 4 requests a step: both servers get some
-    logs = [tmp_path / f"node{n}.log" for n in range(2)]
-    processes = []
+    logs = {f"node{n}": tmp_path / f"node{n}.log" for n in range(2)}
+    processes = {}
     try:
-        for n, log in enumerate(logs):
+        for n, (name, log) in enumerate(logs.items()):
             with open(log, "wb") as out:
-                processes.append(subprocess.Popen(["bash", str(SCRIPT), *overrides], cwd=ROOT,
-                                                  env=dict(env, NODE_RANK=str(n)), stdout=out,
-                                                  stderr=subprocess.STDOUT, start_new_session=True))
-        deadline = time.monotonic() + 600
-        for n, process in enumerate(processes):
-            try:
-                code = process.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                code = "timed out"
-            assert code == 0, f"node {n}: {code}\n{_tail(logs[n])}\n--- the other node:\n{_tail(logs[1 - n], 15)}"
+                processes[name] = subprocess.Popen(["bash", str(SCRIPT), *overrides], cwd=ROOT,
+                                                   env=dict(env, NODE_RANK=str(n)), stdout=out,
+                                                   stderr=subprocess.STDOUT, start_new_session=True)
+        _wait_for_nodes(processes, logs)
     finally:
-        for process in processes:
+        for process in processes.values():
             _stop(process)
-    assert "colocated: fits" in logs[0].read_text(errors="replace")  # the script's plan ran first on each node
+    assert "colocated: fits" in logs["node0"].read_text(errors="replace")  # the script's plan ran first on each node
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     diffs = [r["logprob_diff_max"] for r in records]
     server_logs = [(servers / f"node_{n}" / "sglang_server_0.log").read_text() for n in range(2)]

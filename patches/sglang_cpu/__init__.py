@@ -1,4 +1,4 @@
-"""sglang 0.5.23 serving on CPU: two stand-in modules and one patch on the *server's* PYTHONPATH (never the
+"""sglang 0.5.23 serving on CPU: two stand-in modules and three patches on the *server's* PYTHONPATH (never the
 trainer's).
 
 Measured in shared/notes/sglang-on-cpu.md. ``python -m sglang.launch_server --device cpu`` (torch_native attention,
@@ -14,6 +14,10 @@ pytorch sampling) needs, in the CPU environment ``tools/install.sh`` builds:
   backend's decode attention loops over the running requests in Python, one SDPA call per request and layer; the
   patch attends every request in one masked SDPA call when sglang imports that backend (34% of a 115M MoE server's
   forward was that loop; 64 x 128-token rollouts 25.8 s -> ~19.6 s, bench/RESULTS.md). Only for sglang 0.5.23.
+- ``sitecustomize`` (``site/_gspo_fork_children.py``): a speed patch too. The server's scheduler and detokenizer
+  processes are forked from the launcher, which has imported what they run, instead of spawned (each import of
+  sglang, torch and transformers again): a tiny model's server is healthy after 12.1 s and 9.9 CPU-seconds instead of
+  18.6 s and 23.1 (``bench/server_start.py``). ``GSPO_SGLANG_START_METHOD=spawn`` restores SGLang's choice.
 - ``sitecustomize`` (``site/_gspo_cpu_host_alloc.py``): host buffers on a CPU device unpinned. Without it a server
   started with ``--enable-return-routed-experts`` (rollout routing replay) dies at start-up: the routed-experts
   capture's host cache is pinned and cudaHostRegistered ("Torch not compiled with CUDA enabled").

@@ -146,3 +146,32 @@ def test_server_processes_get_the_batched_decode(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-2:] == ["True", "alloc_unpinned alloc_with_host_register"], out.stdout
+
+
+def _library_base(pid: int, name: str) -> int:
+    """Where ``name`` (a shared library) is mapped in process ``pid``."""
+    for line in open(f"/proc/{pid}/maps"):
+        if line.rstrip().endswith(name) or f"/{name}" in line:
+            return int(line.split("-")[0], 16)
+    raise AssertionError(f"{name} is not mapped in process {pid}")
+
+
+def test_a_cpu_servers_scheduler_and_detokenizer_are_forked(engine, started_servers):
+    """``_gspo_fork_children``: the session's main server (already up: ``engine``) forked its children. A forked
+    child keeps its parent's address-space layout, where an exec'd (spawned) one gets a fresh random one: torch's
+    library sits at the launcher's address in both children."""
+    from pathlib import Path
+
+    import psutil
+
+    if Path("/proc/sys/kernel/randomize_va_space").read_text().strip() == "0":
+        pytest.skip("address-space randomisation is off here: a spawned child would map torch where its parent does")
+    _, started = started_servers
+    server = started["main"][0]
+    children = psutil.Process(server.process.pid).children()
+    names = sorted(c.name() for c in children if c.name().startswith("sglang::"))
+    assert names == ["sglang::detokenizer", "sglang::scheduler"], [c.cmdline() for c in children]
+    library = "libtorch_cpu.so"
+    launcher = _library_base(server.process.pid, library)
+    assert all(_library_base(c.pid, library) == launcher for c in children if c.name().startswith("sglang::"))
+    assert "scheduler and detokenizer are forked" in server.log_path.read_text()
