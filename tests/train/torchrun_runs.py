@@ -8,8 +8,6 @@ import shutil
 import sys
 from pathlib import Path
 
-import psutil
-
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 4  # of the runs of ``two_ranks``
 
@@ -28,17 +26,6 @@ def logged_steps(run: Path) -> list[int]:
     """Steps logged so far (complete lines only: the trainer may be writing the next)."""
     path = run / "metrics.jsonl"
     return [json.loads(line)["step"] for line in path.read_text().split("\n")[:-1]] if path.is_file() else []
-
-
-def rank_process(launcher_pid: int, rank: int) -> psutil.Process:
-    """The trainer process of global ``rank`` under the torchrun started as ``launcher_pid``."""
-    for child in psutil.Process(launcher_pid).children(recursive=True):
-        try:
-            if child.environ().get("RANK") == str(rank) and "gspo_megatron.cli" in " ".join(child.cmdline()):
-                return child
-        except psutil.Error:
-            continue
-    raise AssertionError(f"no rank {rank} under torchrun")
 
 
 def two_ranks(run: Path, model: Path, *extra: str, max_restarts: int = 0) -> list[str]:

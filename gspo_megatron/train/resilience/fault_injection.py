@@ -11,7 +11,8 @@ lands ``delay_s`` later, mid-generation; the other ranks as they start waiting f
 the weights are sent), ``checkpoint_written``
 (every rank, its checkpoint shards written, before the checkpoint is published). Actions: ``kill_server``
 (SIGKILL the first launched SGLang server's process group, after ``delay_s``), ``kill_rank`` (SIGKILL this process
-if it is global rank ``rank``). Each fault fires once per run: firing writes ``faults.json.fired.<index>`` next to
+if it is global rank ``rank``), ``signal_rank`` (send this process ``signal``, a name such as "SIGUSR1", if it is
+global rank ``rank``: a preemption notice arriving at that point). Each fault fires once per run: firing writes ``faults.json.fired.<index>`` next to
 the file, so a restarted or resumed trainer passing the same step again does not fire it twice.
 """
 
@@ -24,7 +25,7 @@ import threading
 from pathlib import Path
 
 POINTS = ("rollout", "weight_sync", "checkpoint_written")
-ACTIONS = ("kill_server", "kill_rank")
+ACTIONS = ("kill_server", "kill_rank", "signal_rank")
 ENV = "GSPO_FAULTS"
 
 
@@ -41,8 +42,10 @@ def load(path: str | Path) -> list[dict]:
             raise ValueError(f"{where}: action={fault.get('action')!r} is not one of {ACTIONS}")
         if not isinstance(fault.get("step"), int) or fault["step"] < 1:
             raise ValueError(f"{where}: step={fault.get('step')!r} must be an integer >= 1")
-        if fault["action"] == "kill_rank" and not isinstance(fault.get("rank"), int):
-            raise ValueError(f"{where}: kill_rank needs rank (an integer)")
+        if fault["action"] in ("kill_rank", "signal_rank") and not isinstance(fault.get("rank"), int):
+            raise ValueError(f"{where}: {fault['action']} needs rank (an integer)")
+        if fault["action"] == "signal_rank" and fault.get("signal") not in signal.Signals.__members__:
+            raise ValueError(f"{where}: signal={fault.get('signal')!r} is not a signal name such as 'SIGUSR1'")
     return faults
 
 
@@ -54,7 +57,7 @@ def at(point: str, step: int, engine=None) -> None:
     for index, fault in enumerate(load(path)):
         if fault["at"] != point or fault["step"] != step:
             continue
-        if fault["action"] == "kill_rank" and fault["rank"] != _rank():
+        if fault["action"] in ("kill_rank", "signal_rank") and fault["rank"] != _rank():
             continue
         if fault["action"] == "kill_server" and engine is None:
             continue  # only rank 0 holds the engine
@@ -65,6 +68,8 @@ def at(point: str, step: int, engine=None) -> None:
         print(f"gspo-megatron: fault injection: {fault}", flush=True)
         if fault["action"] == "kill_rank":
             os.kill(os.getpid(), signal.SIGKILL)
+        elif fault["action"] == "signal_rank":
+            os.kill(os.getpid(), signal.Signals[fault["signal"]])
         else:
             _kill_server_later(engine, float(fault.get("delay_s", 0.0)))
 

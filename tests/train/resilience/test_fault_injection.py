@@ -29,6 +29,9 @@ def _faults(tmp_path, faults) -> Path:
     ({"at": "rollout", "step": 0, "action": "kill_server"}, r"fault 0: step=0 must be an integer >= 1"),
     ({"at": "rollout", "step": 1, "action": "explode"}, r"fault 0: action='explode' is not one of"),
     ({"at": "rollout", "step": 1, "action": "kill_rank"}, r"fault 0: kill_rank needs rank"),
+    ({"at": "rollout", "step": 1, "action": "signal_rank", "signal": "SIGUSR1"}, r"fault 0: signal_rank needs rank"),
+    ({"at": "rollout", "step": 1, "action": "signal_rank", "rank": 0, "signal": "USR1"},
+     r"fault 0: signal='USR1' is not a signal name"),
 ])
 def test_bad_entries_name_index_and_field(tmp_path, fault, message):
     with pytest.raises(ValueError, match=message):
@@ -66,6 +69,18 @@ def test_kill_rank_kills_only_that_rank(tmp_path):
             for rank in (0, 1)}
     assert runs[0].returncode == 0 and "alive" in runs[0].stdout
     assert runs[1].returncode == -9 and "alive" not in runs[1].stdout
+
+
+def test_signal_rank_signals_only_that_rank(tmp_path):
+    path = _faults(tmp_path, [{"at": "rollout", "step": 2, "action": "signal_rank", "rank": 1, "signal": "SIGUSR1"}])
+    code = ("import signal; from gspo_megatron.train.resilience import fault_injection; "
+            "signal.signal(signal.SIGUSR1, lambda *a: print('got', signal.Signals(a[0]).name)); "
+            "fault_injection.at('rollout', 1); fault_injection.at('rollout', 2); print('alive')")
+    runs = {rank: subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                                 env=dict(os.environ, GSPO_FAULTS=str(path), RANK=str(rank), PYTHONPATH=str(ROOT)))
+            for rank in (0, 1)}
+    assert runs[0].returncode == 0 and runs[0].stdout.split("\n")[-2:] == ["alive", ""], runs[0].stdout
+    assert runs[1].returncode == 0 and "got SIGUSR1\nalive" in runs[1].stdout, runs[1].stdout + runs[1].stderr
 
 
 def test_no_schedule_no_faults(tmp_path, monkeypatch):

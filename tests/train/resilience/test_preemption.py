@@ -1,10 +1,11 @@
-"""Preemption through the CLI on 2 ranks (torchrun, EP 2, local engine): SIGUSR1 sent to rank 1 alone stops both
-ranks after the same step with a checkpoint of it and exit status 0; ``--resume`` then finishes the run with final
+"""Preemption through the CLI on 2 ranks (torchrun, EP 2, local engine): SIGUSR1 sent to rank 1 alone (in step 2) stops
+both ranks after the same step with a checkpoint of it and exit status 0; ``--resume`` then finishes the run with final
 weights bit-identical to an uninterrupted run's (CPU, fp32).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -17,7 +18,7 @@ import torch
 
 from gspo_megatron.parallel.launch import run_on_ranks
 from tests.train.saved import final_weights
-from tests.train.torchrun_runs import ROOT, STEPS, env, logged_steps, rank_process, two_ranks
+from tests.train.torchrun_runs import ROOT, STEPS, env, logged_steps, two_ranks
 
 pytestmark = pytest.mark.megatron  # trains the Megatron policy through the CLI
 
@@ -33,21 +34,21 @@ def test_a_signal_on_one_rank_stops_every_rank_after_the_same_step_and_resume_is
                                                                                         uninterrupted_two_ranks):
     uninterrupted, model = uninterrupted_two_ranks
     preempted = tmp_path / "b"
-    process = subprocess.Popen(_command(preempted, model), cwd=ROOT, env=env(), stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    # SIGUSR1 to rank 1 only, as it starts waiting for step 2's rollout (the fault schedule: the same point whatever
+    # the machine's load); rank 0 learns of it at the step boundary.
+    faults = tmp_path / "faults.json"
+    faults.write_text(json.dumps([{"at": "rollout", "step": 2, "action": "signal_rank", "rank": 1,
+                                   "signal": "SIGUSR1"}]))
+    process = subprocess.Popen(_command(preempted, model), cwd=ROOT, env=dict(env(), GSPO_FAULTS=str(faults)),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        deadline = time.monotonic() + 600
-        while not logged_steps(preempted) and process.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        rank_process(process.pid, 1).send_signal(signal.SIGUSR1)  # rank 1 only: rank 0 learns of it at the step boundary
         stdout, stderr = process.communicate(timeout=600)
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
     assert process.returncode == 0, stderr[-3000:]
-    stopped = logged_steps(preempted)[-1]
-    assert 1 < stopped < STEPS, f"stopped after step {stopped}: the signal came too late to test resume"
-    assert logged_steps(preempted) == list(range(1, stopped + 1))
+    stopped = 2  # the step the signal arrived in, finished by every rank
+    assert logged_steps(preempted) == list(range(1, stopped + 1)), stderr[-3000:]
     assert (preempted / "ck" / "latest").read_text() == f"step_{stopped:06d}"
     assert f"stopped by a signal after step {stopped} of {STEPS}" in stdout and "SIGUSR1" in stderr
 
