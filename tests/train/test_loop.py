@@ -1,4 +1,4 @@
-"""The trainer end to end (local engine, world=1): metrics, plots, checkpoints, and exact resume after SIGKILL
+"""The trainer end to end (local engine, world=1): metrics, plots, checkpoints, and exact resume after SIGKILL in step 3
 (the uninterrupted run saves asynchronously, the resumed one synchronously: the final weights are bit-identical).
 
 The SGLang path of the same loop is tested in tests/rollout (server on loopback) and by the CPU example.
@@ -13,7 +13,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -65,17 +64,20 @@ def test_train_logs_plots_and_resumes_exactly(tmp_path):
     assert (uninterrupted / "metrics.png").read_bytes()[:4] == b"\x89PNG"
     assert (uninterrupted / "ck" / "latest").read_text() == "step_000003"
 
-    # Same run, SIGKILLed once its step-2 checkpoint exists, then resumed to the end.
+    # Same run, SIGKILLed as step 3's rollout starts (the fault schedule: at that point whatever the machine's load),
+    # its step-2 checkpoint the latest, then resumed to the end.
     resumed = tmp_path / "b"
-    env = dict(os.environ, WORLD_SIZE="1")
-    process = subprocess.Popen(_command(resumed, 3), cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.monotonic() + 600
-    while not (resumed / "ck" / "latest").is_file() and process.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
-    assert (resumed / "ck" / "latest").read_text() == "step_000002", "killed too late to test resume"
+    faults = tmp_path / "faults.json"
+    faults.write_text(json.dumps([{"at": "rollout", "step": 3, "action": "kill_rank", "rank": 0}]))
+    process = subprocess.Popen(_command(resumed, 3), cwd=ROOT, env=dict(os.environ, WORLD_SIZE="1",
+                                                                         GSPO_FAULTS=str(faults)),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        assert process.wait(timeout=600) == -signal.SIGKILL
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert (resumed / "ck" / "latest").read_text() == "step_000002"
     out = _train(resumed, 3, "--resume")
     assert f"gspo-megatron train: resumed from {resumed / 'ck' / 'step_000002'} at step 2 of 3" in out.stdout, out.stdout
     assert (resumed / "ck" / "latest").read_text() == "step_000003"
