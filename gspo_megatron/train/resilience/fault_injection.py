@@ -1,4 +1,5 @@
-"""Faults on a schedule, for the soak run (``bench/soak.py``): what a long run meets, at the worst moments.
+"""Faults on a schedule, for the soak run (``bench/soak.py``): what a long run meets, at the worst moments; and for
+the tests that need a fault at a fixed point of a run, whatever the machine's load.
 
 ``GSPO_FAULTS=/path/faults.json`` (unset: every call here is a no-op) holds a list of faults:
 
@@ -6,14 +7,15 @@
      {"at": "weight_sync", "step": 90, "action": "kill_server"},
      {"at": "checkpoint_written", "step": 150, "action": "kill_rank", "rank": 1}]
 
-``at`` names a point the trainer passes once per step: ``rollout`` (rank 0 before generation starts: the kill
-lands ``delay_s`` later, mid-generation; the other ranks as they start waiting for that step's rollout), ``weight_sync`` (rank 0, a distributed update open on the servers, before
-the weights are sent), ``checkpoint_written``
-(every rank, its checkpoint shards written, before the checkpoint is published). Actions: ``kill_server``
-(SIGKILL the first launched SGLang server's process group, after ``delay_s``), ``kill_rank`` (SIGKILL this process
-if it is global rank ``rank``), ``signal_rank`` (send this process ``signal``, a name such as "SIGUSR1", if it is
-global rank ``rank``: a preemption notice arriving at that point). Each fault fires once per run: firing writes ``faults.json.fired.<index>`` next to
-the file, so a restarted or resumed trainer passing the same step again does not fire it twice.
+``at`` names a point the trainer passes once per step: ``rollout`` (rank 0 before generation starts: the kill lands
+``delay_s`` later, mid-generation; the other ranks as they start waiting for that step's rollout), ``weight_sync``
+(rank 0, a distributed update open on the servers, before the weights are sent), ``checkpoint_written`` (every rank,
+its checkpoint shards written, before the checkpoint is published). Actions: ``kill_server`` (SIGKILL the first
+launched SGLang server's process group, after ``delay_s``), ``kill_rank`` (SIGKILL this process if it is global rank
+``rank``), ``signal_rank`` (send this process ``signal``, a name such as "SIGUSR1", if it is global rank ``rank``: a
+preemption notice arriving at that point). Each fault fires once per run: firing writes
+``faults.json.fired.<index>`` next to the file, so a restarted or resumed trainer passing the same step again does
+not fire it twice.
 """
 
 from __future__ import annotations

@@ -34,7 +34,8 @@ def test_colocated_loop_syncs_by_tensor_matches_the_trainer_and_trains_as_a_plai
     diffs = [r["logprob_diff_max"] for r in records]
     print("colocated: logprob_diff_max per step", diffs, "release s", [r["colocate/release_seconds"] for r in records],
           "sync s", [r["weight_sync/seconds"] for r in records], "bytes offloaded",
-          [r["colocate/offload_bytes"] for r in records], "grad buffers", [r["colocate/grad_buffer_bytes"] for r in records],
+          [r["colocate/offload_bytes"] for r in records], "grad buffers",
+          [r["colocate/grad_buffer_bytes"] for r in records],
           "offload s", [r["colocate/offload_seconds"] for r in records], "reload s",
           [r.get("colocate/reload_seconds") for r in records])
     # Steps 2 and 3 roll out with the weights step 1 and 2 wrote through tensor handles: fp32 agreement.
