@@ -13,6 +13,7 @@ cores the three processes of one start compete with each other already.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -20,6 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import psutil
+import requests
 
 from gspo_megatron.rollout import SGLangConfig, synthetic
 from gspo_megatron.rollout.server import start_servers
@@ -41,8 +43,6 @@ def _cpu_seconds(pid: int) -> float:
 
 def start_once(config: SGLangConfig, method: str) -> tuple[float, float]:
     """Wall seconds to healthy and CPU-seconds used by then, for one server started with ``method``."""
-    import os
-
     os.environ[ENV] = method  # the server's environment is this one's (server_env copies it)
     t = time.perf_counter()
     server, = start_servers(config)
@@ -50,8 +50,6 @@ def start_once(config: SGLangConfig, method: str) -> tuple[float, float]:
         server.wait_ready(config.startup_timeout_s)
         wall = time.perf_counter() - t
         cpu = _cpu_seconds(server.process.pid)
-        import requests
-
         out = requests.post(f"{server.url}/generate", json={"text": "rev abc=", "sampling_params": {
             "max_new_tokens": 4, "temperature": 0.0}}, timeout=60)
         out.raise_for_status()

@@ -36,6 +36,8 @@ from pathlib import Path
 
 import psutil
 
+from gspo_megatron.train.resilience import fault_injection
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -61,9 +63,10 @@ def command(out: Path, steps: int, checkpoint_every: int, *extra: str) -> list[s
             "rollout.max_server_restarts=4", *extra]
 
 
-def env(faults: Path) -> dict:
+def env(scheduled: dict) -> dict:
+    """This environment without a launcher's rank variables, with the fault schedule ``scheduled`` turns on."""
     clean = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    return dict(clean, OMP_NUM_THREADS="1", GSPO_FAULTS=str(faults), PYTHONPATH=str(ROOT))
+    return dict(clean, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **scheduled)
 
 
 def records(run: Path) -> list[dict]:
@@ -115,13 +118,12 @@ def main() -> int:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     plan = schedule(args.steps, args.checkpoint_every)
-    faults = out / "faults.json"
-    faults.write_text(json.dumps(plan["faults"], indent=1))
+    scheduled = fault_injection.write(out / "faults.json", plan["faults"])
     print(f"soak: {args.steps} steps, faults {plan['faults']}, SIGTERM after step {plan['sigterm_at']}")
     cmd = command(out, args.steps, args.checkpoint_every)
-    status1, seconds1 = launch(cmd, env(faults), out / "trainer.log", plan["sigterm_at"], out / "run")
+    status1, seconds1 = launch(cmd, env(scheduled), out / "trainer.log", plan["sigterm_at"], out / "run")
     print(f"first launch: exit {status1} after {seconds1:.0f} s")
-    status2, seconds2 = launch(cmd + ["--resume"], env(faults), out / "trainer.log", None, out / "run")
+    status2, seconds2 = launch(cmd + ["--resume"], env(scheduled), out / "trainer.log", None, out / "run")
     print(f"resumed: exit {status2} after {seconds2:.0f} s")
     return report(out, args.steps, plan, [status1, status2], seconds1 + seconds2)
 

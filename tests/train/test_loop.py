@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from gspo_megatron.parallel.launch import run_on_ranks
+from gspo_megatron.train.resilience import fault_injection
 from tests import warm_cli
 from tests.train.saved import final_weights
 
@@ -67,10 +68,9 @@ def test_train_logs_plots_and_resumes_exactly(tmp_path):
     # Same run, SIGKILLed as step 3's rollout starts (the fault schedule: at that point whatever the machine's load),
     # its step-2 checkpoint the latest, then resumed to the end.
     resumed = tmp_path / "b"
-    faults = tmp_path / "faults.json"
-    faults.write_text(json.dumps([{"at": "rollout", "step": 3, "action": "kill_rank", "rank": 0}]))
-    process = subprocess.Popen(_command(resumed, 3), cwd=ROOT, env=dict(os.environ, WORLD_SIZE="1",
-                                                                         GSPO_FAULTS=str(faults)),
+    scheduled = fault_injection.write(tmp_path / "faults.json",
+                                      [{"at": "rollout", "step": 3, "action": "kill_rank", "rank": 0}])
+    process = subprocess.Popen(_command(resumed, 3), cwd=ROOT, env=dict(os.environ, WORLD_SIZE="1", **scheduled),
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         assert process.wait(timeout=600) == -signal.SIGKILL

@@ -51,6 +51,14 @@ def load(path: str | Path) -> list[dict]:
     return faults
 
 
+def write(path: str | Path, faults: list[dict]) -> dict[str, str]:
+    """Write the schedule ``faults`` to ``path``, checked as ``load`` checks it (a bad entry fails here, before any
+    run starts); the environment entry that turns it on, ``{GSPO_FAULTS: path}``."""
+    Path(path).write_text(json.dumps(faults, indent=1))
+    load(path)
+    return {ENV: str(path)}
+
+
 def at(point: str, step: int, engine=None) -> None:
     """The trainer passes ``point`` in ``step``: fire the faults scheduled there (once each per run)."""
     path = os.environ.get(ENV)

@@ -69,7 +69,7 @@ class RolloutSource:
         serves. Staleness (mean, max) is ``version`` minus the samples' versions."""
         cfg = self.cfg
         if not self.rank0:  # rank 0 passes this point in rounds.produce, as its generation starts
-            fault_injection.at("rollout", step)  # the soak run's schedule (GSPO_FAULTS); nothing otherwise
+            fault_injection.at("rollout", step)  # the fault schedule (GSPO_FAULTS); nothing otherwise
         if not self.ahead:  # sync: sampled now (with dynamic sampling: more prompts drawn as rank 0 needs them)
             # (partial rollouts: rank 0 draws every prompt as it starts groups, the others as many)
             first = [] if cfg.rollout.partial_chunk_tokens else self.prompts.next(cfg.rollout.prompts_per_step)

@@ -26,6 +26,7 @@ import torch
 from gspo_megatron.parallel.launch import run_on_ranks
 from gspo_megatron.rollout.server_watchdog import running
 from gspo_megatron.train.records.metrics_log import read_metrics
+from gspo_megatron.train.resilience import fault_injection
 from tests.processes import in_session, still_running
 from tests.processes import running as process_running
 from tests.rollout.helpers import require_sglang
@@ -46,10 +47,11 @@ def _run_killing_rank_1(run: Path, command: list[str]) -> str:
     latest), by the fault schedule (``train.resilience.fault_injection``): the point is fixed whatever the load, as
     a kill timed from outside is not; the output."""
     run.mkdir(parents=True)
-    log, faults = run.parent / f"{run.name}.out", run.parent / f"{run.name}.faults.json"
-    faults.write_text(json.dumps([{"at": "rollout", "step": 4, "action": "kill_rank", "rank": 1}]))
+    log = run.parent / f"{run.name}.out"
+    scheduled = fault_injection.write(run.parent / f"{run.name}.faults.json",
+                                      [{"at": "rollout", "step": 4, "action": "kill_rank", "rank": 1}])
     with open(log, "w") as out:  # a file, not a pipe: a killed rank's children keep what they inherited open
-        process = subprocess.Popen(command, cwd=ROOT, env=dict(env(), GSPO_FAULTS=str(faults)), stdout=out,
+        process = subprocess.Popen(command, cwd=ROOT, env=dict(env(), **scheduled), stdout=out,
                                    stderr=subprocess.STDOUT, start_new_session=True)
         try:
             process.wait(timeout=600)

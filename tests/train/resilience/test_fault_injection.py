@@ -36,6 +36,8 @@ def _faults(tmp_path, faults) -> Path:
 def test_bad_entries_name_index_and_field(tmp_path, fault, message):
     with pytest.raises(ValueError, match=message):
         fault_injection.load(_faults(tmp_path, [fault]))
+    with pytest.raises(ValueError, match=message):  # a run's schedule is checked as it is written
+        fault_injection.write(tmp_path / "written.json", [fault])
 
 
 def test_kill_server_fires_once_at_its_point_and_step(tmp_path, monkeypatch):

@@ -5,7 +5,6 @@ weights bit-identical to an uninterrupted run's (CPU, fp32).
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -17,6 +16,7 @@ import pytest
 import torch
 
 from gspo_megatron.parallel.launch import run_on_ranks
+from gspo_megatron.train.resilience import fault_injection
 from tests.train.saved import final_weights
 from tests.train.torchrun_runs import ROOT, STEPS, env, logged_steps, two_ranks
 
@@ -36,10 +36,9 @@ def test_a_signal_on_one_rank_stops_every_rank_after_the_same_step_and_resume_is
     preempted = tmp_path / "b"
     # SIGUSR1 to rank 1 only, as it starts waiting for step 2's rollout (the fault schedule: the same point whatever
     # the machine's load); rank 0 learns of it at the step boundary.
-    faults = tmp_path / "faults.json"
-    faults.write_text(json.dumps([{"at": "rollout", "step": 2, "action": "signal_rank", "rank": 1,
-                                   "signal": "SIGUSR1"}]))
-    process = subprocess.Popen(_command(preempted, model), cwd=ROOT, env=dict(env(), GSPO_FAULTS=str(faults)),
+    scheduled = fault_injection.write(tmp_path / "faults.json", [{"at": "rollout", "step": 2, "action": "signal_rank",
+                                                                  "rank": 1, "signal": "SIGUSR1"}])
+    process = subprocess.Popen(_command(preempted, model), cwd=ROOT, env=dict(env(), **scheduled),
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         stdout, stderr = process.communicate(timeout=600)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from gspo_megatron.train.resilience import fault_injection
 from tests import warm_cli
 from tests.rollout.helpers import require_sglang
 
@@ -22,13 +23,13 @@ ROOT = Path(__file__).resolve().parents[3]
 
 def test_server_killed_inside_a_weight_update_is_restarted_and_the_update_sent_again(tmp_path):
     require_sglang()
-    faults = tmp_path / "faults.json"
-    faults.write_text(json.dumps([{"at": "weight_sync", "step": 1, "action": "kill_server"}]))
+    scheduled = fault_injection.write(tmp_path / "faults.json",
+                                      [{"at": "weight_sync", "step": 1, "action": "kill_server"}])
     cmd = [sys.executable, "-m", "gspo_megatron.cli", "train", str(ROOT / "examples/tiny_moe_cpu.yaml"),
            "train.steps=3", "train.eval_every=0", "model.warm_start_steps=2", "rollout.prompts_per_step=4",
            "parallel.micro_batch_size=8", f"model.hf_dir={tmp_path / 'model'}", f"logging.dir={tmp_path / 'run'}",
            "checkpoint.dir=", "logging.plot_every=0", "logging.tensorboard=false", "data.reward_workers=0"]
-    env = dict(os.environ, WORLD_SIZE="1", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), GSPO_FAULTS=str(faults))
+    env = dict(os.environ, WORLD_SIZE="1", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **scheduled)
     out = warm_cli.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     assert (tmp_path / "faults.json.fired.0").is_file()  # the kill happened, inside step 1's update
