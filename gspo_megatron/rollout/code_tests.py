@@ -1,45 +1,90 @@
 """The code-execution reward (``data.reward=code_tests``): the response's program against the prompt's tests, in the
-sandbox (``rollout.sandbox``). Reward = the fraction of tests passed.
+sandbox (``rollout.sandbox``, ``data.sandbox``). Reward = the fraction of tests passed.
 
 The program is the last fenced code block of the response (```python ... ``` or ``` ... ```), else the whole
 response. The prompt record carries the tests as its label (``"tests"``, or ``"answer"``/``"label"``), a list of
 either
     "assert add(1, 2) == 3"                   statements run after the program, in its namespace (one sandbox run
-                                              for all of them; each passes if it raises nothing), or
+                                              for all of them; each passes if it raises nothing and its asserts
+                                              hold), or
     {"input": "1 2\\n", "output": "3"}       stdin for one run of the program and its expected stdout (compared
-                                              with surrounding whitespace stripped; one sandbox run per pair).
+                                              with surrounding whitespace stripped; one sandbox run per pair; the
+                                              expected output never enters the sandbox).
 A program killed by a limit (time, CPU, memory, output) passes no test of that run (statements that passed before
 the kill count).
+
+Passes cannot be forged from inside the program's process, where anything (builtins, AssertionError, the harness's
+frames) can be replaced: the grader, in this process, splits each top-level ``assert`` into its operands and its
+comparison. Operands that are literals (the expected values, as in ``assert add(1, 2) == 3``) stay here; the others
+are evaluated in the sandbox and come back as plain values (None, bool, int, float, str, bytes, list, tuple, set,
+dict, and numpy's scalars and arrays as their Python values; anything else fails the test: an object whose
+``__eq__`` always says True is not a value). The comparison is made here. A program that takes over the harness can
+report any values it likes, but without the expected ones it can only report its answers. An assert inside a
+function or loop of a test cannot be split and is refused as a bad label.
 """
 
 from __future__ import annotations
 
+import ast
 import json
+import operator
 import re
-import secrets
 
 from .sandbox import Limits, run_python
 
 _FENCE = re.compile(r"```[^\n`]*\n(.*?)```", re.DOTALL)
 
-# Runs the program, then each test, reporting each pass as it happens (so a test that hangs keeps the earlier
-# ones). The nonce keeps the program's own output from counting as passes (not hardened: a program that inspects
-# its caller's frame can find it).
+# Runs the program, then each test's steps (statements run, or operands evaluated and sent back as plain values),
+# reporting each test as it finishes (so a test that hangs keeps the earlier ones) as a JSON line on the original
+# stdout; the program's own stdout goes to stderr.
 _HARNESS = """
-import os, sys
-os.remove(__file__)  # the program cannot read the nonce from this file
+import json, os, sys
+_report = os.dup(1)
+os.dup2(2, 1)
+
+def _plain(v):
+    t = type(v)
+    if v is None or t in (bool, int, str):
+        return v
+    if t is float:
+        return {{"float": repr(v)}}
+    if t is bytes:
+        return {{"bytes": v.hex()}}
+    if t is list:
+        return [_plain(x) for x in v]
+    if t is tuple:
+        return {{"tuple": [_plain(x) for x in v]}}
+    if t in (set, frozenset):
+        return {{"set": [_plain(x) for x in v]}}
+    if t is dict:
+        return {{"dict": [[_plain(k), _plain(x)] for k, x in v.items()]}}
+    if t.__module__ == "numpy" and hasattr(v, "tolist"):
+        return _plain(v.tolist())
+    raise TypeError(f"not a plain value: {{t.__name__}}")
+
 _ns = {{"__name__": "__main__"}}
 try:
     exec(compile({program!r}, "solution.py", "exec"), _ns)
 except BaseException:
-    sys.exit(0)
-for _i, _test in enumerate({tests!r}):
+    os._exit(0)
+for _i, _steps in enumerate({tests!r}):
+    _values = []
     try:
-        exec(compile(_test, "test", "exec"), _ns)
+        for _kind, _source in _steps:
+            if _kind == "run":
+                exec(compile(_source, "test", "exec"), _ns)
+            else:
+                _values.append([_plain(eval(compile(s, "test", "eval"), _ns)) for s in _source])
+        _line = json.dumps({{"test": _i, "values": _values}})
     except BaseException:
-        continue
-    print("\\n{nonce}", _i, flush=True)
+        _line = json.dumps({{"test": _i, "error": True}})
+    os.write(_report, (_line + "\\n").encode())
 """
+
+_COMPARE = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le,
+            ast.Gt: operator.gt, ast.GtE: operator.ge, ast.In: lambda a, b: a in b,
+            ast.NotIn: lambda a, b: a not in b, ast.Is: lambda a, b: _same(a, b),
+            ast.IsNot: lambda a, b: not _same(a, b)}
 
 
 def extract_program(response: str) -> str:
@@ -54,9 +99,91 @@ def parse_tests(label) -> list:
     if not isinstance(tests, list) or not tests:
         raise ValueError(f"code_tests needs a non-empty list of tests as the prompt's label, got {str(label)[:80]!r}")
     for test in tests:
-        if not (isinstance(test, str) or (isinstance(test, dict) and {"input", "output"} <= set(test))):
+        if isinstance(test, str):
+            _plan(test)  # a statement that does not parse, or an assert that cannot be split, is a bad label
+        elif not (isinstance(test, dict) and {"input", "output"} <= set(test)):
             raise ValueError(f"a code test is an assert statement or {{input, output}}, got {str(test)[:80]!r}")
     return tests
+
+
+class _Check:
+    """One top-level assert: its operands (a literal's value, or None for one the sandbox evaluates) and how they
+    compare; ``expressions`` are the operands sent to the sandbox."""
+
+    def __init__(self, test: ast.expr):
+        if isinstance(test, ast.Compare):
+            operands, self.ops = [test.left, *test.comparators], [_COMPARE[type(op)] for op in test.ops]
+        elif isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+            operands, self.ops = [test.operand], [lambda value, _: not value]
+            operands.append(ast.Constant(None))
+        else:
+            operands, self.ops = [test, ast.Constant(None)], [lambda value, _: bool(value)]
+        self.literals, self.expressions = [], []
+        for node in operands:
+            try:
+                self.literals.append((True, ast.literal_eval(node)))
+            except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+                self.literals.append((False, None))
+                self.expressions.append(ast.unparse(node))
+
+    def holds(self, values: list) -> bool:
+        values = iter(values)
+        operands = [literal if known else _decode(next(values)) for known, literal in self.literals]
+        return all(op(a, b) for op, a, b in zip(self.ops, operands, operands[1:]))
+
+
+def _plan(test: str) -> tuple[list, list[_Check]]:
+    """A test statement as the harness's steps (("run", statements) or ("eval", operands)) and its checks."""
+    try:
+        module = ast.parse(test)
+    except SyntaxError as e:
+        raise ValueError(f"the code test {test[:80]!r} does not parse: {e.msg}") from None
+    steps, checks = [], []
+    for statement in module.body:
+        if isinstance(statement, ast.Assert):
+            checks.append(_Check(statement.test))
+            steps.append(("eval", checks[-1].expressions))
+            continue
+        if any(isinstance(node, ast.Assert) for node in ast.walk(statement)):
+            raise ValueError(f"the code test {test[:80]!r} has an assert inside a block: write its asserts as "
+                             "top-level statements (the grader compares their values outside the program)")
+        steps.append(("run", ast.unparse(statement)))
+    return steps, checks
+
+
+def _decode(value):
+    """A plain value from the harness's JSON (see ``_plain`` in the harness)."""
+    if isinstance(value, list):
+        return [_decode(x) for x in value]
+    if not isinstance(value, dict):
+        return value
+    (kind, inner), = value.items()
+    if kind == "float":
+        return float(inner)
+    if kind == "bytes":
+        return bytes.fromhex(inner)
+    if kind == "tuple":
+        return tuple(_decode(x) for x in inner)
+    if kind == "set":
+        return {_decode(x) for x in inner}
+    return {_decode(k): _decode(x) for k, x in inner}
+
+
+def _same(a, b) -> bool:
+    """``is`` between plain values: identity for None, True and False, else equal and of the same type."""
+    if a is None or b is None or isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    return type(a) is type(b) and a == b
+
+
+def _passes(report: dict, checks: list[_Check]) -> bool:
+    values = report.get("values")
+    if "error" in report or not isinstance(values, list) or len(values) != len(checks):
+        return False
+    try:
+        return all(check.holds(v) for check, v in zip(checks, values))
+    except Exception:  # a malformed report (the program can write to the channel): not a pass
+        return False
 
 
 def passed_tests(program: str, tests: list, limits: Limits = Limits()) -> int:
@@ -64,9 +191,18 @@ def passed_tests(program: str, tests: list, limits: Limits = Limits()) -> int:
     statements = [t for t in tests if isinstance(t, str)]
     passed = 0
     if statements:
-        nonce = secrets.token_hex(16)
-        result = run_python(_HARNESS.format(program=program, tests=statements, nonce=nonce), limits=limits)
-        passed += len({line.split()[1] for line in result.stdout.splitlines() if line.startswith(nonce + " ")})
+        plans = [_plan(t) for t in statements]
+        result = run_python(_HARNESS.format(program=program, tests=[steps for steps, _ in plans]), limits=limits)
+        reports: dict[int, list] = {}
+        for line in result.stdout.splitlines():
+            try:
+                report = json.loads(line)
+                reports.setdefault(int(report["test"]), []).append(report)
+            except (ValueError, TypeError, KeyError):
+                continue
+        # A test reported twice was reported by the program too: not a pass.
+        passed += sum(len(reports.get(i, [])) == 1 and _passes(reports[i][0], checks)
+                      for i, (_, checks) in enumerate(plans))
     for test in (t for t in tests if isinstance(t, dict)):
         result = run_python(program, stdin=str(test["input"]), limits=limits)
         passed += result.ok and result.stdout.strip() == str(test["output"]).strip()

@@ -4,6 +4,7 @@ The reward pool (``rollout.reward_pool``): a reward that hangs is killed at its 
 process is noticed, both masked and counted whatever ``on_error`` says, the other samples of the batch scored, and
 the pool goes on with fresh workers. ``code_tests`` (``rollout.code_tests``, ``rollout.sandbox``): right 1.0, wrong
 0.0, partly right the fraction; an infinite loop, a memory bomb and endless output are stopped by their limits.
+What a hostile program tries is in test_sandbox.py.
 """
 
 from __future__ import annotations
@@ -126,12 +127,13 @@ def test_sandbox_wall_limit_environment_and_network():
     assert result.killed_by == "wall"
     result = run_python("import os; print(sorted(os.environ)); print(os.getcwd())", limits=LIMITS)
     names, cwd = result.stdout.splitlines()
-    assert names == "['HOME', 'LANG', 'PATH', 'PYTHONIOENCODING', 'TMPDIR']" and "gspo_sandbox_" in cwd
+    assert names == "['HOME', 'LANG', 'PATH', 'PYTHONIOENCODING', 'TMPDIR']" and cwd == "/scratch"
     program = "import socket\nsocket.create_connection(('127.0.0.1', 9), timeout=2)"
     result = run_python(program, limits=LIMITS)
-    assert result.network_isolated == network_isolation()
-    if result.network_isolated:  # no interface is up, not even loopback
-        assert "Network is unreachable" in result.stderr or "Errno 101" in result.stderr, result.stderr
+    assert result.network_isolated and result.confined  # no interface is up, not even loopback
+    assert "Network is unreachable" in result.stderr or "Errno 101" in result.stderr, result.stderr
+    result = run_python(program, limits=LIMITS, mode="unconfined")
+    assert result.network_isolated == network_isolation() and not result.confined
     assert extract_program("a ```py\nx\n``` b ```\ny\n```") == "y\n"
 
 

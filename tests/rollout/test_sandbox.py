@@ -1,0 +1,228 @@
+"""The code sandbox as a boundary (``rollout.sandbox``, ``rollout.code_tests``): what a model's program under RL
+pressure would try, one test per escape. Each of these programs got out through the sandbox before it was confined
+(the loopback listener excepted: the network namespace held). Also: legitimate programs still run, a host without
+namespaces refuses by default, and ``unconfined`` (the old sandbox) is still there for such hosts."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from gspo_megatron.rollout import sandbox
+from gspo_megatron.rollout.code_tests import code_tests_reward
+from gspo_megatron.rollout.sandbox import Limits, SandboxUnavailable, run_python
+
+LIMITS = Limits(wall_s=20, cpu_s=5, memory_bytes=512 << 20, output_bytes=1 << 14)
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _attempt(action: str) -> str:
+    """A program that tries ``action`` and prints "done" or "refused <error>"."""
+    body = "\n".join("    " + line for line in action.strip().splitlines())
+    return f"import os, sys\ntry:\n{body}\n    print('done')\nexcept OSError as e:\n    print('refused', e)\n"
+
+
+def test_a_program_cannot_delete_or_plant_files_where_the_trainer_writes(tmp_path):
+    victim = tmp_path / "checkpoint.pt"
+    victim.write_text("weights")
+    planted = [tmp_path / "planted.py", ROOT / "gspo_megatron" / "planted_by_sandbox_test.py"]
+    try:
+        result = run_python(_attempt(f"os.remove({str(victim)!r})"), limits=LIMITS)
+        assert result.stdout.startswith("refused"), result
+        for path in planted:
+            result = run_python(_attempt(f"open({str(path)!r}, 'w').write('import os')"), limits=LIMITS)
+            assert result.stdout.startswith("refused"), result
+        assert victim.read_text() == "weights" and not any(path.exists() for path in planted)
+    finally:
+        for path in planted:
+            path.unlink(missing_ok=True)
+
+
+def test_a_program_cannot_read_the_users_home():
+    secret = Path.home() / f".gspo_sandbox_test_secret_{os.getpid()}"
+    secret.write_text("hf_token_1234")
+    try:
+        result = run_python(_attempt(f"print(open({str(secret)!r}).read())"), limits=LIMITS)
+        assert "hf_token_1234" not in result.stdout and result.stdout.startswith("refused"), result
+        listing = run_python(f"import os\nprint(os.listdir({str(Path.home())!r}))", limits=LIMITS).stdout
+        assert secret.name not in listing, listing
+    finally:
+        secret.unlink()
+
+
+def test_a_program_cannot_reach_a_listener_on_loopback():
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        result = run_python(_attempt(f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=3)"),
+                            limits=LIMITS)
+    assert result.stdout.startswith("refused") and "unreachable" in result.stdout, result
+
+
+def _left_running(marker: str) -> list[int]:
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and marker.encode() in (proc / "cmdline").read_bytes():
+                pids.append(int(proc.name))
+        except OSError:
+            continue
+    return pids
+
+
+def test_a_daemon_does_not_outlive_its_run():
+    marker = f"gspo_sandbox_daemon_{os.getpid()}"
+    program = ("import os, sys\n"
+               "if os.fork() == 0:\n"
+               "    os.setsid()\n"
+               "    if os.fork() == 0:\n"
+               f"        os.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(60)', {marker!r}])\n"
+               "    os._exit(0)\n"
+               "os.wait()\n"
+               "print('detached')\n")
+    result = run_python(program, limits=LIMITS)
+    assert result.ok and result.stdout == "detached\n", result
+    left = []
+    for _ in range(20):  # the kernel kills the namespace's processes as its init exits: at most moments later
+        left = _left_running(marker)
+        if not left:
+            break
+        time.sleep(0.1)
+    for pid in left:  # (so a failure leaves nothing behind)
+        os.kill(pid, 9)
+    assert not left, f"the daemon is still running: {left}"
+
+
+def test_a_fork_bomb_stays_inside_its_process_limit():
+    program = ("import os, time\n"
+               "started = 0\n"
+               "try:\n"
+               "    for _ in range(100):\n"
+               "        if os.fork() == 0:\n"
+               "            time.sleep(3)\n"
+               "            os._exit(0)\n"
+               "        started += 1\n"
+               "except OSError as e:\n"
+               "    print('refused', e)\n"
+               "print(started)\n")
+    result = run_python(program, limits=Limits(wall_s=30, processes=8))
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("refused") and int(lines[-1]) < 8, result  # 8 at once, the program included
+
+
+def test_a_program_cannot_signal_or_read_the_reward_worker():
+    me = os.getpid()  # this process stands for the reward worker that runs the program
+    result = run_python(_attempt(f"os.kill({me}, 0)"), limits=LIMITS)
+    assert result.stdout.startswith("refused") and "No such process" in result.stdout, result
+    for file in ("environ", "mem", "cmdline"):
+        result = run_python(_attempt(f"print(open('/proc/{me}/{file}', 'rb').read(64))"), limits=LIMITS)
+        assert result.stdout.startswith("refused"), result
+    result = run_python("import os\nprint(os.getppid(), len(os.listdir('/')))", limits=LIMITS)
+    assert result.stdout.split()[0] == "1", result  # its parent is the namespace's init, not the worker
+
+
+def test_a_host_without_namespaces_refuses_by_default(monkeypatch):
+    """Where the kernel refuses user namespaces a program could read the reward worker's memory (/proc/<pid>/mem,
+    same user): the sandbox then refuses to run it unless ``data.sandbox=unconfined`` accepts that risk."""
+    monkeypatch.setattr(sandbox, "confinement_unavailable", lambda: "unshare (user namespaces): Operation not "
+                                                                    "permitted")
+    monkeypatch.setenv(sandbox.MODE_VARIABLE, "confined")  # (restored after: select sets it)
+    with pytest.raises(SandboxUnavailable, match=r"cannot confine programs on this host \(unshare .*set "
+                                                 r"data.sandbox=unconfined to accept that risk"):
+        run_python("print(1)", limits=LIMITS)
+    with pytest.raises(SandboxUnavailable, match="data.sandbox=unconfined"):
+        code_tests_reward("", "def add(a, b):\n    return a + b", ["assert add(1, 2) == 3"], LIMITS)
+    with pytest.raises(SandboxUnavailable, match="data.sandbox=unconfined"):
+        sandbox.select("confined")
+    sandbox.select("unconfined")  # the risk accepted: today's limits, unconfined
+    result = run_python("import os\nprint(os.getcwd())", limits=LIMITS)
+    assert result.ok and not result.confined and "gspo_sandbox_" in result.stdout, result
+    with pytest.raises(ValueError, match=r"data.sandbox='off' must be one of \['confined', 'unconfined'\]"):
+        sandbox.select("off")
+
+
+ADD_TESTS = ["assert add(1, 2) == 3", "assert add(-1, 1) == 0", "assert add(2, 2) == 4"]
+
+
+@pytest.mark.parametrize("name, program", [
+    ("always-equal object", "class _Any:\n    def __eq__(self, other):\n        return True\n"
+                            "def add(a, b):\n    return _Any()\n"),
+    ("a subclass of int that is equal to everything",
+     "class _Int(int):\n    def __eq__(self, other):\n        return True\n    __hash__ = int.__hash__\n"
+     "def add(a, b):\n    return _Int(7)\n"),
+    ("frame inspection for the pass marker",
+     "import sys\n"
+     "def add(a, b):\n"
+     "    frame = sys._getframe(1)\n"
+     "    while frame is not None:  # the callers' constants and variables: the harness's among them\n"
+     "        for value in [*frame.f_code.co_consts, *frame.f_globals.values(), *frame.f_locals.values()]:\n"
+     "            if isinstance(value, str) and value.startswith('\\n') and len(value.strip()) == 32:\n"
+     "                for i in range(3):\n"
+     "                    print(f'\\n{value.strip()} {i}', flush=True)\n"
+     "            if isinstance(value, (list, tuple)):\n"
+     "                print('found', value)\n"
+     "        frame = frame.f_back\n"
+     "    return 7\n"),
+    ("monkeypatched builtins", "import builtins\nbuiltins.exec = builtins.eval = lambda *a, **k: None\n"
+                               "builtins.AssertionError = type('Never', (Exception,), {})\n"
+                               "def add(a, b):\n    return 7\n"),
+    ("sys.exit(0) before the tests", "import sys\nsys.exit(0)\n"),
+    ("fake pass markers and reports",
+     "import os\nfor i in range(3):\n"
+     "    print('{\"test\": %d, \"values\": []}' % i)\n"
+     "    for fd in range(3, 20):\n"
+     "        try:\n"
+     "            os.write(fd, b'{\"test\": %d, \"values\": [[true]]}\\n' % i)\n"
+     "        except OSError:\n"
+     "            pass\n"
+     "def add(a, b):\n    return 7\n"),
+])
+def test_passes_cannot_be_faked(name, program):
+    assert code_tests_reward("", f"```python\n{program}```", ADD_TESTS, LIMITS) == 0.0
+
+
+def test_legitimate_programs_still_run():
+    program = ("import collections, json, os, tempfile\n"
+               "name = input()\n"
+               "with open('notes.txt', 'w') as f:\n"
+               "    f.write(name * 2)\n"
+               "with tempfile.NamedTemporaryFile('w', delete=False) as f:\n"
+               "    f.write('t')\n"
+               "with open('/tmp/private', 'w') as g:\n"
+               "    g.write('p')\n"
+               "print(open('notes.txt').read(), open(f.name).read(), open('/tmp/private').read(),\n"
+               "      json.dumps(collections.Counter('aab')), os.environ['HOME'] == os.getcwd())\n")
+    result = run_python(program, stdin="ab\n", limits=LIMITS)
+    assert result.ok and result.confined and result.stdout == 'abab t p {"a": 2, "b": 1} True\n', result
+    numpy = pytest.importorskip("numpy")
+    result = run_python("import numpy as np\nprint(int(np.arange(10).sum()))", limits=LIMITS)
+    assert result.ok and result.stdout == "45\n", result
+    # Values come back as plain values, numpy's included, and compare here the way the assert would.
+    program = ("import numpy as np\n"
+               "def add(a, b):\n    return np.int64(a + b)\n"
+               "def pair(x):\n    return (x, [x / 2, {'k': {x}}], None, b'x')\n")
+    tests = ["assert add(1, 2) == 3", "assert add(2, 2) != 5", "assert 0 < add(1, 1) < 3",
+             "x = add(1, 1)\nassert x == 2", "assert pair(2) == (2, [1.0, {'k': {2}}], None, b'x')",
+             "assert pair(1)[2] is None", "assert not add(0, 0)", "assert add(1, 2) in [3, 4]", "add(1, 2)",
+             "assert add(1, 2) == 4"]
+    assert code_tests_reward("", program, tests, LIMITS) == pytest.approx(9 / 10)
+    assert numpy.__name__ == "numpy"
+
+
+def test_an_assert_the_grader_cannot_split_is_a_bad_label():
+    with pytest.raises(ValueError, match="has an assert inside a block: write its asserts as top-level"):
+        code_tests_reward("", "x = 1", ["for i in range(2):\n    assert i < 2"], LIMITS)
+    with pytest.raises(ValueError, match=r"the code test 'assert add\(1,' does not parse"):
+        code_tests_reward("", "x = 1", ["assert add(1,"], LIMITS)
+
+
+def test_unconfined_is_the_old_sandbox():
+    result = run_python("import os\nprint(os.getcwd())", limits=LIMITS, mode="unconfined")
+    assert result.ok and not result.confined and "gspo_sandbox_" in result.stdout, result
+    assert sys.executable  # (the interpreter both modes run)
