@@ -11,7 +11,7 @@ from gspo_megatron.model.bridge import Bridge
 from gspo_megatron.model.hf_config import load_config_json, read_hf_config
 from gspo_megatron.model.hf_files import SafetensorsDir
 from gspo_megatron.parallel import control
-from gspo_megatron.rollout import rewards
+from gspo_megatron.rollout import rewards, sandbox
 from gspo_megatron.rollout.reward_pool import RewardPool
 from gspo_megatron.rollout.synthetic import demonstration, make_problems, save_tiny_model, tiny_config
 from gspo_megatron.rollout.user_code import load_named
@@ -78,6 +78,7 @@ def wait_for_urls(urls: list[str], wait_s: float, note_every_s: float = 15.0) ->
 
 def preflight(cfg: Config, rank: int = 0) -> None:
     """What can fail from the config and its files, checked before anything is built: the reward functions resolve,
+    the code sandbox can confine (data.sandbox, with code_tests or rollout.env=python),
     attached servers (rollout.urls, rank 0) accept connections, and with an existing model directory its safetensors
     match its config.json and every prompt line reads and tokenizes within rollout.max_prompt_tokens (a DataError
     names the file and line). A model still to be built from model.tiny has no tokenizer yet."""
@@ -88,6 +89,11 @@ def preflight(cfg: Config, rank: int = 0) -> None:
                 load_named(spec, builtin, f"data.{name}", "module:function", "callable")
             except ValueError as e:
                 raise ConfigError(str(e)) from None
+    if cfg.data.reward == "code_tests" or cfg.rollout.env == "python" or cfg.data.sandbox != "confined":
+        try:  # the reward workers inherit the mode; a host that cannot confine refuses here, before anything starts
+            sandbox.select(cfg.data.sandbox)
+        except (sandbox.SandboxUnavailable, ValueError) as e:
+            raise ConfigError(str(e)) from None
     if cfg.rollout.engine == "sglang" and cfg.rollout.urls and rank == 0:  # only rank 0 talks to the servers
         wait_for_urls(list(cfg.rollout.urls), cfg.rollout.attached_wait_s)
     hf_dir = Path(cfg.model.hf_dir)

@@ -381,6 +381,12 @@ class DataConfig:
     """math, exact_match, synthetic (the built-in tasks' partial-credit score), code_tests (the fraction of the
     prompt's tests, its "tests" field, that the response's program passes in a sandbox: rollout/code_tests.py), or
     module:function."""
+    sandbox: str = "confined"
+    """How code_tests and rollout.env=python run the model's programs (rollout/sandbox.py): confined (new user,
+    mount, PID and network namespaces: it sees only the interpreter, read-only, and its scratch directory, cannot
+    touch this user's files or processes, and its processes die with it; a host that refuses unprivileged user
+    namespaces stops the run at start, saying so) or unconfined (accepts the risk there: only time, CPU, memory and
+    output limits, as this user, who can read and delete what this user can)."""
     reward_workers: int = 2
     """Reward calls run in this many worker processes (rank 0's), each call limited to ``reward_timeout_s``: a reward
     that hangs or crashes its worker has its sample masked (out of the loss and its group's statistics) and counted

@@ -273,6 +273,7 @@ def validate(cfg: Config, world_size: int, hf: dict | None = None) -> None:
     _one_of(o.lr_decay, LR_DECAYS, "optimizer.lr_decay")
     _one_of(cfg.data.on_reward_error, ("raise", "mask"), "data.on_reward_error")
     _one_of(cfg.data.long_prompts, ("error", "drop"), "data.long_prompts")
+    _one_of(cfg.data.sandbox, ("confined", "unconfined"), "data.sandbox")
     if cfg.data.reward_workers < 0:
         raise ConfigError(f"data.reward_workers={cfg.data.reward_workers} must be >= 0 (0: in the trainer's process)")
     if not (math.isfinite(cfg.data.reward_timeout_s) and cfg.data.reward_timeout_s > 0):

@@ -142,3 +142,24 @@ def test_attached_servers_that_refuse_connections_are_named_before_the_model_is_
         server.bind(("127.0.0.1", 0))
         server.listen()
         wait_for_urls([f"http://127.0.0.1:{server.getsockname()[1]}"], 0)  # accepts: no wait, no error
+
+
+@pytest.mark.parametrize("override", ["data.reward=code_tests", "rollout.env=python"])
+def test_a_host_that_cannot_confine_programs_refuses_the_code_sandbox(override, model_dir, tmp_path, capsys,
+                                                                       monkeypatch):
+    """Where the kernel refuses user namespaces (simulated: the probe's answer), the code reward and the Python
+    tool stop the run at start naming the option that accepts the risk, rather than run programs unconfined."""
+    from gspo_megatron.rollout import sandbox
+
+    monkeypatch.setattr(sandbox, "confinement_unavailable", lambda: "unshare (user namespaces): Operation not "
+                                                                    "permitted")
+    monkeypatch.setenv(sandbox.MODE_VARIABLE, "confined")  # (restored after)
+    args = ["train", EXAMPLE, f"model.hf_dir={model_dir}", f"logging.dir={tmp_path / 'run'}", "checkpoint.dir=",
+            override]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert ("the code sandbox cannot confine programs on this host (unshare (user namespaces): Operation not "
+            "permitted)" in err and "set data.sandbox=unconfined to accept that risk" in err), err
+    assert "Traceback" not in err and not (tmp_path / "run").exists()
+    assert main([*args, "data.sandbox=uncontained"]) == 2
+    assert "data.sandbox='uncontained' is not one of ('confined', 'unconfined')" in capsys.readouterr().err
