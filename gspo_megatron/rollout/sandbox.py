@@ -86,7 +86,7 @@ class Result:
         return self.returncode == 0 and self.killed_by is None
 
 
-# Confined mode's launcher: ``python -I -c _CONFINED spec.json``. Four processes: this one (outside, in the
+# Confined mode's launcher: ``python -I -S -c _CONFINED spec.json``. Four processes: this one (outside, in the
 # trainer's namespaces; it writes the user namespace's id maps, which needs a process outside it, and the status
 # file) forks ``setup``, which enters new namespaces, builds the root and forks ``init`` (pid 1 of the new PID
 # namespace), which forks the program. init reports the program's exit through a pipe the program never holds
@@ -107,6 +107,8 @@ RDONLY, NOSUID, NODEV, NOEXEC, REMOUNT, BIND, REC, PRIVATE = 1, 2, 4, 8, 32, 409
 NOATIME, NODIRATIME, RELATIME, STRICTATIME = 1024, 2048, 1 << 21, 1 << 24
 PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "ppc64le": 203, "s390x": 217}[os.uname().machine]
 spec = json.loads(sys.argv[1])
+with open(spec["program"]) as f:
+    code = f.read()
 uid, gid = os.geteuid(), os.getegid()
 libc.prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL: dies with the process that started it
 
@@ -142,7 +144,7 @@ def build_root():
         os.chmod(root + name, mode)
         os.chown(root + name, spec["inside"], spec["inside"])
     with open(root + "/scratch/main.py", "w") as f:
-        f.write(spec["code"])
+        f.write(code)
     os.chown(root + "/scratch/main.py", spec["inside"], spec["inside"])
     os.chdir(root)
     call(libc.syscall(PIVOT_ROOT, b".", b"."), "pivot_root")
@@ -329,12 +331,14 @@ def _run_confined(code: str, stdin: str, limits: Limits) -> Result:
     with tempfile.TemporaryDirectory(prefix="gspo_sandbox_") as scratch:
         work = Path(scratch)
         (work / "root").mkdir()
-        spec = {"root": str(work / "root"), "status": str(work / "status"), "code": code, "python": _interpreter(),
+        (work / "main.py").write_text(code)  # (a file: a long program would overflow an argument)
+        spec = {"root": str(work / "root"), "status": str(work / "status"), "program": str(work / "main.py"),
+                "python": _interpreter(),
                 "readonly": list(_READONLY) + prefixes, "devices": list(_DEVICES), "inside": inside,
                 "cpu": limits.cpu_s, "memory": limits.memory_bytes, "output": limits.output_bytes,
                 "disk": limits.disk_bytes,
                 "nproc": limits.processes + (0 if inside else 2)}  # as its own user, setup's and init's count
-        command = [sys.executable, "-I", "-c", _CONFINED, json.dumps(spec)]
+        command = [sys.executable, "-I", "-S", "-c", _CONFINED, json.dumps(spec)]  # -S: the stdlib is enough
         returncode, killed_by, stdout, stderr, full = _execute(command, work, stdin, limits)
         status = (work / "status").read_text() if (work / "status").exists() else ""
     if status.startswith("setup "):

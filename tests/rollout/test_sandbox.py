@@ -5,6 +5,7 @@ namespaces refuses by default, and ``unconfined`` (the old sandbox) is still the
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import sys
@@ -226,3 +227,37 @@ def test_unconfined_is_the_old_sandbox():
     result = run_python("import os\nprint(os.getcwd())", limits=LIMITS, mode="unconfined")
     assert result.ok and not result.confined and "gspo_sandbox_" in result.stdout, result
     assert sys.executable  # (the interpreter both modes run)
+
+
+def _train(tmp_path: Path, overrides: list[str]) -> list[dict]:
+    """One step of the tiny example through the command line (local engine, world 1) -> its metrics."""
+    from tests import warm_cli
+
+    run = tmp_path / "run"
+    command = [sys.executable, "-m", "gspo_megatron.cli", "train", str(ROOT / "examples/tiny_moe_cpu.yaml"),
+               "rollout.engine=local", "train.steps=1", "train.eval_every=0", "model.warm_start_steps=0",
+               f"model.hf_dir={tmp_path / 'model'}", f"logging.dir={run}", "checkpoint.dir=", "logging.plot_every=0",
+               "rollout.prompts_per_step=2", "rollout.group_size=2", "parallel.micro_batch_size=2",
+               "rollout.max_new_tokens=6", *overrides]
+    out = warm_cli.run(command, capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, WORLD_SIZE="1"),
+                       timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.megatron  # trains the Megatron policy through the CLI
+def test_the_code_reward_and_the_python_tool_run_through_the_cli(tmp_path):
+    """The confined sandbox from the trainer: the code_tests reward in its reward workers (the tiny model's programs
+    are not Python: 0, and no reward error, which would stop the run under on_reward_error=raise), and the Python
+    tool in the rollout (a fixed call, answered from the sandbox's /scratch)."""
+    prompts = tmp_path / "code.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p, "tests": ["assert add(1, 2) == 3", {"input": "", "output": "3"}]})
+                               + "\n" for p in ("rev abc=", "rev bad=")))
+    (tmp_path / "a").mkdir()
+    records = _train(tmp_path / "a", ["data.task=", f"data.prompts={prompts}", "data.reward=code_tests"])
+    assert records[0]["reward_mean"] == 0.0 and records[0]["reward_crashes"] == 0, records
+    assert records[0]["reward_timeouts"] == 0, records
+    (tmp_path / "b").mkdir()
+    records = _train(tmp_path / "b", ["rollout.env=tests.rollout.user_envs:ScriptedPython", "rollout.max_turns=3",
+                                      "algo.name=gspo_token", "algo.token_advantages=turns"])
+    assert records[0]["reward_mean"] == 1.0 and records[0]["turns_mean"] == 2.0, records

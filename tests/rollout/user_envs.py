@@ -49,3 +49,24 @@ class BadRewardEnv:
 
 
 NotAnEnv = 3
+
+
+class ScriptedPython:
+    """The built-in Python tool (``multiturn.PythonEnv``) given a fixed call on the first turn, whatever the model
+    wrote (a tiny model does not write code): reward 1 when the sandbox's answer comes back, done on the second."""
+
+    def __init__(self, **limits):
+        from gspo_megatron.rollout.multiturn import PythonEnv
+
+        self.tool = PythonEnv(**limits)
+
+    def reset(self, prompt) -> None:
+        self.tool.reset(prompt)
+        self.turns = 0
+
+    def step(self, text: str, token_ids: list[int]) -> Step:
+        self.turns += 1
+        if self.turns > 1:
+            return Step(done=True)
+        step = self.tool.step("<python>import os\nprint(6 * 7, os.getcwd())</python>", token_ids)
+        return Step(observation=step.observation, reward=float(step.observation == "<output>42 /scratch\n</output>"))
