@@ -14,29 +14,33 @@ A program killed by a limit (time, CPU, memory, output) passes no test of that r
 the kill count).
 
 Passes cannot be forged from inside the program's process, where anything (builtins, AssertionError, the harness's
-frames) can be replaced: the grader, in this process, splits each top-level ``assert`` into its operands and its
-comparison. Operands that are literals (the expected values, as in ``assert add(1, 2) == 3``) stay here; the others
-are evaluated in the sandbox and come back as plain values (None, bool, int, float, str, bytes, list, tuple, set,
-dict, and numpy's scalars and arrays as their Python values; anything else fails the test: an object whose
-``__eq__`` always says True is not a value). The comparison is made here. A program that takes over the harness can
-report any values it likes, but without the expected ones it can only report its answers. An assert inside a
-function or loop of a test cannot be split and is refused as a bad label.
+frames) can be replaced: the grader, in this process, splits each top-level ``assert``. What refers to the
+program (a call of its function, a name it defines, an attribute, a comprehension) is evaluated in the sandbox and
+comes back as a plain value (None, bool, int, float, str, bytes, list, tuple, set, dict, and numpy's scalars and
+arrays as their Python values; anything else fails the test: an object whose ``__eq__`` always says True is not a
+value). The rest, the expected values, the arithmetic, comparisons and common builtins around them (``abs``,
+``len``, ``sorted``, ``math.isclose``, ...), is evaluated here: ``assert abs(area(2) - 12.57) < 0.01`` sends
+``area(2)`` only. A program that takes over the harness can report any values it likes, but without the expected
+ones it can only report answers (as hard-coding them would). An assert inside a function or loop of a test cannot
+be split and is refused as a bad label; a comprehension's comparisons run in the sandbox (``assert [f(i) for i in
+range(3)] == [0, 2, 4]`` compares here).
 """
 
 from __future__ import annotations
 
 import ast
 import json
-import operator
+import math
 import re
+import types
 
 from .sandbox import Limits, run_python
 
 _FENCE = re.compile(r"```[^\n`]*\n(.*?)```", re.DOTALL)
 
-# Runs the program, then each test's steps (statements run, or operands evaluated and sent back as plain values),
-# reporting each test as it finishes (so a test that hangs keeps the earlier ones) as a JSON line on the original
-# stdout; the program's own stdout goes to stderr.
+# Runs the program, then each test's steps (statements run, or expressions evaluated and sent back as plain
+# values), reporting each test as it finishes (so a test that hangs keeps the earlier ones) as a JSON line on the
+# original stdout; the program's own stdout goes to stderr.
 _HARNESS = """
 import json, os, sys
 _report = os.dup(1)
@@ -78,13 +82,23 @@ for _i, _steps in enumerate({tests!r}):
         _line = json.dumps({{"test": _i, "values": _values}})
     except BaseException:
         _line = json.dumps({{"test": _i, "error": True}})
-    os.write(_report, (_line + "\\n").encode())
+    try:
+        os.write(_report, (_line + "\\n").encode())
+    except OSError:  # past the output limit (a huge value): the tests not reported fail
+        break
 """
 
-_COMPARE = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le,
-            ast.Gt: operator.gt, ast.GtE: operator.ge, ast.In: lambda a, b: a in b,
-            ast.NotIn: lambda a, b: a not in b, ast.Is: lambda a, b: _same(a, b),
-            ast.IsNot: lambda a, b: not _same(a, b)}
+# What the grader evaluates itself, on the plain values that come back: these builtins and math's functions
+# (the real ones, whatever the program rebinds), operators, comparisons, subscripts and displays. Any other
+# subtree (a call of the program's functions, a name it defines, an attribute, a comprehension) is evaluated in the
+# sandbox and must come back as a plain value.
+_BUILTINS = {f.__name__: f for f in (abs, all, any, bool, bytes, chr, dict, divmod, enumerate, float, frozenset, int,
+                                     isinstance, len, list, max, min, ord, pow, range, repr, reversed, round, set,
+                                     sorted, str, sum, tuple, type, zip)}
+_MATH = {name: getattr(math, name) for name in ("ceil", "e", "exp", "fabs", "floor", "inf", "isclose", "isfinite",
+                                                 "isinf", "isnan", "log", "nan", "pi", "sqrt")}
+_LOCAL = (ast.Constant, ast.BinOp, ast.UnaryOp, ast.BoolOp, ast.Compare, ast.IfExp, ast.Subscript, ast.Slice, ast.List,
+          ast.Tuple, ast.Set, ast.Dict)
 
 
 def extract_program(response: str) -> str:
@@ -107,33 +121,48 @@ def parse_tests(label) -> list:
 
 
 class _Check:
-    """One top-level assert: its operands (a literal's value, or None for one the sandbox evaluates) and how they
-    compare; ``expressions`` are the operands sent to the sandbox."""
+    """One top-level assert, split: ``expressions`` (the subtrees the sandbox evaluates, as source) and the rest,
+    which the grader evaluates on their values. ``assert abs(area(2) - 12.57) < 0.01`` sends ``area(2)`` only."""
 
     def __init__(self, test: ast.expr):
-        if isinstance(test, ast.Compare):
-            operands, self.ops = [test.left, *test.comparators], [_COMPARE[type(op)] for op in test.ops]
-        elif isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
-            operands, self.ops = [test.operand], [lambda value, _: not value]
-            operands.append(ast.Constant(None))
-        else:
-            operands, self.ops = [test, ast.Constant(None)], [lambda value, _: bool(value)]
-        self.literals, self.expressions = [], []
-        for node in operands:
-            try:
-                self.literals.append((True, ast.literal_eval(node)))
-            except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-                self.literals.append((False, None))
-                self.expressions.append(ast.unparse(node))
+        self.leaves: list[ast.expr] = []
+        tree = ast.fix_missing_locations(ast.Expression(self._split(test)))
+        self.expressions = [ast.unparse(leaf) for leaf in self.leaves]
+        self.code = compile(tree, "test", "eval")
+
+    def _split(self, node: ast.expr) -> ast.expr:
+        if not self._local(node):
+            self.leaves.append(node)
+            return ast.Name(f"_value{len(self.leaves) - 1}", ast.Load())
+        if isinstance(node, (ast.Name, ast.Attribute)):  # a builtin, or math's
+            return node
+        for name, value in ast.iter_fields(node):
+            if isinstance(value, ast.expr):
+                setattr(node, name, self._split(value))
+            elif isinstance(value, list):
+                setattr(node, name, [self._split(v) if isinstance(v, ast.expr) else v for v in value])
+        for keyword in getattr(node, "keywords", ()):
+            keyword.value = self._split(keyword.value)
+        return node
+
+    @staticmethod
+    def _local(node: ast.expr) -> bool:
+        if isinstance(node, ast.Name):
+            return node.id in _BUILTINS
+        if isinstance(node, ast.Attribute):
+            return isinstance(node.value, ast.Name) and node.value.id == "math" and node.attr in _MATH
+        if isinstance(node, ast.Call):
+            return _Check._local(node.func) and not any(isinstance(a, ast.Starred) for a in node.args)
+        return isinstance(node, _LOCAL)
 
     def holds(self, values: list) -> bool:
-        values = iter(values)
-        operands = [literal if known else _decode(next(values)) for known, literal in self.literals]
-        return all(op(a, b) for op, a, b in zip(self.ops, operands, operands[1:]))
+        names = {f"_value{i}": _decode(value) for i, value in enumerate(values)}
+        return bool(eval(self.code, {"__builtins__": {}}, {**_BUILTINS, "math": types.SimpleNamespace(**_MATH),
+                                                           **names}))
 
 
 def _plan(test: str) -> tuple[list, list[_Check]]:
-    """A test statement as the harness's steps (("run", statements) or ("eval", operands)) and its checks."""
+    """A test statement as the harness's steps (("run", statement) or ("eval", expressions)) and its checks."""
     try:
         module = ast.parse(test)
     except SyntaxError as e:
@@ -167,13 +196,6 @@ def _decode(value):
     if kind == "set":
         return {_decode(x) for x in inner}
     return {_decode(k): _decode(x) for k, x in inner}
-
-
-def _same(a, b) -> bool:
-    """``is`` between plain values: identity for None, True and False, else equal and of the same type."""
-    if a is None or b is None or isinstance(a, bool) or isinstance(b, bool):
-        return a is b
-    return type(a) is type(b) and a == b
 
 
 def _passes(report: dict, checks: list[_Check]) -> bool:

@@ -188,6 +188,22 @@ def test_passes_cannot_be_faked(name, program):
     assert code_tests_reward("", f"```python\n{program}```", ADD_TESTS, LIMITS) == 0.0
 
 
+def test_the_expected_value_inside_an_expression_is_not_the_programs_to_see():
+    """``abs(half(3) - 1.5) < 1e-6``: were the expression evaluated in the sandbox, an object returned by ``half``
+    would receive 1.5 (its ``__sub__``'s argument, or the caller's constants through its frame) and could answer
+    0. Only ``half(3)`` is sent; the arithmetic and ``math.isclose`` run in the grader."""
+    program = ("import sys\n"
+               "class _Close:\n"
+               "    def __sub__(self, other):\n        return 0.0\n"
+               "    def __float__(self):\n"
+               "        consts = sys._getframe(1).f_code.co_consts\n"
+               "        return next(c for c in consts if isinstance(c, float))\n"
+               "def half(x):\n    return _Close()\n")
+    tests = ["assert abs(half(3) - 1.5) < 1e-6", "import math\nassert math.isclose(half(5), 2.5)"]
+    assert code_tests_reward("", program, tests, LIMITS) == 0.0
+    assert code_tests_reward("", "def half(x):\n    return x / 2", tests, LIMITS) == 1.0
+
+
 def test_legitimate_programs_still_run():
     program = ("import collections, json, os, tempfile\n"
                "name = input()\n"
@@ -251,8 +267,8 @@ def test_the_code_reward_and_the_python_tool_run_through_the_cli(tmp_path):
     are not Python: 0, and no reward error, which would stop the run under on_reward_error=raise), and the Python
     tool in the rollout (a fixed call, answered from the sandbox's /scratch)."""
     prompts = tmp_path / "code.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": p, "tests": ["assert add(1, 2) == 3", {"input": "", "output": "3"}]})
-                               + "\n" for p in ("rev abc=", "rev bad=")))
+    tests = ["assert add(1, 2) == 3", {"input": "", "output": "3"}]
+    prompts.write_text("".join(json.dumps({"prompt": p, "tests": tests}) + "\n" for p in ("rev abc=", "rev bad=")))
     (tmp_path / "a").mkdir()
     records = _train(tmp_path / "a", ["data.task=", f"data.prompts={prompts}", "data.reward=code_tests"])
     assert records[0]["reward_mean"] == 0.0 and records[0]["reward_crashes"] == 0, records
