@@ -13,10 +13,10 @@ from gspo_megatron.model.hf_config import load_config_json, read_hf_config
 from gspo_megatron.model import fp8
 from gspo_megatron.model.hf_files import open_hf_dir, plain_copy
 from gspo_megatron.parallel import control
-from gspo_megatron.rollout import rewards
-from gspo_megatron.rollout.reward_pool import RewardPool
-from gspo_megatron.rollout.synthetic import demonstration, make_problems, save_tiny_model, tiny_config
-from gspo_megatron.rollout.user_code import load_named
+from gspo_megatron.rewards import rewards
+from gspo_megatron.rewards.reward_pool import RewardPool
+from gspo_megatron.rewards.synthetic import demonstration, make_problems, save_tiny_model, tiny_config
+from gspo_megatron.rewards.user_code import load_named
 from gspo_megatron.train.startup.config import Config, ConfigError
 from gspo_megatron.train.startup.run_dirs import ENGINE_MODEL
 from gspo_megatron.train.startup.data import PromptFormat, PromptStream, check_prompt_lengths, load_jsonl, task_prompts
