@@ -225,7 +225,7 @@ def fp8_example_model(tmp_path_factory):
     {name: dequantized reference})."""
     from safetensors.torch import load_file, save_file
 
-    from gspo_megatron.rollout.synthetic import save_tiny_model
+    from gspo_megatron.rewards.synthetic import save_tiny_model
     from gspo_megatron.train.startup.config import load_config
 
     tiny = load_config(ROOT / "examples/tiny_moe_cpu.yaml").model.tiny
