@@ -15,8 +15,8 @@ import argparse
 import statistics
 import time
 
-from gspo_megatron.rollout.code_tests import code_tests_reward
-from gspo_megatron.rollout.sandbox import Limits, confinement_unavailable, run_python
+from gspo_megatron.rewards.code_tests import code_tests_reward
+from gspo_megatron.rewards.sandbox import Limits, confinement_unavailable, run_python
 
 LIMITS = Limits(wall_s=30)
 PROGRAMS = {

@@ -18,7 +18,7 @@ EXAMPLE = str(ROOT / "examples/tiny_moe_cpu.yaml")
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    from gspo_megatron.rollout.synthetic import save_tiny_model
+    from gspo_megatron.rewards.synthetic import save_tiny_model
 
     return save_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
 
@@ -149,7 +149,7 @@ def test_a_host_that_cannot_confine_programs_refuses_the_code_sandbox(override, 
                                                                        monkeypatch):
     """Where the kernel refuses user namespaces (simulated: the probe's answer), the code reward and the Python
     tool stop the run at start naming the option that accepts the risk, rather than run programs unconfined."""
-    from gspo_megatron.rollout import sandbox
+    from gspo_megatron.rewards import sandbox
 
     monkeypatch.setattr(sandbox, "confinement_unavailable", lambda: "unshare (user namespaces): Operation not "
                                                                     "permitted")

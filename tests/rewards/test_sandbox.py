@@ -1,4 +1,4 @@
-"""The code sandbox as a boundary (``rollout.sandbox``, ``rollout.code_tests``): what a model's program under RL
+"""The code sandbox as a boundary (``rewards.sandbox``, ``rewards.code_tests``): what a model's program under RL
 pressure would try, one test per escape. Each of these programs got out through the sandbox before it was confined
 (the loopback listener excepted: the network namespace held). Also: legitimate programs still run, a host without
 namespaces refuses by default, and ``unconfined`` (the old sandbox) is still there for such hosts."""
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from gspo_megatron.rollout import sandbox
-from gspo_megatron.rollout.code_tests import code_tests_reward
-from gspo_megatron.rollout.sandbox import Limits, SandboxUnavailable, run_python
+from gspo_megatron.rewards import sandbox
+from gspo_megatron.rewards.code_tests import code_tests_reward
+from gspo_megatron.rewards.sandbox import Limits, SandboxUnavailable, run_python
 
 LIMITS = Limits(wall_s=20, cpu_s=5, memory_bytes=512 << 20, output_bytes=1 << 14)
 ROOT = Path(__file__).resolve().parents[2]
@@ -274,6 +274,6 @@ def test_the_code_reward_and_the_python_tool_run_through_the_cli(tmp_path):
     assert records[0]["reward_mean"] == 0.0 and records[0]["reward_crashes"] == 0, records
     assert records[0]["reward_timeouts"] == 0, records
     (tmp_path / "b").mkdir()
-    records = _train(tmp_path / "b", ["rollout.env=tests.rollout.user_envs:ScriptedPython", "rollout.max_turns=3",
+    records = _train(tmp_path / "b", ["rollout.env=tests.rewards.user_envs:ScriptedPython", "rollout.max_turns=3",
                                       "algo.name=gspo_token", "algo.token_advantages=turns"])
     assert records[0]["reward_mean"] == 1.0 and records[0]["turns_mean"] == 2.0, records
