@@ -15,15 +15,21 @@ the kill count).
 
 Passes cannot be forged from inside the program's process, where anything (builtins, AssertionError, the harness's
 frames) can be replaced: the grader, in this process, splits each top-level ``assert``. What refers to the
-program (a call of its function, a name it defines, an attribute, a comprehension) is evaluated in the sandbox and
-comes back as a plain value (None, bool, int, float, str, bytes, list, tuple, set, dict, and numpy's scalars and
-arrays as their Python values; anything else fails the test: an object whose ``__eq__`` always says True is not a
-value). The rest, the expected values, the arithmetic, comparisons and common builtins around them (``abs``,
-``len``, ``sorted``, ``math.isclose``, ...), is evaluated here: ``assert abs(area(2) - 12.57) < 0.01`` sends
-``area(2)`` only. A program that takes over the harness can report any values it likes, but without the expected
-ones it can only report answers (as hard-coding them would). An assert inside a function or loop of a test cannot
-be split and is refused as a bad label; a comprehension's comparisons run in the sandbox (``assert [f(i) for i in
-range(3)] == [0, 2, 4]`` compares here).
+program (a call of its function, a name it defines, an attribute of its objects, a comprehension) is evaluated in
+the sandbox and comes back as a plain value (None, bool, int, float, str, bytes, list, tuple, set, dict, and
+numpy's scalars and arrays as their Python values; anything else fails the test: an object whose ``__eq__`` always
+says True is not a value). The rest, the expected values, the arithmetic, comparisons, common builtins (``abs``,
+``len``, ``sorted``, ``math.isclose``, ...) and methods of plain values around them, is evaluated here:
+``assert abs(area(2) - 12.57) < 0.01`` sends ``area(2)`` only. A program that takes over the harness can report
+any values it likes, but without the expected ones it can only report answers (as hard-coding them would).
+
+So a test's comparisons must be where the grader makes them: a comparison that would run in the program's process
+(inside an assert in a block, a comprehension's element, a lambda, a statement that is not an assert:
+``all(f(i) == 2 * i for i in range(3))``, ``ok = f(1) == 3``) is refused as a bad label, with the form to write
+instead (``assert [f(i) for i in range(3)] == [0, 2, 4]``). Comparisons in a call's arguments or a
+comprehension's filter choose the program's input, not the verdict, and are allowed. What a test's own helper
+function returns (``def check(x): ...``, then ``assert check(f(1))``) is computed in the program's process too:
+keep the expected values in the assert.
 """
 
 from __future__ import annotations
@@ -89,16 +95,16 @@ for _i, _steps in enumerate({tests!r}):
 """
 
 # What the grader evaluates itself, on the plain values that come back: these builtins and math's functions
-# (the real ones, whatever the program rebinds), operators, comparisons, subscripts and displays. Any other
-# subtree (a call of the program's functions, a name it defines, an attribute, a comprehension) is evaluated in the
-# sandbox and must come back as a plain value.
+# (the real ones, whatever the program rebinds), operators, comparisons, displays, and subscripts and methods of
+# values it has (see _local). Any other subtree (a call of the program's functions, a name it defines, an attribute
+# of its objects, a comprehension) is evaluated in the sandbox and must come back as a plain value.
 _BUILTINS = {f.__name__: f for f in (abs, all, any, bool, bytes, chr, dict, divmod, enumerate, float, frozenset, int,
                                      isinstance, len, list, max, min, ord, pow, range, repr, reversed, round, set,
                                      sorted, str, sum, tuple, type, zip)}
 _MATH = {name: getattr(math, name) for name in ("ceil", "e", "exp", "fabs", "floor", "inf", "isclose", "isfinite",
                                                  "isinf", "isnan", "log", "nan", "pi", "sqrt")}
-_LOCAL = (ast.Constant, ast.BinOp, ast.UnaryOp, ast.BoolOp, ast.Compare, ast.IfExp, ast.Subscript, ast.Slice, ast.List,
-          ast.Tuple, ast.Set, ast.Dict)
+_LOCAL = (ast.Constant, ast.BinOp, ast.UnaryOp, ast.BoolOp, ast.Compare, ast.IfExp, ast.Slice, ast.List, ast.Tuple,
+          ast.Set, ast.Dict, ast.Starred)
 
 
 def extract_program(response: str) -> str:
@@ -131,10 +137,12 @@ class _Check:
         self.code = compile(tree, "test", "eval")
 
     def _split(self, node: ast.expr) -> ast.expr:
-        if not self._local(node):
+        if not _local(node):
+            if isinstance(node, ast.GeneratorExp):  # its values, as a list (a generator is not a value)
+                node = ast.ListComp(node.elt, node.generators)
             self.leaves.append(node)
             return ast.Name(f"_value{len(self.leaves) - 1}", ast.Load())
-        if isinstance(node, (ast.Name, ast.Attribute)):  # a builtin, or math's
+        if isinstance(node, (ast.Name, ast.Attribute)):  # a builtin, math's, or a method of a plain value
             return node
         for name, value in ast.iter_fields(node):
             if isinstance(value, ast.expr):
@@ -145,20 +153,49 @@ class _Check:
             keyword.value = self._split(keyword.value)
         return node
 
-    @staticmethod
-    def _local(node: ast.expr) -> bool:
-        if isinstance(node, ast.Name):
-            return node.id in _BUILTINS
-        if isinstance(node, ast.Attribute):
-            return isinstance(node.value, ast.Name) and node.value.id == "math" and node.attr in _MATH
-        if isinstance(node, ast.Call):
-            return _Check._local(node.func) and not any(isinstance(a, ast.Starred) for a in node.args)
-        return isinstance(node, _LOCAL)
-
     def holds(self, values: list) -> bool:
         names = {f"_value{i}": _decode(value) for i, value in enumerate(values)}
         return bool(eval(self.code, {"__builtins__": {}}, {**_BUILTINS, "math": types.SimpleNamespace(**_MATH),
                                                            **names}))
+
+
+def _local(node: ast.expr) -> bool:
+    """Whether the grader evaluates ``node`` itself (its subtrees may still be sent)."""
+    if isinstance(node, ast.Name):
+        return node.id in _BUILTINS
+    if isinstance(node, ast.Attribute):  # math's, or a method of a value the grader has (``", ".join``)
+        if isinstance(node.value, ast.Name) and node.value.id == "math":
+            return node.attr in _MATH
+        return _pure(node.value)
+    if isinstance(node, ast.Subscript):  # of a value the program made: sent whole (``s.items[0].name``)
+        return _pure(node.value)
+    if isinstance(node, ast.Call):  # a lambda argument (``sorted(f(x), key=lambda p: p[1])``): the call is sent
+        arguments = [*node.args, *(k.value for k in node.keywords)]
+        return (_local(node.func) and not any(isinstance(a, (ast.Starred, ast.Lambda)) for a in arguments)
+                and all(k.arg is not None for k in node.keywords))
+    return isinstance(node, _LOCAL)
+
+
+def _pure(node: ast.expr) -> bool:
+    """Whether the grader evaluates all of ``node`` (nothing in it is the program's)."""
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "math":
+        return node.attr in _MATH
+    return _local(node) and all(_pure(child) for child in ast.iter_child_nodes(node) if isinstance(child, ast.expr))
+
+
+def _forgeable_comparison(node: ast.AST) -> ast.Compare | None:
+    """A comparison in ``node`` that would run in the program's process and make a verdict there: not one in a
+    call's arguments or a comprehension's filter, which choose the program's input."""
+    if isinstance(node, ast.Compare):
+        return node
+    if isinstance(node, ast.Call):
+        return _forgeable_comparison(node.func)
+    if isinstance(node, ast.comprehension):
+        return _forgeable_comparison(node.iter)
+    for child in ast.iter_child_nodes(node):
+        if (found := _forgeable_comparison(child)) is not None:
+            return found
+    return None
 
 
 def _plan(test: str) -> tuple[list, list[_Check]]:
@@ -171,12 +208,21 @@ def _plan(test: str) -> tuple[list, list[_Check]]:
     for statement in module.body:
         if isinstance(statement, ast.Assert):
             checks.append(_Check(statement.test))
+            sent = checks[-1].leaves
             steps.append(("eval", checks[-1].expressions))
-            continue
-        if any(isinstance(node, ast.Assert) for node in ast.walk(statement)):
-            raise ValueError(f"the code test {test[:80]!r} has an assert inside a block: write its asserts as "
-                             "top-level statements (the grader compares their values outside the program)")
-        steps.append(("run", ast.unparse(statement)))
+        else:
+            if any(isinstance(node, ast.Assert) for node in ast.walk(statement)):
+                raise ValueError(f"the code test {test[:80]!r} has an assert inside a block: write its asserts as "
+                                 "top-level statements (the grader compares their values outside the program)")
+            sent = [statement]
+            steps.append(("run", ast.unparse(statement)))
+        for node in sent:
+            if (comparison := _forgeable_comparison(node)) is not None:
+                raise ValueError(
+                    f"the code test {test[:80]!r} compares {ast.unparse(comparison)[:60]!r} inside "
+                    f"{ast.unparse(node)[:60]!r}, which runs in the program's process, where a comparison can be "
+                    "forged: compare values in a top-level assert (for example 'assert [f(i) for i in range(3)] == "
+                    "[0, 2, 4]' rather than 'assert all(f(i) == 2 * i for i in range(3))')")
     return steps, checks
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import sys
 import time
@@ -232,9 +233,42 @@ def test_legitimate_programs_still_run():
     assert numpy.__name__ == "numpy"
 
 
+def test_the_common_shapes_of_a_test_grade_outside_the_program():
+    """Methods of plain values, a lambda key, a generator, a filtered comprehension, an object's methods and
+    numpy's isclose-like checks: the right program passes them all, one that returns always-equal objects none."""
+    tests = ["assert ', '.join(words(2)) == 'w0, w1'", "assert [3].count(add(1, 2)) == 1",
+             "assert sorted(add(i, 1) for i in range(3)) == [1, 2, 3]",
+             "assert sorted(pairs(3), key=lambda p: -p[0]) == [(2, 0), (1, 1), (0, 2)]",
+             "assert [add(i, i) for i in range(5) if i % 2 == 0] == [0, 4, 8]",
+             "s = Stack()\ns.push(1)\ns.push(2)\nassert s.pop() == 2 and len(s.items) == 1",
+             "import math\nassert math.isclose(add(0.1, 0.2), 0.3) and add(2, 1) > math.e"]
+    right = ("def add(a, b):\n    return a + b\n"
+             "def words(n):\n    return [f'w{i}' for i in range(n)]\n"
+             "def pairs(n):\n    return [(i, n - 1 - i) for i in range(n)]\n"
+             "class Stack:\n    def __init__(self):\n        self.items = []\n"
+             "    def push(self, x):\n        self.items.append(x)\n"
+             "    def pop(self):\n        return self.items.pop()\n")
+    assert code_tests_reward("", right, tests, LIMITS) == 1.0
+    cheat = ("class _Any(str):\n    __eq__ = __lt__ = __gt__ = lambda self, other: True\n    __hash__ = str.__hash__\n"
+             "    def __len__(self):\n        return 1\n"
+             "def add(a, b):\n    return _Any()\n"
+             "def words(n):\n    return _Any()\n"
+             "def pairs(n):\n    return _Any()\n"
+             "class Stack:\n    items = _Any()\n    def push(self, x):\n        pass\n"
+             "    def pop(self):\n        return _Any()\n")
+    assert code_tests_reward("", cheat, tests, LIMITS) == 0.0
+
+
 def test_an_assert_the_grader_cannot_split_is_a_bad_label():
     with pytest.raises(ValueError, match="has an assert inside a block: write its asserts as top-level"):
         code_tests_reward("", "x = 1", ["for i in range(2):\n    assert i < 2"], LIMITS)
+    # Comparisons that would run in the program's process, where an always-equal object makes them hold.
+    for test, comparison in (("assert all(add(i, i) == 2 * i for i in range(3))", "add(i, i) == 2 * i"),
+                             ("ok = add(1, 2) == 3\nassert ok", "add(1, 2) == 3"),
+                             ("def check(x):\n    return x == 3\nassert check(add(1, 2))", "x == 3")):
+        with pytest.raises(ValueError, match=rf"compares {re.escape(repr(comparison))} inside .* runs in the "
+                                             r"program's process, where a comparison can be forged"):
+            code_tests_reward("", "x = 1", [test], LIMITS)
     with pytest.raises(ValueError, match=r"the code test 'assert add\(1,' does not parse"):
         code_tests_reward("", "x = 1", ["assert add(1,"], LIMITS)
 

@@ -14,6 +14,7 @@ from gspo_megatron.model import fp8
 from gspo_megatron.model.hf_files import open_hf_dir, plain_copy
 from gspo_megatron.parallel import control
 from gspo_megatron.rewards import rewards, sandbox
+from gspo_megatron.rewards.code_tests import parse_tests
 from gspo_megatron.rewards.reward_pool import RewardPool
 from gspo_megatron.rewards.synthetic import demonstration, make_problems, save_tiny_model, tiny_config
 from gspo_megatron.rewards.user_code import load_named
@@ -244,9 +245,10 @@ def load_prompts(cfg: Config, hf_dir: Path, quiet: bool = False):
         fmt = PromptFormat(prompt_key=d.prompt_key, label_key=d.label_key, tools_key=d.tools_key,
                            system_prompt=d.system_prompt, chat_template_kwargs=d.chat_template_kwargs,
                            apply_chat_template=d.apply_chat_template)
-        train, skipped = load_jsonl(d.prompts, tokenizer, d.skip_malformed, limit, drop_long, fmt)
+        check = parse_tests if d.reward == "code_tests" else None  # a test the grader cannot grade: its line
+        train, skipped = load_jsonl(d.prompts, tokenizer, d.skip_malformed, limit, drop_long, fmt, check_label=check)
         evals, eval_skipped = load_jsonl(d.eval_prompts, tokenizer, d.skip_malformed, limit, drop_long, fmt,
-                                         "data.eval_prompts") if d.eval_prompts else ([], {})
+                                         "data.eval_prompts", check) if d.eval_prompts else ([], {})
         for name, counts in (("data.prompts", skipped), ("data.eval_prompts", eval_skipped)):
             if any(counts.values()) and not quiet and dist.get_rank() == 0:
                 print(f"{name}: skipped {counts['malformed']} malformed lines (data.skip_malformed=true) and "

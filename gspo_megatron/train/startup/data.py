@@ -24,7 +24,7 @@ import json
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from gspo_megatron.rewards.synthetic import make_problems
 
@@ -179,9 +179,10 @@ def _records(path: Path):
 
 
 def load_jsonl(path: str | Path, tokenizer, skip_malformed: bool = False, max_prompt_tokens: int | None = None,
-               drop_long: bool = False, fmt: PromptFormat = PromptFormat(), field_name: str = "data.prompts"):
+               drop_long: bool = False, fmt: PromptFormat = PromptFormat(), field_name: str = "data.prompts",
+               check_label: Callable[[Any], Any] | None = None):
     """Any prompt file (JSONL, parquet, a ``datasets`` dir) -> (prompts, {"malformed": lines skipped, "too_long":
-    prompts dropped})."""
+    prompts dropped}). ``check_label`` raises ValueError for a label the reward cannot use (a malformed line)."""
     prompts, skipped = [], {"malformed": 0, "too_long": 0}
     path = Path(path)
     if not path.exists():
@@ -191,6 +192,11 @@ def load_jsonl(path: str | Path, tokenizer, skip_malformed: bool = False, max_pr
             if isinstance(record, DataError):
                 raise record
             prompt = _record_to_prompt(record, tokenizer, where, fmt)
+            if check_label is not None:
+                try:
+                    check_label(prompt.label)
+                except ValueError as e:
+                    raise DataError(f"{where}: {e}") from None
         except DataError:
             if not skip_malformed:
                 raise

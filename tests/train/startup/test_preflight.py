@@ -50,6 +50,12 @@ CASES = {
                                               + "\n"}, ["data.task=", "data.prompts={tmp}/p.jsonl"], 1,
                                              "{tmp}/p.jsonl:1: has tools (data.tools_key) but its prompt does not go "
                                              "through the chat template"),
+    "code test the grader cannot grade": ({"p.jsonl": json.dumps({"prompt": "ab", "tests": ["assert add(1, 2) == 3"]})
+                                           + "\n" + json.dumps({"prompt": "ab", "tests": [
+                                               "assert all(add(i, i) == 2 * i for i in range(3))"]}) + "\n"},
+                                          ["data.task=", "data.prompts={tmp}/p.jsonl", "data.reward=code_tests"], 1,
+                                          "{tmp}/p.jsonl:2: the code test 'assert all(add(i, i) == 2 * i for i in "
+                                          "range(3))' compares 'add(i, i) == 2 * i' inside"),
     "unknown reward": ({}, ["data.reward=maths"], 2,
                        "data.reward='maths' is neither a built-in (['code_tests', 'exact_match', 'math', 'synthetic'])"),
     "reward module missing": ({}, ["data.reward=no_such_module:fn"], 2,
