@@ -4,10 +4,11 @@ the multi-turn Python tool's (``rollout.env: python``, ``multiturn.PythonEnv``).
     result = run_python("print(input()[::-1])", stdin="abc", limits=Limits(wall_s=5))
     result.stdout == "cba\\n", result.ok, result.killed_by  # None, "wall", "cpu", "memory" or "output"
 
-Limits, in both modes: ``wall_s`` (its process group killed), ``cpu_s`` (RLIMIT_CPU: SIGXCPU, SIGKILL a second
-later), ``memory_bytes`` (RLIMIT_AS: MemoryError), ``output_bytes`` (RLIMIT_FSIZE on the files stdout and stderr go
-to, and on any file it writes), ``python -I``, an environment of PATH, HOME, TMPDIR, LANG and PYTHONIOENCODING only,
-and it dies with the process that started it (PR_SET_PDEATHSIG), e.g. a reward worker killed for its time limit.
+Limits, in both modes: ``wall_s`` (its process group killed; confined, counted from the program's start, not the
+namespaces' setup), ``cpu_s`` (RLIMIT_CPU: SIGXCPU, SIGKILL a second later), ``memory_bytes`` (RLIMIT_AS:
+MemoryError), ``output_bytes`` (RLIMIT_FSIZE on the files stdout and stderr go to, and on any file it writes),
+``python -I``, an environment of PATH, HOME, TMPDIR, LANG and PYTHONIOENCODING only, and it dies with the process
+that started it (PR_SET_PDEATHSIG), e.g. a reward worker killed for its time limit.
 
 Two modes (``data.sandbox``; the trainer selects it with ``select`` and its reward workers inherit it):
 
@@ -46,6 +47,7 @@ import functools
 import json
 import os
 import platform
+import select as io_select  # (``select`` here is the mode's)
 import shutil
 import signal
 import subprocess
@@ -55,6 +57,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 MODES = ("confined", "unconfined")
+SETUP_S = 60.0  # confined: the most its namespaces' setup may take before the program starts (then wall_s)
 MODE_VARIABLE = "GSPO_SANDBOX"  # how the selected mode reaches the reward workers (they inherit the environment)
 
 
@@ -170,6 +173,8 @@ def program():
         call(libc.capset((ctypes.c_uint32 * 2)(0x20080522, 0), zeros), "capset")
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # init ignores them; exec would keep that
         signal.signal(sig, signal.SIG_DFL)
+    os.write(spec["started"], b"s")  # the wall limit counts from here, not from the namespaces' setup
+    os.close(spec["started"])
     os.execve(spec["python"], [spec["python"], "-I", "main.py"], dict(os.environ, HOME="/scratch",
                                                                        TMPDIR="/scratch"))
 
@@ -338,8 +343,13 @@ def _run_confined(code: str, stdin: str, limits: Limits) -> Result:
                 "cpu": limits.cpu_s, "memory": limits.memory_bytes, "output": limits.output_bytes,
                 "disk": limits.disk_bytes,
                 "nproc": limits.processes + (0 if inside else 2)}  # as its own user, setup's and init's count
+        started_r, spec["started"] = os.pipe()
         command = [sys.executable, "-I", "-S", "-c", _CONFINED, json.dumps(spec)]  # -S: the stdlib is enough
-        returncode, killed_by, stdout, stderr, full = _execute(command, work, stdin, limits)
+        try:
+            returncode, killed_by, stdout, stderr, full = _execute(command, work, stdin, limits, started=started_r,
+                                                                   started_w=spec["started"])
+        finally:
+            os.close(started_r)
         status = (work / "status").read_text() if (work / "status").exists() else ""
     if status.startswith("setup "):
         raise SandboxUnavailable(status[len("setup "):])
@@ -366,16 +376,28 @@ def _run_unconfined(code: str, stdin: str, limits: Limits) -> Result:
     return Result(returncode, stdout, stderr, killed_by, isolated)
 
 
-def _execute(command: list[str], work: Path, stdin: str, limits: Limits, home: str = "/scratch"):
+def _execute(command: list[str], work: Path, stdin: str, limits: Limits, home: str = "/scratch",
+             started: int | None = None, started_w: int | None = None):
     """Runs ``command`` in ``work`` with stdin, stdout and stderr through files there (its output capped by
-    RLIMIT_FSIZE on them) and the wall limit; returns (returncode, "wall" or None, stdout, stderr, output full)."""
+    RLIMIT_FSIZE on them) and the wall limit; returns (returncode, "wall" or None, stdout, stderr, output full).
+    With ``started`` (a pipe's read end; the command writes a byte to ``started_w`` as the program starts) the wall
+    limit counts from the program's start, and setting up before it gets ``SETUP_S`` (on a loaded host the
+    confinement's setup can take a good part of a short limit)."""
     (work / "stdin").write_text(stdin)
     env = {"PATH": "/usr/bin:/bin", "HOME": home, "TMPDIR": home, "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8"}
     with open(work / "stdin", "rb") as inp, open(work / "stdout", "wb") as out, open(work / "stderr", "wb") as err:
-        process = subprocess.Popen(command, cwd=work, env=env, stdin=inp, stdout=out, stderr=err,
-                                   start_new_session=True)
+        try:
+            process = subprocess.Popen(command, cwd=work, env=env, stdin=inp, stdout=out, stderr=err,
+                                       start_new_session=True, pass_fds=() if started_w is None else (started_w,))
+        finally:
+            if started_w is not None:
+                os.close(started_w)  # (so the read end sees EOF once the command's copies are gone)
         killed_by = None
         try:
+            if started is not None:
+                ready, _, _ = io_select.select([started], [], [], SETUP_S)
+                if not ready:
+                    raise subprocess.TimeoutExpired(command, SETUP_S)
             returncode = process.wait(timeout=limits.wall_s)
         except subprocess.TimeoutExpired:
             killed_by = "wall"

@@ -57,6 +57,28 @@ def test_a_program_cannot_read_the_users_home():
         secret.unlink()
 
 
+def test_a_program_sees_the_interpreter_and_its_scratch_only():
+    """The root is the sandbox's: system directories, the interpreter's installation (and the path down to it),
+    /scratch and /tmp; no /home, /proc, /sys or /etc beyond the dynamic linker's cache (no /etc/passwd), and the
+    interpreter's directories are read-only."""
+    prefixes = {os.path.realpath(sys.prefix), os.path.realpath(sys.base_prefix)}
+    allowed = {"bin", "dev", "etc", "lib", "lib32", "lib64", "libx32", "sbin", "scratch", "tmp", "usr"}
+    program = ("import json, os\n"
+               "print(json.dumps([sorted(os.listdir('/')), sorted(os.listdir('/etc'))]))\n"
+               f"for path in ['/etc/passwd', '/proc/self/status', '/sys/kernel', *{sorted(prefixes)!r}]:\n"
+               "    try:\n"
+               "        open(os.path.join(path, 'x'), 'w') if os.path.isdir(path) else open(path)\n"
+               "        print(path, 'open')\n"
+               "    except OSError as e:\n"
+               "        print(path, type(e).__name__)\n")
+    result = run_python(program, limits=LIMITS)
+    root, etc = json.loads(result.stdout.splitlines()[0])
+    assert set(root) <= allowed | {Path(p).parts[1] for p in prefixes} and "home" not in root, root
+    assert set(etc) <= {"ld.so.cache", "localtime"}, etc
+    assert [line.split()[1] for line in result.stdout.splitlines()[1:]] == (
+        ["FileNotFoundError"] * 3 + ["OSError"] * len(prefixes)), result  # OSError: read-only file system
+
+
 def test_a_program_cannot_reach_a_listener_on_loopback():
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
@@ -118,10 +140,26 @@ def test_a_fork_bomb_stays_inside_its_process_limit():
     assert lines[0].startswith("refused") and int(lines[-1]) < 8, result  # 8 at once, the program included
 
 
+def test_a_program_has_no_privileges_to_gain():
+    """no_new_privs, no capabilities (effective, permitted, inheritable) and an empty bounding set: nothing a
+    setuid binary or a file capability could give back."""
+    program = ("import ctypes\n"
+               "libc = ctypes.CDLL(None, use_errno=True)\n"
+               "data = (ctypes.c_uint32 * 6)()\n"
+               "libc.capget((ctypes.c_uint32 * 2)(0x20080522, 0), data)\n"  # _LINUX_CAPABILITY_VERSION_3
+               "bounding = sum(libc.prctl(23, cap, 0, 0, 0) == 1 for cap in range(64))\n"  # PR_CAPBSET_READ
+               "print(libc.prctl(39, 0, 0, 0, 0), list(data), bounding)\n")  # PR_GET_NO_NEW_PRIVS
+    result = run_python(program, limits=LIMITS)
+    assert result.ok and result.stdout == "1 [0, 0, 0, 0, 0, 0] 0\n", result
+
+
 def test_a_program_cannot_signal_or_read_the_reward_worker():
     me = os.getpid()  # this process stands for the reward worker that runs the program
     result = run_python(_attempt(f"os.kill({me}, 0)"), limits=LIMITS)
     assert result.stdout.startswith("refused") and "No such process" in result.stdout, result
+    result = run_python(f"import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+                        f"print(libc.ptrace(16, {me}, 0, 0), ctypes.get_errno())", limits=LIMITS)  # PTRACE_ATTACH
+    assert result.stdout == "-1 3\n", result  # ESRCH: no such process in its namespace
     for file in ("environ", "mem", "cmdline"):
         result = run_python(_attempt(f"print(open('/proc/{me}/{file}', 'rb').read(64))"), limits=LIMITS)
         assert result.stdout.startswith("refused"), result
@@ -271,6 +309,17 @@ def test_an_assert_the_grader_cannot_split_is_a_bad_label():
             code_tests_reward("", "x = 1", [test], LIMITS)
     with pytest.raises(ValueError, match=r"the code test 'assert add\(1,' does not parse"):
         code_tests_reward("", "x = 1", ["assert add(1,"], LIMITS)
+
+
+def test_the_wall_limit_counts_from_the_programs_start(monkeypatch):
+    """The namespaces' setup (a good part of a short limit on a loaded host) is not the program's time: a program
+    that prints at once and then sleeps shows its line before a 0.3 s limit stops it. Setup has ``SETUP_S``."""
+    result = run_python("import time\nprint('hi', flush=True)\ntime.sleep(60)", limits=Limits(wall_s=0.3))
+    assert result.killed_by == "wall" and result.stdout == "hi\n", result
+    monkeypatch.setattr(sandbox, "SETUP_S", 1e-4)  # no setup finishes this fast: stopped as over its time
+    start = time.monotonic()
+    result = run_python("print('hi')", limits=LIMITS)
+    assert result.killed_by == "wall" and result.stdout == "" and time.monotonic() - start < 5, result
 
 
 def test_unconfined_is_the_old_sandbox():
