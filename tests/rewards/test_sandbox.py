@@ -344,7 +344,8 @@ def _train(tmp_path: Path, overrides: list[str]) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.megatron  # trains the Megatron policy through the CLI
+@pytest.mark.megatron  # trains the Megatron policy through the CLI (the sandbox is not megatron-core's)
+@pytest.mark.megatron_covered_by("tests/train/test_loop.py::test_train_logs_plots_and_resumes_exactly")
 def test_the_code_reward_and_the_python_tool_run_through_the_cli(tmp_path):
     """The confined sandbox from the trainer: the code_tests reward in its reward workers (the tiny model's programs
     are not Python: 0, and no reward error, which would stop the run under on_reward_error=raise), and the Python
