@@ -222,6 +222,14 @@ ADD_TESTS = ["assert add(1, 2) == 3", "assert add(-1, 1) == 0", "assert add(2, 2
      "        except OSError:\n"
      "            pass\n"
      "def add(a, b):\n    return 7\n"),
+    ("a report nested too deep to decode (a crashed grader would stop the run)",
+     "import os\nline = b'{\"test\": 0, \"values\": [' + b'[' * 20000 + b']' * 20000 + b']}\\n'\n"
+     "for fd in range(3, 20):\n"
+     "    try:\n"
+     "        os.write(fd, line)\n"
+     "    except OSError:\n"
+     "        pass\n"
+     "def add(a, b):\n    return 7\n"),
 ])
 def test_passes_cannot_be_faked(name, program):
     assert code_tests_reward("", f"```python\n{program}```", ADD_TESTS, LIMITS) == 0.0
