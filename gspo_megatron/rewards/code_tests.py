@@ -19,9 +19,11 @@ program (a call of its function, a name it defines, an attribute of its objects,
 the sandbox and comes back as a plain value (None, bool, int, float, str, bytes, list, tuple, set, dict, and
 numpy's scalars and arrays as their Python values; anything else fails the test: an object whose ``__eq__`` always
 says True is not a value). The rest, the expected values, the arithmetic, comparisons, common builtins (``abs``,
-``len``, ``sorted``, ``math.isclose``, ...) and methods of plain values around them, is evaluated here:
-``assert abs(area(2) - 12.57) < 0.01`` sends ``area(2)`` only. A program that takes over the harness can report
-any values it likes, but without the expected ones it can only report answers (as hard-coding them would).
+``len``, ``sorted``, ``math.isclose``, ...) and methods of plain values around them, is evaluated here
+(``assert abs(area(2) - 12.57) < 0.01`` sends ``area(2)`` only), and so is a test's assignment of expected values
+(``expected = sorted([3, 1])``, nothing of the program's in it): ``assert f(1) == expected`` compares with the
+grader's ``expected``. A program that takes over the harness can report any values it likes, but without the
+expected ones it can only report answers (as hard-coding them would).
 
 So a test's comparisons must be where the grader makes them: a comparison that would run in the program's process
 (inside an assert in a block, a comprehension's element, a lambda, a statement that is not an assert:
@@ -35,6 +37,7 @@ keep the expected values in the assert.
 from __future__ import annotations
 
 import ast
+import copy
 import json
 import math
 import re
@@ -128,21 +131,23 @@ def parse_tests(label) -> list:
 
 class _Check:
     """One top-level assert, split: ``expressions`` (the subtrees the sandbox evaluates, as source) and the rest,
-    which the grader evaluates on their values. ``assert abs(area(2) - 12.57) < 0.01`` sends ``area(2)`` only."""
+    which the grader evaluates on their values. ``assert abs(area(2) - 12.57) < 0.01`` sends ``area(2)`` only.
+    ``known``: the test's variables the grader holds (``expected = [1, 2]`` before the assert), by value."""
 
-    def __init__(self, test: ast.expr):
+    def __init__(self, test: ast.expr, known: dict):
+        self.known = dict(known)
         self.leaves: list[ast.expr] = []
         tree = ast.fix_missing_locations(ast.Expression(self._split(test)))
         self.expressions = [ast.unparse(leaf) for leaf in self.leaves]
         self.code = compile(tree, "test", "eval")
 
     def _split(self, node: ast.expr) -> ast.expr:
-        if not _local(node):
+        if not _local(node, self.known):
             if isinstance(node, ast.GeneratorExp):  # its values, as a list (a generator is not a value)
                 node = ast.ListComp(node.elt, node.generators)
             self.leaves.append(node)
             return ast.Name(f"_value{len(self.leaves) - 1}", ast.Load())
-        if isinstance(node, (ast.Name, ast.Attribute)):  # a builtin, math's, or a method of a plain value
+        if isinstance(node, (ast.Name, ast.Attribute)):  # a builtin, a known variable, math's, a plain value's method
             return node
         for name, value in ast.iter_fields(node):
             if isinstance(value, ast.expr):
@@ -155,32 +160,53 @@ class _Check:
 
     def holds(self, values: list) -> bool:
         names = {f"_value{i}": _decode(value) for i, value in enumerate(values)}
-        return bool(eval(self.code, {"__builtins__": {}}, {**_BUILTINS, "math": types.SimpleNamespace(**_MATH),
-                                                           **names}))
+        return bool(_evaluate(self.code, {**copy.deepcopy(self.known), **names}))  # (a method may mutate one)
 
 
-def _local(node: ast.expr) -> bool:
-    """Whether the grader evaluates ``node`` itself (its subtrees may still be sent)."""
+def _evaluate(code, names: dict):
+    """``code`` in the grader: its builtins and math's (the real ones) and ``names``, nothing else."""
+    return eval(code, {"__builtins__": {}}, {**_BUILTINS, "math": types.SimpleNamespace(**_MATH), **names})
+
+
+def _local(node: ast.expr, known=()) -> bool:
+    """Whether the grader evaluates ``node`` itself (its subtrees may still be sent); ``known``: the test's
+    variables the grader holds."""
     if isinstance(node, ast.Name):
-        return node.id in _BUILTINS
+        return node.id in _BUILTINS or node.id in known
     if isinstance(node, ast.Attribute):  # math's, or a method of a value the grader has (``", ".join``)
         if isinstance(node.value, ast.Name) and node.value.id == "math":
             return node.attr in _MATH
-        return _pure(node.value)
+        return _pure(node.value, known)
     if isinstance(node, ast.Subscript):  # of a value the program made: sent whole (``s.items[0].name``)
-        return _pure(node.value)
+        return _pure(node.value, known)
     if isinstance(node, ast.Call):  # a lambda argument (``sorted(f(x), key=lambda p: p[1])``): the call is sent
         arguments = [*node.args, *(k.value for k in node.keywords)]
-        return (_local(node.func) and not any(isinstance(a, (ast.Starred, ast.Lambda)) for a in arguments)
+        return (_local(node.func, known) and not any(isinstance(a, (ast.Starred, ast.Lambda)) for a in arguments)
                 and all(k.arg is not None for k in node.keywords))
     return isinstance(node, _LOCAL)
 
 
-def _pure(node: ast.expr) -> bool:
+def _pure(node: ast.expr, known=()) -> bool:
     """Whether the grader evaluates all of ``node`` (nothing in it is the program's)."""
     if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "math":
         return node.attr in _MATH
-    return _local(node) and all(_pure(child) for child in ast.iter_child_nodes(node) if isinstance(child, ast.expr))
+    return _local(node, known) and all(_pure(child, known) for child in ast.iter_child_nodes(node)
+                                       if isinstance(child, ast.expr))
+
+
+def _bound_names(statement: ast.stmt) -> set[str]:
+    """Every name ``statement`` mentions or binds (a known variable it might change stops being known)."""
+    names = set()
+    for node in ast.walk(statement):
+        if isinstance(node, ast.Name):
+            names.add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.alias):
+            names.add((node.asname or node.name).split(".")[0])
+        elif isinstance(node, (ast.Global, ast.Nonlocal)):
+            names.update(node.names)
+    return names
 
 
 def _forgeable_comparison(node: ast.AST) -> ast.Compare | None:
@@ -199,23 +225,36 @@ def _forgeable_comparison(node: ast.AST) -> ast.Compare | None:
 
 
 def _plan(test: str) -> tuple[list, list[_Check]]:
-    """A test statement as the harness's steps (("run", statement) or ("eval", expressions)) and its checks."""
+    """A test statement as the harness's steps (("run", statement) or ("eval", expressions)) and its checks. An
+    assignment of expected values (``expected = sorted([3, 1])``: nothing of the program's) is evaluated here too,
+    so an assert comparing with ``expected`` does not take its value from the program's process."""
     try:
         module = ast.parse(test)
     except SyntaxError as e:
         raise ValueError(f"the code test {test[:80]!r} does not parse: {e.msg}") from None
-    steps, checks = [], []
+    steps, checks, known = [], [], {}
     for statement in module.body:
         if isinstance(statement, ast.Assert):
-            checks.append(_Check(statement.test))
+            checks.append(_Check(statement.test, known))
             sent = checks[-1].leaves
             steps.append(("eval", checks[-1].expressions))
         else:
             if any(isinstance(node, ast.Assert) for node in ast.walk(statement)):
                 raise ValueError(f"the code test {test[:80]!r} has an assert inside a block: write its asserts as "
                                  "top-level statements (the grader compares their values outside the program)")
-            sent = [statement]
-            steps.append(("run", ast.unparse(statement)))
+            if (isinstance(statement, ast.Assign) and len(statement.targets) == 1
+                    and isinstance(statement.targets[0], ast.Name) and _pure(statement.value, known)):
+                try:
+                    value = _evaluate(compile(ast.Expression(statement.value), "test", "eval"), known)
+                except Exception as e:
+                    raise ValueError(f"the code test {test[:80]!r}: {ast.unparse(statement)[:60]!r} raises "
+                                     f"{type(e).__name__}: {e}") from None
+                known[statement.targets[0].id], sent = value, []
+            else:
+                for name in _bound_names(statement):
+                    known.pop(name, None)
+                sent = [statement]
+            steps.append(("run", ast.unparse(statement)))  # (the program's copy, for inputs: f(expected))
         for node in sent:
             if (comparison := _forgeable_comparison(node)) is not None:
                 raise ValueError(

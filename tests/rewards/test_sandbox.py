@@ -279,6 +279,17 @@ def test_legitimate_programs_still_run():
     assert numpy.__name__ == "numpy"
 
 
+def test_expected_values_in_a_tests_variables_stay_in_the_grader():
+    """``expected = [1, 2]`` then ``assert f(1) == expected``: the grader evaluates the assignment too, so a program
+    that takes over the harness (every value it reports is 7) cannot report ``expected`` as its answer."""
+    tests = ["expected = 3\nassert add(1, 2) == expected", "e = [1, 2]\nassert add(1, 1) == e[1]",
+             "x = sorted([3, 1])\nx = x + [5]\nassert add(x[0], x[1]) == sum(x) - 5"]
+    takeover = ("import sys\nsys.modules['__main__'].__dict__['_plain'] = lambda value: 7\n"
+                "def add(a, b):\n    return 0\n")
+    assert code_tests_reward("", takeover, tests, LIMITS) == 0.0
+    assert code_tests_reward("", "def add(a, b):\n    return a + b", tests, LIMITS) == 1.0
+
+
 def test_the_common_shapes_of_a_test_grade_outside_the_program():
     """Methods of plain values, a lambda key, a generator, a filtered comprehension, an object's methods and
     numpy's isclose-like checks: the right program passes them all, one that returns always-equal objects none."""
