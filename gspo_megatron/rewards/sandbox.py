@@ -24,8 +24,9 @@ bubblewrap, which is a system package, not a Python dependency, and often absent
   program and exits with it, and the kernel then kills every process left in it (a ``setsid`` daemon included).
   It sees none of the host's processes, so it cannot signal, ptrace or read the memory of the reward worker;
 - it has no capabilities and ``no_new_privs``, and ``processes`` bounds how many processes it runs at once
-  (RLIMIT_NPROC, counted per user namespace since Linux 5.14; as root, whose processes RLIMIT_NPROC never limits,
-  it runs as ``nobody`` for that reason);
+  (RLIMIT_NPROC, counted per user namespace since Linux 5.14, before it across all of the user's processes, so
+  there a program of a busy non-root trainer may get no fork at all; as root, whose processes RLIMIT_NPROC never
+  limits, it runs as ``nobody`` for that reason);
 - no network: only a loopback that is down.
 Where the kernel refuses the namespaces (some containers disable unprivileged user namespaces) ``run_python``
 raises ``SandboxUnavailable`` saying why and naming the option that accepts the risk, rather than running it
