@@ -40,7 +40,7 @@ def _train(args) -> int:
         return 1
     from gspo_megatron.train.resilience import preemption
     from gspo_megatron.train.startup.data import DataError
-    from gspo_megatron.rollout.errors import RolloutError, StartInterrupted
+    from gspo_megatron.rollout.errors import RewardError, RolloutError, StartInterrupted
     from gspo_megatron.train.resilience.faults import NonFiniteError
     from gspo_megatron.train.loop import train
 
@@ -52,8 +52,8 @@ def _train(args) -> int:
     except StartInterrupted as error:  # before the first step: nothing trained, nothing to save
         print(f"gspo-megatron train: stopped before the first step: {error}", file=sys.stderr)
         return 128 + error.signum
-    except (DataError, NonFiniteError, RolloutError) as error:  # a prompt file's line, the run's last steps, the
-        # rollout server concerned: named in the message
+    except (DataError, NonFiniteError, RewardError, RolloutError) as error:  # a prompt file's line, the run's last
+        # steps, the failing reward's sample, the rollout server concerned: named in the message
         print(f"gspo-megatron train: {type(error).__name__}: {error}", file=sys.stderr)
         return 1
     if int(os.environ.get("RANK", "0")) == 0:

@@ -46,3 +46,14 @@ def segments_misbehave(prompt, response_tokens, label):
     if label == "crash":
         os._exit(3)
     return [(len(response_tokens), 1.0)]
+
+
+def wrong_signature(prompt, response):
+    """A reward missing its label argument: fails on every call (the trainer's mistakes tests)."""
+    return 1.0
+
+
+
+def known_answers(prompt, response, label):
+    """Scores only responses it has a table entry for (the label itself): a KeyError for any other response."""
+    return {str(label): 1.0}[response]

@@ -390,7 +390,14 @@ class DataConfig:
     """Time limit of one reward call (with code_tests: more than all of a response's sandbox runs, 10 s each)."""
     on_reward_error: str = "raise"
     """raise: a reward that raises or is not finite stops the step naming the sample; mask: drop the sample (it also
-    leaves its group's mean and std)."""
+    leaves its group's mean and std). Either way a step whose rewards all failed stops the run with the reward's
+    error, as does a share of failures above ``max_masked_reward_share``."""
+    max_masked_reward_share: float = 0.5
+    """The run stops with the reward's error when more than this share of the rewards of the last
+    ``masked_reward_window`` steps were masked (failed, timed out or crashed): a broken reward does not train to the
+    end learning nothing. 1: only a step with every reward masked stops it."""
+    masked_reward_window: int = 10
+    """Steps over which ``max_masked_reward_share`` is measured (checked once that many steps ran)."""
     segment_reward: str = ""
     """Per-segment rewards for algo.token_advantages=segments: synthetic (the built-in tasks' credit per character)
     or module:function, fn(prompt, response_tokens: list[str], label) -> [(end, reward), ...] with ``end`` the
