@@ -109,6 +109,7 @@ def code_tests(prompt: str, response: str, label) -> float:
 
 BUILTIN: dict[str, RewardFn] = {"math": math_reward, "exact_match": exact_match, "synthetic": synthetic_reward,
                                 "code_tests": code_tests}
+NEEDS_LABEL = ("math", "exact_match", "code_tests")  # built-ins that score against the record's label
 
 
 SegmentRewardFn = Callable[[str, list, Any], Sequence]

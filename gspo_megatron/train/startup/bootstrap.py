@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
@@ -16,7 +17,8 @@ from gspo_megatron.rollout.reward_pool import RewardPool
 from gspo_megatron.rollout.synthetic import demonstration, make_problems, save_tiny_model, tiny_config
 from gspo_megatron.rollout.user_code import load_named
 from gspo_megatron.train.startup.config import Config, ConfigError
-from gspo_megatron.train.startup.data import PromptFormat, PromptStream, check_prompt_lengths, load_jsonl, task_prompts
+from gspo_megatron.train.startup.data import (LABEL_KEYS, PromptFormat, PromptStream, check_prompt_lengths,
+                                              load_jsonl, task_prompts)
 from gspo_megatron.train.update.loss import LossConfig
 
 
@@ -79,8 +81,9 @@ def wait_for_urls(urls: list[str], wait_s: float, note_every_s: float = 15.0) ->
 def preflight(cfg: Config, rank: int = 0) -> None:
     """What can fail from the config and its files, checked before anything is built: the reward functions resolve,
     attached servers (rollout.urls, rank 0) accept connections, and with an existing model directory its safetensors
-    match its config.json and every prompt line reads and tokenizes within rollout.max_prompt_tokens (a DataError
-    names the file and line). A model still to be built from model.tiny has no tokenizer yet."""
+    match its config.json and every prompt line reads and tokenizes within rollout.max_prompt_tokens and has the label
+    a built-in reward needs (a DataError names the file and line; a custom reward is warned when no record has a
+    label). A model still to be built from model.tiny has no tokenizer yet."""
     for name, builtin in (("reward", rewards.BUILTIN), ("segment_reward", rewards.BUILTIN_SEGMENTS)):
         spec = getattr(cfg.data, name)
         if spec:
@@ -99,7 +102,13 @@ def preflight(cfg: Config, rank: int = 0) -> None:
         except (ValueError, FileNotFoundError) as e:
             raise ConfigError(f"model.hf_dir={cfg.model.hf_dir!r}: {e}") from None
     if cfg.data.prompts:
-        load_prompts(cfg, hf_dir, quiet=True)
+        _, stream, _ = load_prompts(cfg, hf_dir, quiet=True)
+        d = cfg.data
+        if rank == 0 and not d.label_key and all(p.label is None for p in stream.prompts):
+            # a custom reward may need none, but a misspelt label key would train on nothing: say so, once
+            print(f"gspo-megatron train: warning: no record of data.prompts={d.prompts!r} has a label (none of "
+                  f"{', '.join(LABEL_KEYS)}): data.reward={d.reward!r} gets label=None (data.label_key names the "
+                  "field)", file=sys.stderr, flush=True)
 
 
 def model_hf_config(cfg: Config) -> dict:
@@ -208,7 +217,8 @@ def load_prompts(cfg: Config, hf_dir: Path, quiet: bool = False):
     else:
         fmt = PromptFormat(prompt_key=d.prompt_key, label_key=d.label_key, tools_key=d.tools_key,
                            system_prompt=d.system_prompt, chat_template_kwargs=d.chat_template_kwargs,
-                           apply_chat_template=d.apply_chat_template)
+                           apply_chat_template=d.apply_chat_template,
+                           label_needed_by=d.reward if d.reward in rewards.NEEDS_LABEL else "")
         train, skipped = load_jsonl(d.prompts, tokenizer, d.skip_malformed, limit, drop_long, fmt)
         evals, eval_skipped = load_jsonl(d.eval_prompts, tokenizer, d.skip_malformed, limit, drop_long, fmt,
                                          "data.eval_prompts") if d.eval_prompts else ([], {})

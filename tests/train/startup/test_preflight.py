@@ -50,6 +50,11 @@ CASES = {
                                               + "\n"}, ["data.task=", "data.prompts={tmp}/p.jsonl"], 1,
                                              "{tmp}/p.jsonl:1: has tools (data.tools_key) but its prompt does not go "
                                              "through the chat template"),
+    "prompt file: no label for a built-in reward": (
+        {"p.jsonl": json.dumps({"prompt": "ab", "answer": "ba"}) + "\n" + json.dumps({"prompt": "ab", "answr": "ba"})
+         + "\n"}, ["data.task=", "data.prompts={tmp}/p.jsonl", "data.reward=exact_match"], 1,
+        "{tmp}/p.jsonl:2: no label for data.reward='exact_match': none of answer, label, tests, "
+        "reward_model.ground_truth in ['answr', 'prompt'] (data.label_key names another field)"),
     "unknown reward": ({}, ["data.reward=maths"], 2,
                        "data.reward='maths' is neither a built-in (['code_tests', 'exact_match', 'math', 'synthetic'])"),
     "reward module missing": ({}, ["data.reward=no_such_module:fn"], 2,
