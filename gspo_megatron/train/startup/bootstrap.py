@@ -79,11 +79,12 @@ def wait_for_urls(urls: list[str], wait_s: float, note_every_s: float = 15.0) ->
 
 
 def preflight(cfg: Config, rank: int = 0) -> None:
-    """What can fail from the config and its files, checked before anything is built: the reward functions resolve,
-    attached servers (rollout.urls, rank 0) accept connections, and with an existing model directory its safetensors
-    match its config.json and every prompt line reads and tokenizes within rollout.max_prompt_tokens and has the label
-    a built-in reward needs (a DataError names the file and line; a custom reward is warned when no record has a
-    label). A model still to be built from model.tiny has no tokenizer yet."""
+    """What can fail from the config and its files, checked before anything is built: the reward functions resolve
+    and a user's reward scores the first prompt (``try_reward``), attached servers (rollout.urls, rank 0) accept
+    connections, and with an existing model directory its safetensors match its config.json and every prompt line
+    reads and tokenizes within rollout.max_prompt_tokens and has the label a built-in reward needs (a DataError names
+    the file and line; a custom reward is warned when no record has a label). A model still to be built from
+    model.tiny has no tokenizer yet."""
     for name, builtin in (("reward", rewards.BUILTIN), ("segment_reward", rewards.BUILTIN_SEGMENTS)):
         spec = getattr(cfg.data, name)
         if spec:
@@ -91,6 +92,9 @@ def preflight(cfg: Config, rank: int = 0) -> None:
                 load_named(spec, builtin, f"data.{name}", "module:function", "callable")
             except ValueError as e:
                 raise ConfigError(str(e)) from None
+    if cfg.data.task:  # (a prompt file's first record is tried below, once it is read)
+        problem = make_problems(cfg.data.task, 1, seed=cfg.data.seed)[0]
+        try_reward(cfg, problem.prompt, problem.answer, f"the first problem of data.task={cfg.data.task!r}")
     if cfg.rollout.engine == "sglang" and cfg.rollout.urls and rank == 0:  # only rank 0 talks to the servers
         wait_for_urls(list(cfg.rollout.urls), cfg.rollout.attached_wait_s)
     hf_dir = Path(cfg.model.hf_dir)
@@ -109,6 +113,58 @@ def preflight(cfg: Config, rank: int = 0) -> None:
             print(f"gspo-megatron train: warning: no record of data.prompts={d.prompts!r} has a label (none of "
                   f"{', '.join(LABEL_KEYS)}): data.reward={d.reward!r} gets label=None (data.label_key names the "
                   "field)", file=sys.stderr, flush=True)
+        first = stream.prompts[0]
+        try_reward(cfg, first.text, first.label, f"the first record of data.prompts={d.prompts!r}")
+
+
+def try_reward(cfg: Config, prompt: str, label, where: str) -> None:
+    """Call a user's ``data.reward`` once, before anything is built, on ``prompt`` with a response equal to its label
+    (what a right answer looks like), within data.reward_timeout_s: a wrong signature or a bug is one sentence naming
+    the function and the user's failing line, not a traceback after the first rollout. Built-ins are not called."""
+    import numbers
+    import threading
+
+    spec = cfg.data.reward
+    if spec in rewards.BUILTIN or cfg.rollout.env:  # rollout.env: the environment's rewards, not this one
+        return
+    fn = rewards.load_reward_fn(spec)
+    response = "" if label is None else str(label)
+    outcome: dict = {}
+
+    def call():
+        try:
+            outcome["value"] = fn(prompt, response, label)
+        except BaseException as e:  # a user function may raise anything: reported below
+            outcome["error"] = e
+
+    # a thread, so that a reward that hangs cannot hold the start: the process exits with the error below
+    thread = threading.Thread(target=call, name="reward-check", daemon=True)
+    thread.start()
+    thread.join(cfg.data.reward_timeout_s)
+    called = (f"data.reward={spec!r} called on {where} (prompt {prompt[:60]!r}, a response equal to its label "
+              f"{response[:60]!r})")
+    if thread.is_alive():
+        raise ConfigError(f"{called} did not return within {cfg.data.reward_timeout_s:g} s (data.reward_timeout_s)")
+    if "error" in outcome:
+        e = outcome["error"]
+        raise ConfigError(f"{called} raised {type(e).__name__}: {e} ({_user_line(fn, e)})")
+    value = outcome["value"]
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or value != value or abs(value) == float("inf"):
+        raise ConfigError(f"{called} returned {value!r} ({type(value).__name__}), not a finite number")
+
+
+def _user_line(fn, error: BaseException) -> str:
+    """Where ``error`` came from in the user's file: the traceback's last frame in the file that defines ``fn``, else
+    (a call that never entered it, e.g. a wrong signature) the function's own definition."""
+    import traceback
+
+    code = getattr(fn, "__code__", None) or getattr(getattr(fn, "__call__", None), "__code__", None)
+    if code is None:
+        return "no source file"
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if f.filename == code.co_filename]
+    if frames:
+        return f"{frames[-1].filename}:{frames[-1].lineno}"
+    return f"{getattr(fn, '__qualname__', code.co_name)} is defined at {code.co_filename}:{code.co_firstlineno}"
 
 
 def model_hf_config(cfg: Config) -> dict:

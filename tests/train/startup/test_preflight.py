@@ -55,6 +55,21 @@ CASES = {
          + "\n"}, ["data.task=", "data.prompts={tmp}/p.jsonl", "data.reward=exact_match"], 1,
         "{tmp}/p.jsonl:2: no label for data.reward='exact_match': none of answer, label, tests, "
         "reward_model.ground_truth in ['answr', 'prompt'] (data.label_key names another field)"),
+    "reward: wrong signature": (
+        {}, ["data.reward=tests.rollout.user_rewards:wrong_signature"], 2,
+        "data.reward='tests.rollout.user_rewards:wrong_signature' called on the first problem of data.task='reverse' "
+        "(prompt '{task_prompt}', a response equal to its label '{task_answer}') raised TypeError: wrong_signature() "
+        "takes 2 positional arguments but 3 were given (wrong_signature is defined at {user_rewards}:{defined})"),
+    "reward: a bug in the user's line": (
+        {"p.jsonl": json.dumps({"prompt": "ab", "answer": "ba"}) + "\n"},
+        ["data.task=", "data.prompts={tmp}/p.jsonl", "data.reward=tests.rollout.user_rewards:divides_by_zero"], 2,
+        "data.reward='tests.rollout.user_rewards:divides_by_zero' called on the first record of "
+        "data.prompts='{tmp}/p.jsonl' (prompt 'ab', a response equal to its label 'ba') raised ZeroDivisionError: "
+        "division by zero ({user_rewards}:{failing})"),
+    "reward: hangs": ({}, ["data.reward=tests.rollout.user_rewards:hangs", "data.reward_timeout_s=0.5"], 2,
+                      "did not return within 0.5 s (data.reward_timeout_s)"),
+    "reward: not a number": ({}, ["data.reward=tests.rollout.user_rewards:returns_text"], 2,
+                             "returned '1.0' (str), not a finite number"),
     "unknown reward": ({}, ["data.reward=maths"], 2,
                        "data.reward='maths' is neither a built-in (['code_tests', 'exact_match', 'math', 'synthetic'])"),
     "reward module missing": ({}, ["data.reward=no_such_module:fn"], 2,
@@ -63,6 +78,17 @@ CASES = {
                               "model.hf_dir: {tmp}/m/config.json:1:29: not valid JSON (Unterminated string starting at); is the file "
                               "truncated?"),
 }
+
+
+def _facts(tmp: Path) -> dict:
+    """What the messages name: the reward file and its lines, the example task's first problem."""
+    from gspo_megatron.rollout.synthetic import make_problems
+    from tests.rollout import user_rewards
+
+    problem = make_problems("reverse", 1, seed=1234)[0]
+    return {"tmp": tmp, "user_rewards": user_rewards.__file__, "task_prompt": problem.prompt,
+            "task_answer": problem.answer, "defined": user_rewards.wrong_signature.__code__.co_firstlineno,
+            "failing": user_rewards.divides_by_zero.__code__.co_firstlineno + 2}
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -75,7 +101,7 @@ def test_errors_before_the_model_is_built(name, model_dir, tmp_path, capsys):
             *[o.format(tmp=tmp_path) for o in overrides]]
     assert main(args) == status
     err = capsys.readouterr().err
-    assert message.format(tmp=tmp_path) in err, err
+    assert message.format(**_facts(tmp_path)) in err, err
     assert "Traceback" not in err and not (tmp_path / "run").exists()  # nothing started, nothing written
 
 
