@@ -44,8 +44,8 @@ def _train(args) -> int:
     from gspo_megatron.train.resilience.faults import NonFiniteError
     from gspo_megatron.train.loop import train
 
-    # SIGTERM / SIGUSR1 (a scheduler's stop): every rank finishes the step, saves it and exits 0 (train.resilience.preemption);
-    # a second one unwinds at once like Ctrl-C, so the loop's `finally` still stops the SGLang servers it launched.
+    # SIGTERM / SIGUSR1 (a scheduler's stop) and Ctrl-C: every rank finishes the step, saves it and exits 0
+    # (train.resilience.preemption); a second one unwinds at once, so the loop's `finally` still stops the servers.
     preemption.install()
     try:
         metrics = train(cfg, resume=args.resume)
@@ -58,7 +58,9 @@ def _train(args) -> int:
         return 1
     if int(os.environ.get("RANK", "0")) == 0:
         if "preempted_at_step" in metrics:
-            print(f"gspo-megatron train: stopped by a signal after step {metrics['preempted_at_step']} of "
+            signum = preemption.requested()
+            print(f"gspo-megatron train: stopped by {preemption.describe(signum) if signum else 'a signal'} after "
+                  f"step {metrics['preempted_at_step']} of "
                   f"{cfg.train.steps}, checkpoint saved in {cfg.checkpoint.dir or '(no checkpoint.dir)'}; "
                   "continue with --resume")
         else:
