@@ -1,6 +1,7 @@
-"""A user's mistakes never train silently, through the command line as a user runs it (a process of its own, real
-files, the local engine at world 1): a reward that fails on every sample stops the run with its own error, even with
-data.on_reward_error=mask (and a failure share over a window of steps does too)."""
+"""A user's path through the command line as a user runs it (a process of its own, real files, the local engine at
+world 1): a reward that fails on every sample stops the run with its own error, even with data.on_reward_error=mask
+(and a failure share over a window of steps does too); a reward module beside the config is found from any folder,
+and a prompt file without labels is warned of."""
 
 from __future__ import annotations
 
@@ -73,3 +74,68 @@ def test_a_reward_that_always_fails_stops_the_run_even_when_masked(model_dir, tm
                 "data.reward_workers=0")
     assert out.returncode == 1, out.stderr[-3000:]
     assert "set data.on_reward_error=mask to drop such samples" in out.stderr and "Traceback" not in out.stderr
+
+
+REWARD_BESIDE = '''
+from my_helpers import length_credit  # a module of the user's own, beside this one
+
+
+def score(prompt, response, label):
+    return length_credit(response)
+'''
+
+
+@pytest.mark.megatron
+@COVERED
+def test_a_reward_module_beside_the_config_and_a_prompt_file_without_labels(model_dir, tmp_path):
+    """data.reward: my_rewards:score with my_rewards.py beside my_run.yaml, run from another folder, in the trainer
+    and in a reward worker; the prompt file has no label field, which a custom reward is warned of, once."""
+    folder = tmp_path / "project"
+    folder.mkdir()
+    (folder / "my_rewards.py").write_text(REWARD_BESIDE)
+    (folder / "my_helpers.py").write_text("def length_credit(response):\n    return min(len(response), 4) / 4\n")
+    (folder / "prompts.jsonl").write_text("".join(json.dumps({"prompt": f"rev {w}=", "solution": w[::-1]}) + "\n"
+                                                  for w in ("abc", "bad", "cab", "dea")))
+    example = (ROOT / "examples/tiny_moe_cpu.yaml").read_text()
+    (folder / "my_run.yaml").write_text(example.replace("  task: reverse\n  reward: synthetic\n",
+                                                        "  prompts: prompts.jsonl\n  reward: my_rewards:score\n"))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    out = train(model_dir, tmp_path / "run", "train.steps=1", "data.reward_workers=1", cwd=elsewhere,
+                config=str(folder / "my_run.yaml"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    warnings = [line for line in out.stderr.splitlines() if "has a label" in line]
+    assert warnings == [f"gspo-megatron train: warning: no record of data.prompts='{folder / 'prompts.jsonl'}' has a "
+                        "label (none of answer, label, tests, reward_model.ground_truth): data.reward="
+                        f"'{folder / 'my_rewards.py'}:score' gets label=None (data.label_key names the field)"]
+    record = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert record["reward_masked"] == 0 and 0 <= record["reward_mean"] <= 1  # scored by my_rewards.score
+
+    # not there: the message says where it looked
+    (folder / "my_rewards.py").unlink()
+    out = train(model_dir, tmp_path / "run2", cwd=elsewhere, config=str(folder / "my_run.yaml"))
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert (f"data.reward='my_rewards:score': cannot import module 'my_rewards': no my_rewards.py (or package "
+            f"my_rewards/) beside the config file (for a spec given in it), in the working directory {elsewhere} or "
+            "on the Python path") in out.stderr, out.stderr[-3000:]
+
+
+def test_code_named_in_a_config_resolves_beside_it(tmp_path):
+    """rollout.env and data.reward modules beside the YAML become their files' paths; importable modules, built-ins
+    and overrides stay as given."""
+    from gspo_megatron.rollout.user_code import load_named
+    from gspo_megatron.train.startup.config import load_config
+
+    (tmp_path / "my_env.py").write_text("class MyEnv:\n    def reset(self, prompt): ...\n\n"
+                                        "    def step(self, text, ids): ...\n")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "r.py").write_text("def score(p, r, l):\n    return 1.0\n")
+    (tmp_path / "run.yaml").write_text("rollout:\n  env: my_env:MyEnv\ndata:\n  reward: sub/r.py:score\n"
+                                       "  segment_reward: tests.rollout.user_rewards:length_reward\n")
+    cfg = load_config(tmp_path / "run.yaml")
+    assert cfg.rollout.env == f"{tmp_path / 'my_env.py'}:MyEnv"
+    assert cfg.data.reward == f"{tmp_path / 'sub' / 'r.py'}:score"
+    assert cfg.data.segment_reward == "tests.rollout.user_rewards:length_reward"
+    assert load_named(cfg.data.reward, {}, "data.reward", "module:function", "callable")("", "", None) == 1.0
+    assert load_named(cfg.rollout.env, {}, "rollout.env", "module:Class", "class").__name__ == "MyEnv"
+    assert load_config(tmp_path / "run.yaml", ["data.reward=math"]).data.reward == "math"

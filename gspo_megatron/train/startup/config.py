@@ -627,11 +627,35 @@ def _relative_to(tree: dict, folder: Path) -> None:
             node[name] = os.path.normpath(os.path.join(folder, value))
 
 
+# Fields naming user code as module:attribute (or path/to/file.py:attribute). In a YAML file, a module that Python
+# cannot import but that lies beside the file (my_rewards.py) becomes that file's path, as paths do.
+CODE_FIELDS = (("data", "reward"), ("data", "segment_reward"), ("rollout", "env"))
+
+
+def _code_beside(tree: dict, folder: Path) -> None:
+    import importlib.util
+
+    from gspo_megatron.rollout.user_code import module_file
+
+    for section, name in CODE_FIELDS:
+        node = tree.get(section)
+        value = node.get(name) if isinstance(node, dict) else None
+        if not isinstance(value, str) or ":" not in value:
+            continue
+        module, _, attr = value.rpartition(":")
+        if module.endswith(".py") and not os.path.isabs(os.path.expanduser(module)):
+            node[name] = f"{os.path.normpath(os.path.join(folder, module))}:{attr}"
+        elif module.isidentifier() and importlib.util.find_spec(module) is None:
+            found = module_file(module, folder)
+            if found is not None:
+                node[name] = f"{found}:{attr}"
+
+
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
     """YAML file (or None for defaults) + dotted ``section.field=value`` overrides -> a typed Config.
 
-    Relative paths in the YAML file (``PATH_FIELDS``) are relative to its folder; in overrides, to the working
-    directory."""
+    Relative paths in the YAML file (``PATH_FIELDS``) are relative to its folder, and so are the modules of its
+    ``CODE_FIELDS`` that Python cannot import otherwise; in overrides, to the working directory."""
     tree: dict = {}
     if path is not None:
         file = Path(path)
@@ -639,6 +663,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
             raise ConfigError(f"config file {path} does not exist")
         tree = _read_yaml(file)
         _relative_to(tree, file.parent)
+        _code_beside(tree, file.parent)
     for override in overrides:
         _apply_override(tree, override)
     return _build(Config, tree, "")
