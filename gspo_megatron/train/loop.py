@@ -56,7 +56,6 @@ def train(cfg: Config, resume: bool = False) -> dict:
     reward_fn = reward_function(cfg)
     loss_cfg = loss_config(cfg)
     engine = make_engine(cfg, hf_dir, tokenizer)  # rank 0's; None elsewhere
-    logger = MetricsLogger(cfg.logging.dir, cfg.logging.tensorboard, cfg.logging.wandb_project, enabled=rank0)
     step, version, state = 0, 0, None
     resume_from = elastic.checkpoint_to_resume(cfg, resume)  # --resume, or a torchrun restart: this run's latest
     if resume_from:
@@ -64,6 +63,9 @@ def train(cfg: Config, resume: bool = False) -> dict:
         step, version = state["step"], state["weight_version"]
         if rank0:
             print(f"gspo-megatron train: resumed from {resume_from} at step {step} of {cfg.train.steps}", flush=True)
+    # metrics.jsonl keeps the steps up to the one resumed from (a stopped run's later ones go): each step once
+    logger = MetricsLogger(cfg.logging.dir, cfg.logging.tensorboard, cfg.logging.wandb_project, enabled=rank0,
+                           start_step=step)
     # The engine started from model.hf_dir's weights: a resumed run or model.megatron_checkpoint needs its own; servers
     # kept through a restart serve the failed attempt's weights
     if resume_from or elastic.restarted() or cfg.model.megatron_checkpoint:

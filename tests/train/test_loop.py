@@ -88,6 +88,14 @@ def test_train_logs_plots_and_resumes_exactly(tmp_path):
     different = [k for k in a if not torch.equal(a[k], b[k])]
     assert not different, f"resumed weights differ from the uninterrupted run: {different[:5]}"
 
+    # A run whose latest checkpoint is older than its last logged step (killed after logging step 3, before saving
+    # it: here `latest` set back to step 2), resumed: metrics.jsonl holds each step once, the new step 3 in place.
+    (uninterrupted / "ck" / "latest").write_text("step_000002")
+    first = records[2]["time"]
+    _train(uninterrupted, 3, "--resume", "checkpoint.every=0")
+    again = [json.loads(line) for line in (uninterrupted / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in again] == [1, 2, 3] and again[2]["time"] > first
+
 
 def test_kl_penalty_runs_a_frozen_reference_pass(tmp_path):
     """algo.kl_coef > 0: a reference pass each step against the starting weights, logged as kl_ref; the padding

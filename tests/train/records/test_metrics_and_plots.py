@@ -1,7 +1,9 @@
-"""Metrics JSONL round trip (NaN as a gap, last record of a step wins) and the PNG plots."""
+"""Metrics JSONL round trip (NaN as a gap, last record of a step wins, a resume cut back to its step) and the PNG
+plots."""
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 from pathlib import Path
@@ -30,6 +32,21 @@ def test_jsonl_round_trip(tmp_path):
     assert records[0]["logprob_diff_max"] is None
 
 
+def test_a_resumed_run_keeps_the_steps_up_to_its_checkpoint_once(tmp_path):
+    """Steps 1-10 (10 twice), then a line cut short by a kill: a run resumed from step 6 keeps steps 1-6, each once,
+    and logs on from 7."""
+    path = fake_run(tmp_path, 0.1)
+    with path.open("a") as f:
+        f.write('{"step": 11, "reward_me')
+    logger = MetricsLogger(tmp_path, tensorboard=False, start_step=6)
+    assert [r["step"] for r in map(json.loads, path.read_text().splitlines())] == [1, 2, 3, 4, 5, 6]
+    logger.log(7, {"reward_mean": 0.5})
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == list(range(1, 8))
+    assert not path.with_name("metrics.jsonl.tmp").exists()
+    MetricsLogger(tmp_path / "fresh", tensorboard=False, start_step=0)  # nothing to cut: nothing written
+    assert not (tmp_path / "fresh" / "metrics.jsonl").exists()
+
+
 def _is_png(path: Path) -> bool:
     return path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
 
@@ -44,3 +61,4 @@ def test_plot_and_compare(tmp_path):
     bad = warm_cli.run([sys.executable, str(ROOT / "tools/compare_runs.py"), str(tmp_path / "nope")],
                      capture_output=True, text=True)
     assert bad.returncode != 0 and "no metrics.jsonl" in bad.stderr
+
