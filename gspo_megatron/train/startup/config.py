@@ -568,6 +568,10 @@ def unknown_names(unknown, known, title: str) -> str:
     return f"{title} {sorted(unknown)}{hint}; known: {sorted(known)}"
 
 
+def _takes_none(annotation) -> bool:
+    return type(None) in typing.get_args(annotation)
+
+
 def _build(cls, values: dict, where: str):
     if not isinstance(values, dict):
         raise ConfigError(f"{where}: expected a mapping of fields, got {values!r}")
@@ -577,7 +581,8 @@ def _build(cls, values: dict, where: str):
         raise ConfigError(unknown_names(unknown, types, f"{where}: unknown field(s)" if where else "unknown section(s)"))
     kwargs = {}
     for name, annotation in types.items():
-        if name not in values:
+        # null (`data.eval_prompts=null`, or `eval_prompts:` left empty in a YAML) unsets a field: its default
+        if name not in values or (values[name] is None and not _takes_none(annotation)):
             continue
         key = f"{where}.{name}" if where else name
         if dataclasses.is_dataclass(annotation):
