@@ -24,7 +24,7 @@ COVERED = pytest.mark.megatron_covered_by("tests/train/test_loop.py::test_train_
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     """The CPU example's tiny model (random weights: what it says does not matter here)."""
-    from gspo_megatron.rollout.synthetic import save_tiny_model
+    from gspo_megatron.rewards.synthetic import save_tiny_model
 
     return save_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0, vocab_size=128, hidden_size=128,
                            num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, num_experts=4, top_k=2,
@@ -60,17 +60,17 @@ def test_the_masked_reward_guard_counts_steps_and_shares():
 @pytest.mark.megatron
 @COVERED
 def test_a_reward_that_always_fails_stops_the_run_even_when_masked(model_dir, tmp_path):
-    out = train(model_dir, tmp_path / "run", "data.reward=tests.rollout.user_rewards:known_answers",
+    out = train(model_dir, tmp_path / "run", "data.reward=tests.rewards.user_rewards:known_answers",
                 "data.on_reward_error=mask", "data.reward_workers=1")
     assert out.returncode == 1, out.stderr[-3000:]
     lines = [line for line in out.stderr.splitlines() if "RewardError" in line]
     assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
     assert ("gspo-megatron train: RewardError: step 1: every reward (16 of 16) failed and was masked" in lines[0]
-            and "reward tests.rollout.user_rewards:known_answers raised KeyError" in lines[0]), lines[0]
+            and "reward tests.rewards.user_rewards:known_answers raised KeyError" in lines[0]), lines[0]
     assert not (tmp_path / "run" / "metrics.jsonl").exists() or not (tmp_path / "run" / "metrics.jsonl").read_text()
 
     # raise (the default): the first failure's own error, naming the real field that would mask it
-    out = train(model_dir, tmp_path / "raise", "data.reward=tests.rollout.user_rewards:known_answers",
+    out = train(model_dir, tmp_path / "raise", "data.reward=tests.rewards.user_rewards:known_answers",
                 "data.reward_workers=0")
     assert out.returncode == 1, out.stderr[-3000:]
     assert "set data.on_reward_error=mask to drop such samples" in out.stderr and "Traceback" not in out.stderr
@@ -123,7 +123,7 @@ def test_a_reward_module_beside_the_config_and_a_prompt_file_without_labels(mode
 def test_code_named_in_a_config_resolves_beside_it(tmp_path):
     """rollout.env and data.reward modules beside the YAML become their files' paths; importable modules, built-ins
     and overrides stay as given."""
-    from gspo_megatron.rollout.user_code import load_named
+    from gspo_megatron.rewards.user_code import load_named
     from gspo_megatron.train.startup.config import load_config
 
     (tmp_path / "my_env.py").write_text("class MyEnv:\n    def reset(self, prompt): ...\n\n"
@@ -131,11 +131,11 @@ def test_code_named_in_a_config_resolves_beside_it(tmp_path):
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "r.py").write_text("def score(p, r, l):\n    return 1.0\n")
     (tmp_path / "run.yaml").write_text("rollout:\n  env: my_env:MyEnv\ndata:\n  reward: sub/r.py:score\n"
-                                       "  segment_reward: tests.rollout.user_rewards:length_reward\n")
+                                       "  segment_reward: tests.rewards.user_rewards:length_reward\n")
     cfg = load_config(tmp_path / "run.yaml")
     assert cfg.rollout.env == f"{tmp_path / 'my_env.py'}:MyEnv"
     assert cfg.data.reward == f"{tmp_path / 'sub' / 'r.py'}:score"
-    assert cfg.data.segment_reward == "tests.rollout.user_rewards:length_reward"
+    assert cfg.data.segment_reward == "tests.rewards.user_rewards:length_reward"
     assert load_named(cfg.data.reward, {}, "data.reward", "module:function", "callable")("", "", None) == 1.0
     assert load_named(cfg.rollout.env, {}, "rollout.env", "module:Class", "class").__name__ == "MyEnv"
     assert load_config(tmp_path / "run.yaml", ["data.reward=math"]).data.reward == "math"

@@ -18,7 +18,7 @@ EXAMPLE = str(ROOT / "examples/tiny_moe_cpu.yaml")
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    from gspo_megatron.rollout.synthetic import save_tiny_model
+    from gspo_megatron.rewards.synthetic import save_tiny_model
 
     return save_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
 
@@ -56,19 +56,19 @@ CASES = {
         "{tmp}/p.jsonl:2: no label for data.reward='exact_match': none of answer, label, tests, "
         "reward_model.ground_truth in ['answr', 'prompt'] (data.label_key names another field)"),
     "reward: wrong signature": (
-        {}, ["data.reward=tests.rollout.user_rewards:wrong_signature"], 2,
-        "data.reward='tests.rollout.user_rewards:wrong_signature' called on the first problem of data.task='reverse' "
+        {}, ["data.reward=tests.rewards.user_rewards:wrong_signature"], 2,
+        "data.reward='tests.rewards.user_rewards:wrong_signature' called on the first problem of data.task='reverse' "
         "(prompt '{task_prompt}', a response equal to its label '{task_answer}') raised TypeError: wrong_signature() "
         "takes 2 positional arguments but 3 were given (wrong_signature is defined at {user_rewards}:{defined})"),
     "reward: a bug in the user's line": (
         {"p.jsonl": json.dumps({"prompt": "ab", "answer": "ba"}) + "\n"},
-        ["data.task=", "data.prompts={tmp}/p.jsonl", "data.reward=tests.rollout.user_rewards:divides_by_zero"], 2,
-        "data.reward='tests.rollout.user_rewards:divides_by_zero' called on the first record of "
+        ["data.task=", "data.prompts={tmp}/p.jsonl", "data.reward=tests.rewards.user_rewards:divides_by_zero"], 2,
+        "data.reward='tests.rewards.user_rewards:divides_by_zero' called on the first record of "
         "data.prompts='{tmp}/p.jsonl' (prompt 'ab', a response equal to its label 'ba') raised ZeroDivisionError: "
         "division by zero ({user_rewards}:{failing})"),
-    "reward: hangs": ({}, ["data.reward=tests.rollout.user_rewards:hangs", "data.reward_timeout_s=0.5"], 2,
+    "reward: hangs": ({}, ["data.reward=tests.rewards.user_rewards:hangs", "data.reward_timeout_s=0.5"], 2,
                       "did not return within 0.5 s (data.reward_timeout_s)"),
-    "reward: not a number": ({}, ["data.reward=tests.rollout.user_rewards:returns_text"], 2,
+    "reward: not a number": ({}, ["data.reward=tests.rewards.user_rewards:returns_text"], 2,
                              "returned '1.0' (str), not a finite number"),
     "unknown reward": ({}, ["data.reward=maths"], 2,
                        "data.reward='maths' is neither a built-in (['code_tests', 'exact_match', 'math', 'synthetic'])"),
@@ -82,8 +82,8 @@ CASES = {
 
 def _facts(tmp: Path) -> dict:
     """What the messages name: the reward file and its lines, the example task's first problem."""
-    from gspo_megatron.rollout.synthetic import make_problems
-    from tests.rollout import user_rewards
+    from gspo_megatron.rewards.synthetic import make_problems
+    from tests.rewards import user_rewards
 
     problem = make_problems("reverse", 1, seed=1234)[0]
     return {"tmp": tmp, "user_rewards": user_rewards.__file__, "task_prompt": problem.prompt,
