@@ -73,7 +73,7 @@ def _is_messages(value) -> bool:
         isinstance(m, dict) and "role" in m and "content" in m for m in value)
 
 
-def _record_to_prompt(record: Any, tokenizer, where: str, fmt: PromptFormat = PromptFormat()) -> Prompt:
+def record_to_prompt(record: Any, tokenizer, where: str, fmt: PromptFormat = PromptFormat()) -> Prompt:
     if not isinstance(record, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
     if fmt.label_key == "*":
@@ -195,7 +195,7 @@ def load_jsonl(path: str | Path, tokenizer, skip_malformed: bool = False, max_pr
         try:
             if isinstance(record, DataError):
                 raise record
-            prompt = _record_to_prompt(record, tokenizer, where, fmt)
+            prompt = record_to_prompt(record, tokenizer, where, fmt)
         except DataError:
             if not skip_malformed:
                 raise
