@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from gspo_megatron.cli import main
 from gspo_megatron.parallel.launch import run_on_ranks
 from gspo_megatron.train.resilience import fault_injection
 from tests.train.saved import final_weights
@@ -30,7 +31,7 @@ def _command(run: Path, model: Path, *extra: str) -> list[str]:
 # What these add to the policy's step and checkpoints (which run on megatron-core 0.19 in the covering tests) is the
 # loop's own: when every rank stops, and what a signal does to a wait. Not run again on 0.19.
 @pytest.mark.megatron_covered_by("tests/train/records/test_checkpoint.py::test_resume_is_exact_ep2_distributed_optimizer")
-def test_a_signal_on_one_rank_stops_every_rank_after_the_same_step_and_resume_is_exact(tmp_path,
+def test_a_signal_on_one_rank_stops_every_rank_after_the_same_step_and_resume_is_exact(tmp_path, capsys, monkeypatch,
                                                                                         uninterrupted_two_ranks):
     uninterrupted, model = uninterrupted_two_ranks
     preempted = tmp_path / "b"
@@ -50,6 +51,14 @@ def test_a_signal_on_one_rank_stops_every_rank_after_the_same_step_and_resume_is
     assert logged_steps(preempted) == list(range(1, stopped + 1)), stderr[-3000:]
     assert (preempted / "ck" / "latest").read_text() == f"step_{stopped:06d}"
     assert f"stopped by a signal after step {stopped} of {STEPS}" in stdout and "SIGUSR1" in stderr
+
+    # Resumed under another expert split (EP 1, DP 2): refused before anything is built, naming the field and the way
+    # on (megatron's load would fail listing every key)
+    command = _command(preempted, model, "--resume", "parallel.expert=1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(command[command.index("train"):]) == 2
+    assert (f"--resume: {preempted / 'ck' / 'step_000002'} was saved under another layout: parallel.expert=1 (saved "
+            "with 2)" in capsys.readouterr().err)
 
     out = subprocess.run(_command(preempted, model, "--resume"), cwd=ROOT, env=env(), capture_output=True, text=True,
                          timeout=600)
