@@ -43,6 +43,7 @@ def _train(args) -> int:
     from gspo_megatron.rollout.errors import RewardError, RolloutError, StartInterrupted
     from gspo_megatron.train.resilience.faults import NonFiniteError
     from gspo_megatron.train.loop import train
+    from gspo_megatron.train.records.progress import number
 
     # SIGTERM / SIGUSR1 (a scheduler's stop) and Ctrl-C: every rank finishes the step, saves it and exits 0
     # (train.resilience.preemption); a second one unwinds at once, so the loop's `finally` still stops the servers.
@@ -65,7 +66,7 @@ def _train(args) -> int:
                   "continue with --resume")
         else:
             print(f"gspo-megatron train: finished {cfg.train.steps} steps; metrics in {cfg.logging.dir}/metrics.jsonl, "
-                  f"plots in {cfg.logging.dir}/metrics.png; last reward {metrics.get('reward_mean')}")
+                  f"plots in {cfg.logging.dir}/metrics.png; last reward {number(metrics.get('reward_mean', float('nan')))}")
     return 0
 
 

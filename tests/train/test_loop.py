@@ -48,7 +48,11 @@ def _train(run: Path, steps: int, *extra: str) -> subprocess.CompletedProcess:
 
 def test_train_logs_plots_and_resumes_exactly(tmp_path):
     uninterrupted = tmp_path / "a"
-    _train(uninterrupted, 3, "checkpoint.async_save=true")  # the resumed run below saves synchronously
+    out = _train(uninterrupted, 3, "checkpoint.async_save=true")  # the resumed run below saves synchronously
+    # Off a terminal (captured here, as in a log file) the progress is one line per step, not a bar's \r-joined one
+    steps = [line for line in out.stderr.splitlines() if line.startswith("gspo step ")]
+    assert [line.split(":")[0] for line in steps] == ["gspo step 1/3", "gspo step 2/3", "gspo step 3/3"], out.stderr
+    assert "\r" not in out.stderr and all(" tokens/s" in line and "reward " in line for line in steps), steps
     records = [json.loads(line) for line in (uninterrupted / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
     for key in ("reward_mean", "clip_frac", "seq_ratio_min", "seq_ratio_max", "approx_kl", "logprob_diff_max",

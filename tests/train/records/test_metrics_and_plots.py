@@ -1,8 +1,9 @@
-"""Metrics JSONL round trip (NaN as a gap, last record of a step wins, a resume cut back to its step) and the PNG
-plots."""
+"""Metrics JSONL round trip (NaN as a gap, last record of a step wins, a resume cut back to its step), the PNG plots
+and the progress lines."""
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import sys
@@ -10,6 +11,7 @@ from pathlib import Path
 
 from gspo_megatron.train.records.metrics_log import MetricsLogger, read_metrics
 from gspo_megatron.train.records.plots import plot_runs
+from gspo_megatron.train.records.progress import Progress
 from tests import warm_cli
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -62,3 +64,30 @@ def test_plot_and_compare(tmp_path):
                      capture_output=True, text=True)
     assert bad.returncode != 0 and "no metrics.jsonl" in bad.stderr
 
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_is_one_line_a_step_off_a_terminal_and_a_bar_on_one():
+    """A log file gets `gspo step N/T: ...` lines with rounded numbers, masked rewards when there are any and no
+    carriage returns; a terminal gets the bar."""
+    metrics = {"reward_mean": 0.15000000596046448, "clip_frac": 0.0213, "reward_masked": 0.0, "time/step": 1.23456,
+               "tokens_per_s": 451.7, "logprob_diff_max": 3.1e-6}
+    log = io.StringIO()
+    progress = Progress(5, enabled=True, stream=log)
+    progress.update(1, metrics)
+    progress.update(2, {**metrics, "reward_masked": 2.0, "reward_mean": float("nan")})
+    progress.close()
+    assert log.getvalue().splitlines() == [
+        "gspo step 1/5: reward 0.15, clip 0.0213, lp_diff 3.1e-06, 1.23 s, 452 tokens/s",
+        "gspo step 2/5: reward nan, clip 0.0213, masked 2, lp_diff 3.1e-06, 1.23 s, 452 tokens/s"]
+    terminal = _Terminal()
+    bar = Progress(5, enabled=True, stream=terminal)
+    bar.update(1, metrics)
+    bar.close()
+    assert "\r" in terminal.getvalue() and "1/5" in terminal.getvalue() and "reward=0.15" in terminal.getvalue()
+    quiet = io.StringIO()
+    Progress(5, enabled=False, stream=quiet).update(1, metrics)  # ranks other than 0
+    assert quiet.getvalue() == ""
