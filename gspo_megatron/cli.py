@@ -15,11 +15,12 @@ import sys
 
 
 def _train(args) -> int:
-    from gspo_megatron.train.startup.bootstrap import model_hf_config
+    from gspo_megatron.train.startup.bootstrap import model_hf_config, resolve_hub_model
     from gspo_megatron.train.startup.config import load_config
     from gspo_megatron.train.startup.validate import validate
 
     cfg = load_config(args.config, args.overrides)
+    resolve_hub_model(cfg)  # model.hf_dir=Qwen/Qwen3-30B-A3B: its snapshot in huggingface_hub's cache
     # The layout against the model's config too, before any process group starts.
     validate(cfg, int(os.environ.get("WORLD_SIZE", "1")), model_hf_config(cfg))
     # Output dirs: writable, and never a used one without --resume (before anything is built or written).
@@ -71,6 +72,7 @@ def _train(args) -> int:
 
 
 def _plan(args) -> int:
+    from gspo_megatron.train.startup.bootstrap import resolve_hub_model
     from gspo_megatron.train.startup.config import ConfigError, load_config
     from gspo_megatron.plan.layouts import fit_options, fits, format_plan
 
@@ -83,6 +85,7 @@ def _plan(args) -> int:
     if args.gpu_memory_gib <= 0:
         raise ConfigError(f"--gpu-memory-gib {args.gpu_memory_gib:g} must be a positive number of GiB")
     cfg = load_config(args.config, args.overrides)
+    resolve_hub_model(cfg, ["config.json"])  # a Hub repo id: its config is all a plan reads
     world = (args.nodes or 1) * args.gpus_per_node if args.gpus_per_node else int(os.environ.get("WORLD_SIZE", "1"))
     print(format_plan(cfg, world, args.gpu_memory_gib, impl=args.layer_spec))
     if fits(cfg, world, args.gpu_memory_gib, impl=args.layer_spec):

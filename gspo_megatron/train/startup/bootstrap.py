@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -18,7 +19,7 @@ from gspo_megatron.rewards import rewards
 from gspo_megatron.rewards.reward_pool import RewardPool
 from gspo_megatron.rewards.synthetic import demonstration, make_problems, save_tiny_model, tiny_config
 from gspo_megatron.rewards.user_code import load_named
-from gspo_megatron.train.startup.config import Config, ConfigError
+from gspo_megatron.train.startup.config import Config, ConfigError, is_repo_id
 from gspo_megatron.train.startup.run_dirs import ENGINE_MODEL
 from gspo_megatron.train.startup.data import (LABEL_KEYS, PromptFormat, PromptStream, check_prompt_lengths,
                                               load_jsonl, task_prompts)
@@ -168,6 +169,34 @@ def _user_line(fn, error: BaseException) -> str:
     if frames:
         return f"{frames[-1].filename}:{frames[-1].lineno}"
     return f"{getattr(fn, '__qualname__', code.co_name)} is defined at {code.co_filename}:{code.co_firstlineno}"
+
+
+HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]  # config, weights, tokenizer
+
+
+def resolve_hub_model(cfg: Config, files: list[str] = HUB_FILES) -> None:
+    """``model.hf_dir`` given as a Hugging Face repo id (``Qwen/Qwen3-30B-A3B``: nothing at that path, and no
+    ``model.tiny`` to build there) becomes its snapshot in huggingface_hub's cache, downloaded first when the
+    machine is online; offline (``HF_HUB_OFFLINE=1``) a model not in the cache is one sentence saying so."""
+    value = cfg.model.hf_dir
+    if not value or cfg.model.tiny or Path(value).exists() or not is_repo_id(value):
+        return
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+    cache = os.environ.get("HF_HUB_CACHE") or None  # read now: huggingface_hub reads it once, at import
+    try:
+        cfg.model.hf_dir = snapshot_download(value, allow_patterns=files, cache_dir=cache,
+                                             local_files_only=offline)
+    except LocalEntryNotFoundError:
+        where = "offline (HF_HUB_OFFLINE=1)" if offline else "unable to reach the Hugging Face Hub"
+        raise ConfigError(f"model.hf_dir={value!r} is not a directory, and as a Hugging Face repo id it is not in the "
+                          f"cache and this machine is {where}: download it where there is a network "
+                          f"(`huggingface-cli download {value}`, into the same HF_HOME) or give a local directory") from None
+    except (RepositoryNotFoundError, HfHubHTTPError) as e:
+        raise ConfigError(f"model.hf_dir={value!r} is neither a directory nor a Hugging Face repo the Hub serves "
+                          f"({type(e).__name__})") from None
 
 
 def model_hf_config(cfg: Config) -> dict:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +33,8 @@ class ConfigError(ValueError):
 @dataclass
 class ModelConfig:
     hf_dir: str = ""
-    """Hugging Face model directory (config.json, safetensors, tokenizer). Required unless ``tiny`` builds it."""
+    """Hugging Face model directory (config.json, safetensors, tokenizer), or a Hub repo id (``Qwen/Qwen3-30B-A3B``:
+    its snapshot in huggingface_hub's cache, downloaded first when online). Required unless ``tiny`` builds it."""
     tiny: dict = field(default_factory=dict)
     """If set and ``hf_dir`` does not exist yet: build a random model there of these sizes (vocab_size, hidden_size,
     num_layers, num_heads, num_kv_heads, head_dim, num_experts, top_k, moe_intermediate_size) and ``family``:
@@ -624,12 +626,23 @@ def _read_yaml(file: Path) -> dict:
     return tree
 
 
+def is_repo_id(value: str) -> bool:
+    """``org/name`` as the Hugging Face Hub spells repo ids (not ``./x``, ``/x``, ``~/x`` or a deeper path)."""
+    return re.fullmatch(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*", value) is not None and ".." not in value
+
+
 def _relative_to(tree: dict, folder: Path) -> None:
+    model = tree.get("model") if isinstance(tree.get("model"), dict) else {}
     for section, name in PATH_FIELDS:
         node = tree.get(section)
         value = node.get(name) if isinstance(node, dict) else None
         if isinstance(value, str) and value and not os.path.isabs(os.path.expanduser(value)):
-            node[name] = os.path.normpath(os.path.join(folder, value))
+            path = os.path.normpath(os.path.join(folder, value))
+            # model.hf_dir: Qwen/Qwen3-30B-A3B, with nothing of that name beside the YAML, is a Hugging Face repo id
+            if (section, name) == ("model", "hf_dir") and not model.get("tiny") and is_repo_id(value) \
+                    and not os.path.exists(path):
+                continue
+            node[name] = path
 
 
 # Fields naming user code as module:attribute (or path/to/file.py:attribute). In a YAML file, a module that Python

@@ -173,3 +173,30 @@ def test_attached_servers_that_refuse_connections_are_named_before_the_model_is_
         server.bind(("127.0.0.1", 0))
         server.listen()
         wait_for_urls([f"http://127.0.0.1:{server.getsockname()[1]}"], 0)  # accepts: no wait, no error
+
+
+def test_a_hugging_face_repo_id_is_read_from_the_hub_cache_offline(model_dir, tmp_path, capsys, monkeypatch):
+    """model.hf_dir=org/name (on the command line or in a YAML), nothing of that name on disk: the snapshot in
+    huggingface_hub's cache (a cache laid out here, offline: nothing can be downloaded), read as a directory is (its
+    wrong tensor named at its snapshot path); a repo not in the cache is one sentence saying so."""
+    import shutil
+
+    snapshot = tmp_path / "hub/models--org--tiny/snapshots/0123abc"
+    shutil.copytree(_wrong_shape(model_dir, tmp_path / "bad"), snapshot)
+    (tmp_path / "hub/models--org--tiny/refs").mkdir()
+    (tmp_path / "hub/models--org--tiny/refs/main").write_text("0123abc")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run.yaml").write_text("model:\n  hf_dir: org/tiny\ndata:\n  task: reverse\n")
+    for args in (["train", EXAMPLE, "model.hf_dir=org/tiny", "model.tiny=null"], ["train", str(tmp_path / "run.yaml")]):
+        assert main([*args, f"logging.dir={tmp_path / 'run'}", "checkpoint.dir="]) == 2
+        err = capsys.readouterr().err
+        assert f"model.hf_dir='{snapshot}'" in err and "model.layers.0.self_attn.o_proj.weight" in err, err
+    assert main(["plan", str(tmp_path / "run.yaml")]) == 0  # the plan reads the cached config.json
+    out = capsys.readouterr().out
+    assert out.startswith("model: qwen3_moe") and "vocab 128" in out, out
+    assert main(["train", EXAMPLE, "model.hf_dir=org/elsewhere", "model.tiny=null", f"logging.dir={tmp_path / 'run'}",
+                 "checkpoint.dir="]) == 2
+    assert ("model.hf_dir='org/elsewhere' is not a directory, and as a Hugging Face repo id it is not in the cache "
+            "and this machine is offline (HF_HUB_OFFLINE=1)") in capsys.readouterr().err
