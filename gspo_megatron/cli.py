@@ -170,7 +170,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             status = _train(args) if args.command == "train" else _plan(args)
     except (ConfigError, EnvironmentMismatch) as error:
-        print(f"gspo-megatron {args.command}: {error}", file=sys.stderr)
+        # Every rank reads the same config and finds the same error: a node's first rank says it, once per node
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            print(f"gspo-megatron {args.command}: {error}", file=sys.stderr)
         status = 2
     groups.destroy()  # before the interpreter's exit, which may abort a rank holding gloo groups (groups.destroy)
     return status

@@ -40,7 +40,8 @@ def _args(root: Path) -> list[str]:
     (True, False, ["metrics.jsonl (2 logged steps)"]),
     (False, True, ["checkpoints step_000002"]),
 ])
-def test_a_used_run_dir_is_refused_before_anything_is_written(tmp_path, capsys, metrics, checkpoints, named):
+def test_a_used_run_dir_is_refused_before_anything_is_written(tmp_path, capsys, monkeypatch, metrics, checkpoints,
+                                                              named):
     _earlier_run(tmp_path, metrics, checkpoints)
     before = _files(tmp_path)
     assert main(_args(tmp_path)) == 2
@@ -48,6 +49,8 @@ def test_a_used_run_dir_is_refused_before_anything_is_written(tmp_path, capsys, 
     assert "already hold a run" in err and all(n in err for n in named), err
     assert "--resume" in err and "another logging.dir / checkpoint.dir" in err and "--overwrite" in err, err
     assert _files(tmp_path) == before  # nothing written: no model built, no metrics appended
+    monkeypatch.setenv("LOCAL_RANK", "1")  # under torchrun the node's other ranks refuse too, without repeating it
+    assert main(_args(tmp_path)) == 2 and capsys.readouterr().err == ""
 
 
 @pytest.mark.parametrize("field,value,message", [
