@@ -80,6 +80,7 @@ def train(cfg: Config, resume: bool = False) -> dict:
     metrics: dict = {}
     nonfinite = NonFiniteGuard(cfg.train.max_consecutive_nonfinite, cfg.logging.dir, rank0)
     trainer_state = colocate.trainer_state(policy, cfg)  # rollout.colocate_offload: off the GPU between updates
+    save_clock = checkpoint.SaveClock(cfg.checkpoint.every_minutes)  # a save at least every N minutes
     try:
         while step < cfg.train.steps:
             step += 1
@@ -113,9 +114,11 @@ def train(cfg: Config, resume: bool = False) -> dict:
             metrics.update(source.sync_weights(policy, version))  # generation ahead: finished first, or paused
             if cfg.train.eval_every and step % cfg.train.eval_every == 0 and eval_prompts:
                 metrics.update(source.evaluate(eval_prompts, step))
-            stop = preemption.stop_agreed()  # SIGTERM/SIGUSR1 on any rank: every rank saves this step and stops
-            if cfg.checkpoint.dir and (stop or step == cfg.train.steps
+            stop = preemption.stop_agreed()  # SIGTERM/SIGUSR1/Ctrl-C on any rank: every rank saves this step, stops
+            timed = save_clock.due()  # checkpoint.every_minutes since the last save (rank 0's clock)
+            if cfg.checkpoint.dir and (stop or timed or step == cfg.train.steps
                                        or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0)):
+                save_clock.saved()
                 t = time.perf_counter()
                 checkpoint.save(cfg.checkpoint.dir, step, policy.model, policy.optimizer, policy.scheduler,
                                 {"weight_version": version, **source.state_dict()},

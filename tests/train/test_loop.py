@@ -104,9 +104,11 @@ def test_train_logs_plots_and_resumes_exactly(tmp_path):
 def test_kl_penalty_runs_a_frozen_reference_pass(tmp_path):
     """algo.kl_coef > 0: a reference pass each step against the starting weights, logged as kl_ref; the padding
     share of padded and packed rows; rollout.stop_token_ids reach the engine."""
-    _train(tmp_path / "kl", 3, "algo.kl_coef=0.1", "checkpoint.every=0")
+    # checkpoint.every_minutes (here: any time at all) saves each step, checkpoint.every=0 notwithstanding
+    _train(tmp_path / "kl", 3, "algo.kl_coef=0.1", "checkpoint.every=0", "checkpoint.every_minutes=1e-6")
     records = [json.loads(line) for line in (tmp_path / "kl" / "metrics.jsonl").read_text().splitlines()]
-    assert all(r["time/ref_logprobs"] > 0 for r in records)
+    assert all(r["time/ref_logprobs"] > 0 and r["time/checkpoint"] > 0 for r in records)
+    assert sorted(p.name for p in (tmp_path / "kl" / "ck").glob("step_*")) == ["step_000002", "step_000003"]  # keep 2
     # Step 1 scores the rollout with the starting weights on both sides: KL is rounding only (fp32).
     assert abs(records[0]["kl_ref"]) < 1e-6
     # After updates the policy has moved from the reference, which itself stays put: KL grows from zero.

@@ -431,7 +431,10 @@ class CheckpointConfig:
     dir: str = ""
     """Where step_N checkpoints and ``latest`` are written ("": no checkpoints); --resume continues from it."""
     every: int = 0
-    """Save every N steps (0: only at the end)."""
+    """Save every N steps (0: only at the end, at a stop signal, and by ``every_minutes``)."""
+    every_minutes: float = 60.0
+    """Save also when this many minutes have passed since the last save (or the start), by rank 0's clock: what a
+    crash loses stays bounded whatever ``every`` is (0: off)."""
     keep: int = 2
     """How many of the newest step dirs stay; older ones are removed once a newer one is complete (0: all)."""
     async_save: bool = False
