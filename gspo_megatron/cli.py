@@ -15,11 +15,12 @@ import sys
 
 
 def _train(args) -> int:
-    from gspo_megatron.train.startup.bootstrap import model_hf_config
+    from gspo_megatron.train.startup.bootstrap import model_hf_config, resolve_hub_model
     from gspo_megatron.train.startup.config import load_config
     from gspo_megatron.train.startup.validate import validate
 
     cfg = load_config(args.config, args.overrides)
+    resolve_hub_model(cfg)  # model.hf_dir=Qwen/Qwen3-30B-A3B: its snapshot in huggingface_hub's cache
     # The layout against the model's config too, before any process group starts.
     validate(cfg, int(os.environ.get("WORLD_SIZE", "1")), model_hf_config(cfg))
     # Output dirs: writable, and never a used one without --resume (before anything is built or written).
@@ -40,34 +41,38 @@ def _train(args) -> int:
         return 1
     from gspo_megatron.train.resilience import preemption
     from gspo_megatron.train.startup.data import DataError
-    from gspo_megatron.rollout.errors import RolloutError, StartInterrupted
+    from gspo_megatron.rollout.errors import RewardError, RolloutError, StartInterrupted
     from gspo_megatron.train.resilience.faults import NonFiniteError
     from gspo_megatron.train.loop import train
+    from gspo_megatron.train.records.progress import number
 
-    # SIGTERM / SIGUSR1 (a scheduler's stop): every rank finishes the step, saves it and exits 0 (train.resilience.preemption);
-    # a second one unwinds at once like Ctrl-C, so the loop's `finally` still stops the SGLang servers it launched.
+    # SIGTERM / SIGUSR1 (a scheduler's stop) and Ctrl-C: every rank finishes the step, saves it and exits 0
+    # (train.resilience.preemption); a second one unwinds at once, so the loop's `finally` still stops the servers.
     preemption.install()
     try:
         metrics = train(cfg, resume=args.resume)
     except StartInterrupted as error:  # before the first step: nothing trained, nothing to save
         print(f"gspo-megatron train: stopped before the first step: {error}", file=sys.stderr)
         return 128 + error.signum
-    except (DataError, NonFiniteError, RolloutError) as error:  # a prompt file's line, the run's last steps, the
-        # rollout server concerned: named in the message
+    except (DataError, NonFiniteError, RewardError, RolloutError) as error:  # a prompt file's line, the run's last
+        # steps, the failing reward's sample, the rollout server concerned: named in the message
         print(f"gspo-megatron train: {type(error).__name__}: {error}", file=sys.stderr)
         return 1
     if int(os.environ.get("RANK", "0")) == 0:
         if "preempted_at_step" in metrics:
-            print(f"gspo-megatron train: stopped by a signal after step {metrics['preempted_at_step']} of "
+            signum = preemption.requested()
+            print(f"gspo-megatron train: stopped by {preemption.describe(signum) if signum else 'a signal'} after "
+                  f"step {metrics['preempted_at_step']} of "
                   f"{cfg.train.steps}, checkpoint saved in {cfg.checkpoint.dir or '(no checkpoint.dir)'}; "
                   "continue with --resume")
         else:
             print(f"gspo-megatron train: finished {cfg.train.steps} steps; metrics in {cfg.logging.dir}/metrics.jsonl, "
-                  f"plots in {cfg.logging.dir}/metrics.png; last reward {metrics.get('reward_mean')}")
+                  f"plots in {cfg.logging.dir}/metrics.png; last reward {number(metrics.get('reward_mean', float('nan')))}")
     return 0
 
 
 def _plan(args) -> int:
+    from gspo_megatron.train.startup.bootstrap import resolve_hub_model
     from gspo_megatron.train.startup.config import ConfigError, load_config
     from gspo_megatron.plan.layouts import fit_options, fits, format_plan
 
@@ -80,6 +85,7 @@ def _plan(args) -> int:
     if args.gpu_memory_gib <= 0:
         raise ConfigError(f"--gpu-memory-gib {args.gpu_memory_gib:g} must be a positive number of GiB")
     cfg = load_config(args.config, args.overrides)
+    resolve_hub_model(cfg, ["config.json"])  # a Hub repo id: its config is all a plan reads
     world = (args.nodes or 1) * args.gpus_per_node if args.gpus_per_node else int(os.environ.get("WORLD_SIZE", "1"))
     print(format_plan(cfg, world, args.gpu_memory_gib, impl=args.layer_spec))
     if fits(cfg, world, args.gpu_memory_gib, impl=args.layer_spec):
@@ -164,7 +170,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             status = _train(args) if args.command == "train" else _plan(args)
     except (ConfigError, EnvironmentMismatch) as error:
-        print(f"gspo-megatron {args.command}: {error}", file=sys.stderr)
+        # Every rank reads the same config and finds the same error: a node's first rank says it, once per node
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            print(f"gspo-megatron {args.command}: {error}", file=sys.stderr)
         status = 2
     groups.destroy()  # before the interpreter's exit, which may abort a rank holding gloo groups (groups.destroy)
     return status

@@ -1,7 +1,9 @@
 """``gspo-megatron score``: the log-likelihood of responses under a model, to check rollout-vs-trainer agreement.
 
-Input: JSON lines ``{"prompt_ids": [...], "response_ids": [...]}``. Output: one JSON line per record, in
-input order, ``{"logprob_sum": float, "num_tokens": int}``: the sum over response tokens of
+Input: JSON lines ``{"prompt_ids": [...], "response_ids": [...]}``, or text: ``{"prompt": "...", "response": "..."}``
+(or ``"messages": [...]`` for the prompt), tokenized with the model's tokenizer as the trainer tokenizes prompts
+(chat messages through its chat template, with the generation prompt) and the response on its own, as it was
+sampled. Output: one JSON line per record, in input order, ``{"logprob_sum": float, "num_tokens": int}``: the sum over response tokens of
 log p(token | prompt and the response before it) at temperature 1, and the number of response tokens.
 
 ``--model`` is an HF directory (converted in memory through the bridge) or a Megatron checkpoint written by
@@ -54,8 +56,21 @@ def _token_list(value, line: int, field: str, vocab_size: int | None, allow_empt
     return tuple(value)
 
 
-def read_records(path: str | Path, vocab_size: int | None = None) -> list[Record]:
-    records = []
+def _text_record(data: dict, tokenizer, line: int) -> tuple[list[int], list[int]]:
+    """(prompt ids, response ids) of a text record: the prompt as training reads it (``data.record_to_prompt``),
+    the response tokenized alone (a sampled response's ids follow the prompt's)."""
+    from gspo_megatron.train.startup.data import DataError, record_to_prompt
+
+    try:
+        prompt = record_to_prompt({k: v for k, v in data.items() if k != "response"}, tokenizer, f"line {line}")
+    except DataError as e:
+        raise ScoreInputError(str(e)) from None
+    return list(prompt.ids), tokenizer(data["response"], add_special_tokens=False)["input_ids"]
+
+
+def read_records(path: str | Path, vocab_size: int | None = None, tokenizer_dir: str | Path | None = None) -> list[Record]:
+    """Token-id records, and text records tokenized with ``tokenizer_dir``'s tokenizer (loaded at the first)."""
+    records, tokenizer = [], None
     with open(path) as f:
         for line_no, line in enumerate(f, start=1):
             if not line.strip():
@@ -64,11 +79,31 @@ def read_records(path: str | Path, vocab_size: int | None = None) -> list[Record
                 data = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ScoreInputError(f"line {line_no}: not JSON ({e})") from None
+            if isinstance(data, dict) and "response_ids" not in data and "response" in data:
+                if not isinstance(data["response"], str):
+                    raise ScoreInputError(f'line {line_no}: response must be text (a string); token ids go in '
+                                          '"response_ids"')
+                if tokenizer is None:
+                    tokenizer = _tokenizer(tokenizer_dir, line_no)
+                data["prompt_ids"], data["response_ids"] = _text_record(data, tokenizer, line_no)
             if not isinstance(data, dict) or "prompt_ids" not in data or "response_ids" not in data:
-                raise ScoreInputError(f'line {line_no}: expected {{"prompt_ids": [...], "response_ids": [...]}}')
+                raise ScoreInputError(f'line {line_no}: expected {{"prompt_ids": [...], "response_ids": [...]}} or '
+                                      f'text, {{"prompt" (or "messages"): ..., "response": "..."}}')
             records.append(Record(_token_list(data["prompt_ids"], line_no, "prompt_ids", vocab_size, False),
                                   _token_list(data["response_ids"], line_no, "response_ids", vocab_size, True)))
     return records
+
+
+def _tokenizer(directory: str | Path | None, line: int):
+    from transformers import AutoTokenizer
+
+    if directory is None:
+        raise ScoreInputError(f"line {line}: a text record needs the model's tokenizer; give token ids instead")
+    try:
+        return AutoTokenizer.from_pretrained(str(directory))
+    except (OSError, ValueError) as e:
+        raise ScoreInputError(f"line {line}: a text record needs the model's tokenizer, and {directory} has none "
+                              f"({type(e).__name__}); give prompt_ids / response_ids instead") from None
 
 
 # ---- micro batches -----------------------------------------------------------------------------------
@@ -273,7 +308,9 @@ def run(args) -> int:
             from gspo_megatron.model.hf_files import open_hf_dir
 
             Bridge(spec).check_hf_tensors(open_hf_dir(model_dir).shapes())  # as load_policy reads it
-        records = read_records(args.input, spec.vocab_size)
+        # text records: the tokenizer of the HF directory, or the one a Megatron checkpoint keeps in its hf/
+        tokenizer_dir = model_dir / checkpoint.HF_DIR if checkpoint.is_megatron_checkpoint(model_dir) else model_dir
+        records = read_records(args.input, spec.vocab_size, tokenizer_dir)
         if args.backend == "transformers":
             if (args.tp, args.pp, args.ep) != (1, 1, 1):
                 raise LayoutError("--backend transformers runs in one process: drop --tp/--pp/--ep")
@@ -300,7 +337,8 @@ def run(args) -> int:
 def add_arguments(parser) -> None:
     parser.add_argument("--model", required=True, help="HF directory or Megatron checkpoint (a converted model, a "
                         "training run's checkpoint.dir, its step_N dir or latest)")
-    parser.add_argument("--input", required=True, help="JSONL with prompt_ids and response_ids")
+    parser.add_argument("--input", required=True, help="JSONL with prompt_ids and response_ids, or with prompt "
+                        "(or messages) and response as text (tokenized with the model's tokenizer)")
     parser.add_argument("--output", help="where to write the JSONL results (default: stdout)")
     # parallel.groups.add_layout_arguments's options, written out: that module imports torch, and building the
     # command line must not

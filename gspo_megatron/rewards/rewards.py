@@ -16,8 +16,9 @@ tokens up to and including the segment's last one (rising, at most the response 
 
 User functions are given as ``"package.module:function"``. ``score`` never lets a bad reward through: a function
 that raises or returns a non-finite (or non-numeric) value is a ``RewardError`` naming the sample, or, with
-``on_error="mask"``, that sample's reward is 0 and its ``valid`` flag False, for the trainer to drop it from the
-loss (so no NaN ever reaches it). The trainer scores through a ``reward_pool.RewardPool`` (``data.reward_workers``
+``on_error="mask"`` (the trainer's ``data.on_reward_error``), that sample's reward is 0 and its ``valid`` flag False,
+for the trainer to drop it from the loss (so no NaN ever reaches it; ``MaskedRewardGuard`` stops a run whose rewards
+are mostly masked). The trainer scores through a ``reward_pool.RewardPool`` (``data.reward_workers``
 processes, ``data.reward_timeout_s`` per call): a call that hangs or crashes its worker is masked and counted.
 """
 
@@ -108,6 +109,7 @@ def code_tests(prompt: str, response: str, label) -> float:
 
 BUILTIN: dict[str, RewardFn] = {"math": math_reward, "exact_match": exact_match, "synthetic": synthetic_reward,
                                 "code_tests": code_tests}
+NEEDS_LABEL = ("math", "exact_match", "code_tests")  # built-ins that score against the record's label
 
 
 SegmentRewardFn = Callable[[str, list, Any], Sequence]
@@ -178,7 +180,8 @@ def score(fn, samples: Sequence[Sample], labels: Sequence[Any], prompt_texts: Se
             message = (f"reward {name} {problem} for sample {sample.name} "
                        f"(response {response[:80]!r}, label {str(label)[:80]!r})")
             if on_error == "raise" and not infrastructure:
-                raise RewardError(message + "; set on_error='mask' to drop such samples from the loss instead")
+                raise RewardError(message + "; set data.on_reward_error=mask to drop such samples from the loss "
+                                            "instead")
             timed_out += problem.startswith("timed out")
             crashed += problem.startswith("crashed")
             values.append(0.0)
@@ -237,7 +240,8 @@ def score_segments(fn, samples: Sequence[Sample], labels: Sequence[Any],
         if problem is not None:
             message = f"segment reward {name} {problem} for sample {sample.name} (label {str(label)[:80]!r})"
             if on_error == "raise" and not infrastructure:
-                raise RewardError(message + "; set on_error='mask' to drop such samples from the loss instead")
+                raise RewardError(message + "; set data.on_reward_error=mask to drop such samples from the loss "
+                                            "instead")
             out.append([])
             valid.append(False)
         else:

@@ -56,7 +56,6 @@ def train(cfg: Config, resume: bool = False) -> dict:
     reward_fn = reward_function(cfg)
     loss_cfg = loss_config(cfg)
     engine = make_engine(cfg, hf_dir, tokenizer)  # rank 0's; None elsewhere
-    logger = MetricsLogger(cfg.logging.dir, cfg.logging.tensorboard, cfg.logging.wandb_project, enabled=rank0)
     step, version, state = 0, 0, None
     resume_from = elastic.checkpoint_to_resume(cfg, resume)  # --resume, or a torchrun restart: this run's latest
     if resume_from:
@@ -64,6 +63,9 @@ def train(cfg: Config, resume: bool = False) -> dict:
         step, version = state["step"], state["weight_version"]
         if rank0:
             print(f"gspo-megatron train: resumed from {resume_from} at step {step} of {cfg.train.steps}", flush=True)
+    # metrics.jsonl keeps the steps up to the one resumed from (a stopped run's later ones go): each step once
+    logger = MetricsLogger(cfg.logging.dir, cfg.logging.tensorboard, cfg.logging.wandb_project, enabled=rank0,
+                           start_step=step)
     # The engine started from model.hf_dir's weights: a resumed run or model.megatron_checkpoint needs its own; servers
     # kept through a restart serve the failed attempt's weights
     if resume_from or elastic.restarted() or cfg.model.megatron_checkpoint:
@@ -78,6 +80,7 @@ def train(cfg: Config, resume: bool = False) -> dict:
     metrics: dict = {}
     nonfinite = NonFiniteGuard(cfg.train.max_consecutive_nonfinite, cfg.logging.dir, rank0)
     trainer_state = colocate.trainer_state(policy, cfg)  # rollout.colocate_offload: off the GPU between updates
+    save_clock = checkpoint.SaveClock(cfg.checkpoint.every_minutes)  # a save at least every N minutes
     try:
         while step < cfg.train.steps:
             step += 1
@@ -111,9 +114,11 @@ def train(cfg: Config, resume: bool = False) -> dict:
             metrics.update(source.sync_weights(policy, version))  # generation ahead: finished first, or paused
             if cfg.train.eval_every and step % cfg.train.eval_every == 0 and eval_prompts:
                 metrics.update(source.evaluate(eval_prompts, step))
-            stop = preemption.stop_agreed()  # SIGTERM/SIGUSR1 on any rank: every rank saves this step and stops
-            if cfg.checkpoint.dir and (stop or step == cfg.train.steps
+            stop = preemption.stop_agreed()  # SIGTERM/SIGUSR1/Ctrl-C on any rank: every rank saves this step, stops
+            timed = save_clock.due()  # checkpoint.every_minutes since the last save (rank 0's clock)
+            if cfg.checkpoint.dir and (stop or timed or step == cfg.train.steps
                                        or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0)):
+                save_clock.saved()
                 t = time.perf_counter()
                 checkpoint.save(cfg.checkpoint.dir, step, policy.model, policy.optimizer, policy.scheduler,
                                 {"weight_version": version, **source.state_dict()},

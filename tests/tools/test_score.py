@@ -133,7 +133,8 @@ def test_score_command_rejects_bad_records_naming_line_and_field(hf_models, tmp_
 
 @pytest.mark.parametrize("line, message", [
     ('{"prompt_ids": [], "response_ids": [1]}', "line 1: prompt_ids is empty"),
-    ('{"prompt_ids": [1], "response": [1]}', 'line 1: expected {"prompt_ids": [...], "response_ids": [...]}'),
+    ('{"prompt_ids": [1], "response_id": [1]}', 'line 1: expected {"prompt_ids": [...], "response_ids": [...]} or text'),
+    ('{"prompt_ids": [1], "response": [1]}', 'line 1: response must be text (a string); token ids go in "response_ids"'),
     ('{"prompt_ids": [1, "a"], "response_ids": []}', "line 1: prompt_ids must be a list of integer token ids"),
     ("not json", "line 1: not JSON"),
 ])
@@ -141,6 +142,42 @@ def test_malformed_records(line, message, tmp_path):
     (tmp_path / "in.jsonl").write_text(line + "\n")
     with pytest.raises(ScoreInputError, match=re.escape(message)):
         read_records(tmp_path / "in.jsonl", vocab_size=10)
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def test_text_records_score_as_the_ids_the_model_tokenizer_gives(tmp_path, capsys):
+    """A text prompt (tokenized as is, as training does), chat messages (through the model's chat template, with the
+    generation prompt) and a text response (tokenized alone) score exactly as those token ids given directly, from
+    the command line (transformers backend, one process). A record's text needs a tokenizer: without one, the line
+    is named."""
+    from transformers import AutoTokenizer
+
+    from gspo_megatron import cli
+    from gspo_megatron.rewards.synthetic import save_tiny_model
+
+    model = save_tiny_model(tmp_path / "model")
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(model)
+    text = [{"prompt": "Reverse abc:", "response": "cba"},
+            {"messages": [{"role": "user", "content": "hi"}], "response": "ok!"}]
+    ids = [{"prompt_ids": tokenizer("Reverse abc:", add_special_tokens=False)["input_ids"]},
+           {"prompt_ids": tokenizer("<user>hi\n<assistant>", add_special_tokens=False)["input_ids"]}]
+    for record, response in zip(ids, ("cba", "ok!")):
+        record["response_ids"] = tokenizer(response, add_special_tokens=False)["input_ids"]
+    assert [len(r["prompt_ids"]) for r in ids] == [12, 20]  # one token per character: prompts and template as said
+    scored = []
+    for name, records in (("text", text), ("ids", ids)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        assert cli.main(["score", "--model", str(model), "--input", str(tmp_path / f"{name}.jsonl"),
+                         "--backend", "transformers"]) == 0
+        scored.append([json.loads(line) for line in capsys.readouterr().out.splitlines()])
+    assert scored[0] == scored[1] and [r["num_tokens"] for r in scored[0]] == [3, 3], scored
+    with pytest.raises(ScoreInputError, match=re.escape("line 1: a text record needs the model's tokenizer, and")):
+        read_records(tmp_path / "text.jsonl", tokenizer_dir=tmp_path / "no_tokenizer_here")
 
 
 def test_chunks_balance_data_parallel_ranks_and_pad_to_the_sequence_multiple():

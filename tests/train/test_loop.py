@@ -48,7 +48,11 @@ def _train(run: Path, steps: int, *extra: str) -> subprocess.CompletedProcess:
 
 def test_train_logs_plots_and_resumes_exactly(tmp_path):
     uninterrupted = tmp_path / "a"
-    _train(uninterrupted, 3, "checkpoint.async_save=true")  # the resumed run below saves synchronously
+    out = _train(uninterrupted, 3, "checkpoint.async_save=true")  # the resumed run below saves synchronously
+    # Off a terminal (captured here, as in a log file) the progress is one line per step, not a bar's \r-joined one
+    steps = [line for line in out.stderr.splitlines() if line.startswith("gspo step ")]
+    assert [line.split(":")[0] for line in steps] == ["gspo step 1/3", "gspo step 2/3", "gspo step 3/3"], out.stderr
+    assert "\r" not in out.stderr and all(" tokens/s" in line and "reward " in line for line in steps), steps
     records = [json.loads(line) for line in (uninterrupted / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
     for key in ("reward_mean", "clip_frac", "seq_ratio_min", "seq_ratio_max", "approx_kl", "logprob_diff_max",
@@ -88,13 +92,23 @@ def test_train_logs_plots_and_resumes_exactly(tmp_path):
     different = [k for k in a if not torch.equal(a[k], b[k])]
     assert not different, f"resumed weights differ from the uninterrupted run: {different[:5]}"
 
+    # A run whose latest checkpoint is older than its last logged step (killed after logging step 3, before saving
+    # it: here `latest` set back to step 2), resumed: metrics.jsonl holds each step once, the new step 3 in place.
+    (uninterrupted / "ck" / "latest").write_text("step_000002")
+    first = records[2]["time"]
+    _train(uninterrupted, 3, "--resume", "checkpoint.every=0")
+    again = [json.loads(line) for line in (uninterrupted / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in again] == [1, 2, 3] and again[2]["time"] > first
+
 
 def test_kl_penalty_runs_a_frozen_reference_pass(tmp_path):
     """algo.kl_coef > 0: a reference pass each step against the starting weights, logged as kl_ref; the padding
     share of padded and packed rows; rollout.stop_token_ids reach the engine."""
-    _train(tmp_path / "kl", 3, "algo.kl_coef=0.1", "checkpoint.every=0")
+    # checkpoint.every_minutes (here: any time at all) saves each step, checkpoint.every=0 notwithstanding
+    _train(tmp_path / "kl", 3, "algo.kl_coef=0.1", "checkpoint.every=0", "checkpoint.every_minutes=1e-6")
     records = [json.loads(line) for line in (tmp_path / "kl" / "metrics.jsonl").read_text().splitlines()]
-    assert all(r["time/ref_logprobs"] > 0 for r in records)
+    assert all(r["time/ref_logprobs"] > 0 and r["time/checkpoint"] > 0 for r in records)
+    assert sorted(p.name for p in (tmp_path / "kl" / "ck").glob("step_*")) == ["step_000002", "step_000003"]  # keep 2
     # Step 1 scores the rollout with the starting weights on both sides: KL is rounding only (fp32).
     assert abs(records[0]["kl_ref"]) < 1e-6
     # After updates the policy has moved from the reference, which itself stays put: KL grows from zero.

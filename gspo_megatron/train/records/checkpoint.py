@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import time
 from pathlib import Path
 from functools import partial
 from typing import Any, Callable
@@ -43,6 +44,25 @@ from gspo_megatron.train.resilience import fault_injection
 # with no gather (Megatron-LM's default). It can be resumed under another data-parallel size, not another
 # TP/PP/EP layout; convert the model alone (tools/) to change those.
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
+class SaveClock:
+    """``checkpoint.every_minutes``: whether that long has passed since the last save, by rank 0's clock, the same
+    answer on every rank (a broadcast over the control group; the ranks' clocks differ)."""
+
+    def __init__(self, minutes: float):
+        self.seconds, self.last = minutes * 60, time.monotonic()
+
+    def due(self) -> bool:
+        if not self.seconds:
+            return False
+        flag = torch.tensor([float(time.monotonic() - self.last >= self.seconds)])
+        if dist.is_initialized():
+            dist.broadcast(flag, src=0, group=control.group())
+        return bool(flag.item())
+
+    def saved(self) -> None:
+        self.last = time.monotonic()
 
 
 def _rank() -> int:

@@ -71,3 +71,34 @@ class NonFiniteGuard:
                 f"train.max_consecutive_nonfinite={self.limit}); their updates were skipped and the run stops before "
                 f"saving. Their batches are in {self.dir} for replay; the last good checkpoint is checkpoint.dir's "
                 "latest (resume with --resume after fixing the cause, e.g. a lower optimizer.lr)")
+
+
+class MaskedRewardGuard:
+    """A reward that fails on (nearly) every sample never trains to the end: with ``data.on_reward_error=mask`` a
+    failed reward is masked, and a step whose rewards are all masked has no signal at all (reward NaN, gradient 0).
+
+    Rank 0's rounds ``check`` each step's reward validity: a step with every reward masked, or more than
+    ``max_share`` of the rewards of the last ``window`` steps masked (timeouts and crashes included), raises the
+    reward's own error (``RewardError``, the first masked sample's message). ``max_share`` 1: only an all-masked step
+    stops the run."""
+
+    def __init__(self, max_share: float, window: int):
+        self.max_share, self.window = max_share, window
+        self.steps: list[tuple[int, int, int]] = []  # (step, masked, rewards) of the last ``window`` steps
+        self.last_error = "masked"  # the latest masked sample's message
+
+    def check(self, step: int, valid: torch.Tensor, errors: list[str]) -> None:
+        from gspo_megatron.rollout.errors import RewardError
+
+        masked, total = int((~valid).sum()), valid.numel()
+        earlier = [s for s in self.steps if s[0] != step]  # a step sampled again (a resync) counts once
+        self.steps = (earlier + [(step, masked, total)])[-self.window:]
+        self.last_error = errors[-1] if errors else self.last_error
+        share = sum(s[1] for s in self.steps) / max(1, sum(s[2] for s in self.steps))
+        if total and masked == total:
+            raise RewardError(f"step {step}: every reward ({total} of {total}) failed and was masked, so the step "
+                              f"has nothing to learn from; the last: {self.last_error}")
+        if len(self.steps) == self.window and share > self.max_share:
+            raise RewardError(f"steps {step - self.window + 1}-{step}: {share:.0%} of the rewards failed and were "
+                              f"masked, more than data.max_masked_reward_share={self.max_share:g} over "
+                              f"data.masked_reward_window={self.window} steps; the last: {self.last_error}")

@@ -1,13 +1,14 @@
-"""Preemption: SIGTERM or SIGUSR1 stops the run at the next step boundary, every rank at the same step, saved.
+"""Preemption: SIGTERM, SIGUSR1 or Ctrl-C stops the run at the next step boundary, every rank at the same step, saved.
 
 A scheduler about to take the machines signals the job (SLURM: SIGTERM at the end of the time limit, or
-``--signal=USR1@120`` ahead of it; Kubernetes: SIGTERM on eviction). ``install`` (the CLI calls it before anything
-starts) makes the first SIGTERM or SIGUSR1 only set a flag; the loop asks ``stop_agreed`` once per step, after the
-update, the weight sync and the eval, and the flag is max-reduced over the control group (gloo, one small
-all-reduce), so a signal that reached one rank stops all of them after the same step. They then save a checkpoint
+``--signal=USR1@120`` ahead of it; Kubernetes: SIGTERM on eviction); a user presses Ctrl-C (SIGINT to the process
+group). ``install`` (the CLI calls it before anything starts) makes the first such signal only set a flag; the loop
+asks ``stop_agreed`` once per step, after the update, the weight sync and the eval, and the flag is max-reduced over
+the control group (gloo, one small all-reduce), so a signal that reached one rank stops all of them after the same step. They then save a checkpoint
 of that step (``latest``), stop the servers and exit 0; ``--resume`` continues exactly as if nothing had happened
 (the step's weights, optimizer, RNG and data position are in the checkpoint). A second signal on the same rank
-exits at once, as before (``SystemExit``: the loop's ``finally`` still stops the servers it launched).
+exits at once (``SystemExit``: the loop's ``finally`` still stops the servers it launched; SGLang servers run in
+sessions of their own and reward workers ignore these signals, so Ctrl-C reaches only the trainer).
 """
 
 from __future__ import annotations
@@ -20,22 +21,33 @@ import torch.distributed as dist
 
 from gspo_megatron.parallel import control
 
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 _requested: int | None = None  # the signal this rank got first
+
+
+def describe(signum: int) -> str:
+    return "Ctrl-C (SIGINT)" if signum == signal.SIGINT else signal.Signals(signum).name
 
 
 def _handler(signum, frame) -> None:
     global _requested
     if _requested is not None:  # the second: the caller wants out now
+        print(f"gspo-megatron: {describe(signum)} again: stopping now, without saving this step", file=sys.stderr,
+              flush=True)
         sys.exit(128 + signum)
     _requested = signum
-    print(f"gspo-megatron: {signal.Signals(signum).name}: stopping after this step with a checkpoint "
-          "(send it again to stop at once)", file=sys.stderr, flush=True)
+    again = "press Ctrl-C again" if signum == signal.SIGINT else "send it again"
+    print(f"\ngspo-megatron: {describe(signum)}: finishing this step, then saving a checkpoint and stopping "
+          f"({again} to stop at once)", file=sys.stderr, flush=True)
 
 
 def install() -> None:
-    """Catch SIGTERM and SIGUSR1 in this process from now on (main thread only)."""
+    """Catch SIGTERM, SIGUSR1 and SIGINT (Ctrl-C: a terminal sends it to the whole process group, every rank) in this
+    process from now on (main thread only). A SIGINT this process was started ignoring (a background job: ``&`` in a
+    script, nohup) stays ignored."""
     for number in SIGNALS:
+        if number == signal.SIGINT and signal.getsignal(number) == signal.SIG_IGN:
+            continue
         signal.signal(number, _handler)
 
 

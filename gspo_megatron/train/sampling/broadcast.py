@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from gspo_megatron.parallel import control
-from gspo_megatron.rollout import StaleWeights, samples_to_batch
+from gspo_megatron.rollout import RewardError, StaleWeights, samples_to_batch
 from gspo_megatron.train.sampling.rounds import Redraw, RolloutPayload, Sampler, eval_metrics, produce
 from gspo_megatron.train.startup.data import Prompt
 
@@ -72,7 +72,8 @@ def as_rollout(payload: RolloutPayload, pad_multiple: int, more_prompts=None) ->
 def on_rank0(work, resync=None, retry=None):
     """``work()`` on rank 0, its result on every rank (collective). If a rollout server was restarted without the
     current weights (``StaleWeights``: they came by distributed sync), every rank calls ``resync()`` and rank 0
-    works again (after ``retry()``); without ``resync`` the error is raised."""
+    works again (after ``retry()``); without ``resync`` the error is raised. A ``RewardError`` is raised on every
+    rank."""
     while True:
         payload = None
         if dist.get_rank() == 0:
@@ -83,9 +84,13 @@ def on_rank0(work, resync=None, retry=None):
                     raise
                 print(f"{e}: syncing the weights again, then generating again", flush=True)
                 payload = ("resync", None)
+            except RewardError as e:  # every rank stops with the reward's error (not waiting for a broadcast)
+                payload = ("error", e)
         kind, result = control.broadcast_from_rank0(payload)
         if kind == "done":
             return result
+        if kind == "error":
+            raise result
         resync()
         if retry is not None:
             retry()

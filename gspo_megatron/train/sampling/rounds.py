@@ -23,6 +23,7 @@ from gspo_megatron.rewards.multiturn import TurnLimits, generate_trajectories, l
 from gspo_megatron.rewards.rewards import score_segments
 from gspo_megatron.rollout import LocalEngine, SamplingParams
 from gspo_megatron.train.resilience import fault_injection
+from gspo_megatron.train.resilience.faults import MaskedRewardGuard
 from gspo_megatron.train.startup.bootstrap import reward_function
 from gspo_megatron.train.startup.config import Config
 from gspo_megatron.train.startup.data import Prompt
@@ -39,8 +40,12 @@ class Sampler:
     tokenizer: Any
     reward_fn: Callable
     segment_reward_fn: Callable | None = None
+    masked_rewards: MaskedRewardGuard | None = None  # stops a run whose rewards (nearly) all fail
 
     def __post_init__(self):
+        if self.masked_rewards is None:
+            self.masked_rewards = MaskedRewardGuard(self.cfg.data.max_masked_reward_share,
+                                                    self.cfg.data.masked_reward_window)
         if self.segment_reward_fn is None and self.cfg.algo.token_advantages == "segments":
             self.segment_reward_fn = reward_function(self.cfg, segments=True)
 
@@ -166,7 +171,8 @@ def _round_data(sampler: Sampler, samples, rewards, responses, seconds: float, p
     kept, response_metrics = screen_responses(samples, cfg.rollout.on_truncated)
     return {"samples": samples, "values": rewards.values, "valid": valid & kept, "segments": segments,
             "seconds": seconds, "responses": responses, "prompts": prompts, "response_metrics": response_metrics,
-            "reward_valid": rewards.valid, "reward_timeouts": rewards.timed_out, "reward_crashes": rewards.crashed}
+            "reward_valid": rewards.valid, "reward_timeouts": rewards.timed_out, "reward_crashes": rewards.crashed,
+            "reward_errors": rewards.errors}
 
 
 def uniform_groups(values: torch.Tensor, valid: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -241,6 +247,8 @@ def produce(sampler: Sampler, prompts: list[Prompt], step: int, more_prompts=Non
     # Reward statistics over everything sampled (the policy's, not the filtered batch's).
     values = torch.cat([d["values"] for d in rounds])
     valid = torch.cat([d["reward_valid"] for d in rounds])  # truncated responses masked from the loss count here
+    # all rewards failed, or most of them over data.masked_reward_window steps: the reward's error
+    sampler.masked_rewards.check(step, valid, [e for d in rounds for e in d["reward_errors"]])
     lengths = [len(s.response_ids) for d in rounds for s in d["samples"]]
     counts = {k: float(sum(d["response_metrics"][k] for d in rounds)) for k in rounds[0]["response_metrics"]}
     metrics = {

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -18,9 +20,10 @@ from gspo_megatron.rewards.code_tests import parse_tests
 from gspo_megatron.rewards.reward_pool import RewardPool
 from gspo_megatron.rewards.synthetic import demonstration, make_problems, save_tiny_model, tiny_config
 from gspo_megatron.rewards.user_code import load_named
-from gspo_megatron.train.startup.config import Config, ConfigError
+from gspo_megatron.train.startup.config import Config, ConfigError, is_repo_id
 from gspo_megatron.train.startup.run_dirs import ENGINE_MODEL
-from gspo_megatron.train.startup.data import PromptFormat, PromptStream, check_prompt_lengths, load_jsonl, task_prompts
+from gspo_megatron.train.startup.data import (LABEL_KEYS, PromptFormat, PromptStream, check_prompt_lengths,
+                                              load_jsonl, task_prompts)
 from gspo_megatron.train.update.loss import LossConfig
 
 
@@ -81,11 +84,12 @@ def wait_for_urls(urls: list[str], wait_s: float, note_every_s: float = 15.0) ->
 
 
 def preflight(cfg: Config, rank: int = 0) -> None:
-    """What can fail from the config and its files, checked before anything is built: the reward functions resolve,
-    the code sandbox can confine (data.sandbox, with code_tests or rollout.env=python),
-    attached servers (rollout.urls, rank 0) accept connections, and with an existing model directory its safetensors
-    match its config.json and every prompt line reads and tokenizes within rollout.max_prompt_tokens (a DataError
-    names the file and line). A model still to be built from model.tiny has no tokenizer yet."""
+    """What can fail from the config and its files, checked before anything is built: the reward functions resolve
+    and a user's reward scores the first prompt (``try_reward``), the code sandbox can confine (data.sandbox, with
+    code_tests or rollout.env=python), attached servers (rollout.urls, rank 0) accept connections, and with an
+    existing model directory its safetensors match its config.json and every prompt line reads and tokenizes within
+    rollout.max_prompt_tokens and has the label a built-in reward needs (a DataError names the file and line; a custom
+    reward is warned when no record has a label). A model still to be built from model.tiny has no tokenizer yet."""
     for name, builtin in (("reward", rewards.BUILTIN), ("segment_reward", rewards.BUILTIN_SEGMENTS)):
         spec = getattr(cfg.data, name)
         if spec:
@@ -98,6 +102,9 @@ def preflight(cfg: Config, rank: int = 0) -> None:
             sandbox.select(cfg.data.sandbox)
         except (sandbox.SandboxUnavailable, ValueError) as e:
             raise ConfigError(str(e)) from None
+    if cfg.data.task:  # (a prompt file's first record is tried below, once it is read)
+        problem = make_problems(cfg.data.task, 1, seed=cfg.data.seed)[0]
+        try_reward(cfg, problem.prompt, problem.answer, f"the first problem of data.task={cfg.data.task!r}")
     if cfg.rollout.engine == "sglang" and cfg.rollout.urls and rank == 0:  # only rank 0 talks to the servers
         wait_for_urls(list(cfg.rollout.urls), cfg.rollout.attached_wait_s)
     hf_dir = Path(cfg.model.hf_dir)
@@ -109,7 +116,93 @@ def preflight(cfg: Config, rank: int = 0) -> None:
         except (ValueError, FileNotFoundError) as e:
             raise ConfigError(f"model.hf_dir={cfg.model.hf_dir!r}: {e}") from None
     if cfg.data.prompts:
-        load_prompts(cfg, hf_dir, quiet=True)
+        _, stream, _ = load_prompts(cfg, hf_dir, quiet=True)
+        d = cfg.data
+        if rank == 0 and not d.label_key and all(p.label is None for p in stream.prompts):
+            # a custom reward may need none, but a misspelt label key would train on nothing: say so, once
+            print(f"gspo-megatron train: warning: no record of data.prompts={d.prompts!r} has a label (none of "
+                  f"{', '.join(LABEL_KEYS)}): data.reward={d.reward!r} gets label=None (data.label_key names the "
+                  "field)", file=sys.stderr, flush=True)
+        first = stream.prompts[0]
+        try_reward(cfg, first.text, first.label, f"the first record of data.prompts={d.prompts!r}")
+
+
+def try_reward(cfg: Config, prompt: str, label, where: str) -> None:
+    """Call a user's ``data.reward`` once, before anything is built, on ``prompt`` with a response equal to its label
+    (what a right answer looks like), within data.reward_timeout_s: a wrong signature or a bug is one sentence naming
+    the function and the user's failing line, not a traceback after the first rollout. Built-ins are not called."""
+    import numbers
+    import threading
+
+    spec = cfg.data.reward
+    if spec in rewards.BUILTIN or cfg.rollout.env:  # rollout.env: the environment's rewards, not this one
+        return
+    fn = rewards.load_reward_fn(spec)
+    response = "" if label is None else str(label)
+    outcome: dict = {}
+
+    def call():
+        try:
+            outcome["value"] = fn(prompt, response, label)
+        except BaseException as e:  # a user function may raise anything: reported below
+            outcome["error"] = e
+
+    # a thread, so that a reward that hangs cannot hold the start: the process exits with the error below
+    thread = threading.Thread(target=call, name="reward-check", daemon=True)
+    thread.start()
+    thread.join(cfg.data.reward_timeout_s)
+    called = (f"data.reward={spec!r} called on {where} (prompt {prompt[:60]!r}, a response equal to its label "
+              f"{response[:60]!r})")
+    if thread.is_alive():
+        raise ConfigError(f"{called} did not return within {cfg.data.reward_timeout_s:g} s (data.reward_timeout_s)")
+    if "error" in outcome:
+        e = outcome["error"]
+        raise ConfigError(f"{called} raised {type(e).__name__}: {e} ({_user_line(fn, e)})")
+    value = outcome["value"]
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or value != value or abs(value) == float("inf"):
+        raise ConfigError(f"{called} returned {value!r} ({type(value).__name__}), not a finite number")
+
+
+def _user_line(fn, error: BaseException) -> str:
+    """Where ``error`` came from in the user's file: the traceback's last frame in the file that defines ``fn``, else
+    (a call that never entered it, e.g. a wrong signature) the function's own definition."""
+    import traceback
+
+    code = getattr(fn, "__code__", None) or getattr(getattr(fn, "__call__", None), "__code__", None)
+    if code is None:
+        return "no source file"
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if f.filename == code.co_filename]
+    if frames:
+        return f"{frames[-1].filename}:{frames[-1].lineno}"
+    return f"{getattr(fn, '__qualname__', code.co_name)} is defined at {code.co_filename}:{code.co_firstlineno}"
+
+
+HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]  # config, weights, tokenizer
+
+
+def resolve_hub_model(cfg: Config, files: list[str] = HUB_FILES) -> None:
+    """``model.hf_dir`` given as a Hugging Face repo id (``Qwen/Qwen3-30B-A3B``: nothing at that path, and no
+    ``model.tiny`` to build there) becomes its snapshot in huggingface_hub's cache, downloaded first when the
+    machine is online; offline (``HF_HUB_OFFLINE=1``) a model not in the cache is one sentence saying so."""
+    value = cfg.model.hf_dir
+    if not value or cfg.model.tiny or Path(value).exists() or not is_repo_id(value):
+        return
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+    cache = os.environ.get("HF_HUB_CACHE") or None  # read now: huggingface_hub reads it once, at import
+    try:
+        cfg.model.hf_dir = snapshot_download(value, allow_patterns=files, cache_dir=cache,
+                                             local_files_only=offline)
+    except LocalEntryNotFoundError:
+        where = "offline (HF_HUB_OFFLINE=1)" if offline else "unable to reach the Hugging Face Hub"
+        raise ConfigError(f"model.hf_dir={value!r} is not a directory, and as a Hugging Face repo id it is not in the "
+                          f"cache and this machine is {where}: download it where there is a network "
+                          f"(`huggingface-cli download {value}`, into the same HF_HOME) or give a local directory") from None
+    except (RepositoryNotFoundError, HfHubHTTPError) as e:
+        raise ConfigError(f"model.hf_dir={value!r} is neither a directory nor a Hugging Face repo the Hub serves "
+                          f"({type(e).__name__})") from None
 
 
 def model_hf_config(cfg: Config) -> dict:
@@ -244,7 +337,8 @@ def load_prompts(cfg: Config, hf_dir: Path, quiet: bool = False):
     else:
         fmt = PromptFormat(prompt_key=d.prompt_key, label_key=d.label_key, tools_key=d.tools_key,
                            system_prompt=d.system_prompt, chat_template_kwargs=d.chat_template_kwargs,
-                           apply_chat_template=d.apply_chat_template)
+                           apply_chat_template=d.apply_chat_template,
+                           label_needed_by=d.reward if d.reward in rewards.NEEDS_LABEL else "")
         check = parse_tests if d.reward == "code_tests" else None  # a test the grader cannot grade: its line
         train, skipped = load_jsonl(d.prompts, tokenizer, d.skip_malformed, limit, drop_long, fmt, check_label=check)
         evals, eval_skipped = load_jsonl(d.eval_prompts, tokenizer, d.skip_malformed, limit, drop_long, fmt,

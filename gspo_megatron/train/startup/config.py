@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +33,8 @@ class ConfigError(ValueError):
 @dataclass
 class ModelConfig:
     hf_dir: str = ""
-    """Hugging Face model directory (config.json, safetensors, tokenizer). Required unless ``tiny`` builds it."""
+    """Hugging Face model directory (config.json, safetensors, tokenizer), or a Hub repo id (``Qwen/Qwen3-30B-A3B``:
+    its snapshot in huggingface_hub's cache, downloaded first when online). Required unless ``tiny`` builds it."""
     tiny: dict = field(default_factory=dict)
     """If set and ``hf_dir`` does not exist yet: build a random model there of these sizes (vocab_size, hidden_size,
     num_layers, num_heads, num_kv_heads, head_dim, num_experts, top_k, moe_intermediate_size) and ``family``:
@@ -396,7 +398,14 @@ class DataConfig:
     """Time limit of one reward call (with code_tests: more than all of a response's sandbox runs, 10 s each)."""
     on_reward_error: str = "raise"
     """raise: a reward that raises or is not finite stops the step naming the sample; mask: drop the sample (it also
-    leaves its group's mean and std)."""
+    leaves its group's mean and std). Either way a step whose rewards all failed stops the run with the reward's
+    error, as does a share of failures above ``max_masked_reward_share``."""
+    max_masked_reward_share: float = 0.5
+    """The run stops with the reward's error when more than this share of the rewards of the last
+    ``masked_reward_window`` steps were masked (failed, timed out or crashed): a broken reward does not train to the
+    end learning nothing. 1: only a step with every reward masked stops it."""
+    masked_reward_window: int = 10
+    """Steps over which ``max_masked_reward_share`` is measured (checked once that many steps ran)."""
     segment_reward: str = ""
     """Per-segment rewards for algo.token_advantages=segments: synthetic (the built-in tasks' credit per character)
     or module:function, fn(prompt, response_tokens: list[str], label) -> [(end, reward), ...] with ``end`` the
@@ -428,7 +437,10 @@ class CheckpointConfig:
     dir: str = ""
     """Where step_N checkpoints and ``latest`` are written ("": no checkpoints); --resume continues from it."""
     every: int = 0
-    """Save every N steps (0: only at the end)."""
+    """Save every N steps (0: only at the end, at a stop signal, and by ``every_minutes``)."""
+    every_minutes: float = 60.0
+    """Save also when this many minutes have passed since the last save (or the start), by rank 0's clock: what a
+    crash loses stays bounded whatever ``every`` is (0: off)."""
     keep: int = 2
     """How many of the newest step dirs stay; older ones are removed once a newer one is complete (0: all)."""
     async_save: bool = False
@@ -567,6 +579,10 @@ def unknown_names(unknown, known, title: str) -> str:
     return f"{title} {sorted(unknown)}{hint}; known: {sorted(known)}"
 
 
+def _takes_none(annotation) -> bool:
+    return type(None) in typing.get_args(annotation)
+
+
 def _build(cls, values: dict, where: str):
     if not isinstance(values, dict):
         raise ConfigError(f"{where}: expected a mapping of fields, got {values!r}")
@@ -576,7 +592,8 @@ def _build(cls, values: dict, where: str):
         raise ConfigError(unknown_names(unknown, types, f"{where}: unknown field(s)" if where else "unknown section(s)"))
     kwargs = {}
     for name, annotation in types.items():
-        if name not in values:
+        # null (`data.eval_prompts=null`, or `eval_prompts:` left empty in a YAML) unsets a field: its default
+        if name not in values or (values[name] is None and not _takes_none(annotation)):
             continue
         key = f"{where}.{name}" if where else name
         if dataclasses.is_dataclass(annotation):
@@ -618,19 +635,54 @@ def _read_yaml(file: Path) -> dict:
     return tree
 
 
+def is_repo_id(value: str) -> bool:
+    """``org/name`` as the Hugging Face Hub spells repo ids (not ``./x``, ``/x``, ``~/x`` or a deeper path)."""
+    return re.fullmatch(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*", value) is not None and ".." not in value
+
+
 def _relative_to(tree: dict, folder: Path) -> None:
+    model = tree.get("model") if isinstance(tree.get("model"), dict) else {}
     for section, name in PATH_FIELDS:
         node = tree.get(section)
         value = node.get(name) if isinstance(node, dict) else None
         if isinstance(value, str) and value and not os.path.isabs(os.path.expanduser(value)):
-            node[name] = os.path.normpath(os.path.join(folder, value))
+            path = os.path.normpath(os.path.join(folder, value))
+            # model.hf_dir: Qwen/Qwen3-30B-A3B, with nothing of that name beside the YAML, is a Hugging Face repo id
+            if (section, name) == ("model", "hf_dir") and not model.get("tiny") and is_repo_id(value) \
+                    and not os.path.exists(path):
+                continue
+            node[name] = path
+
+
+# Fields naming user code as module:attribute (or path/to/file.py:attribute). In a YAML file, a module that Python
+# cannot import but that lies beside the file (my_rewards.py) becomes that file's path, as paths do.
+CODE_FIELDS = (("data", "reward"), ("data", "segment_reward"), ("rollout", "env"))
+
+
+def _code_beside(tree: dict, folder: Path) -> None:
+    import importlib.util
+
+    from gspo_megatron.rewards.user_code import module_file
+
+    for section, name in CODE_FIELDS:
+        node = tree.get(section)
+        value = node.get(name) if isinstance(node, dict) else None
+        if not isinstance(value, str) or ":" not in value:
+            continue
+        module, _, attr = value.rpartition(":")
+        if module.endswith(".py") and not os.path.isabs(os.path.expanduser(module)):
+            node[name] = f"{os.path.normpath(os.path.join(folder, module))}:{attr}"
+        elif module.isidentifier() and importlib.util.find_spec(module) is None:
+            found = module_file(module, folder)
+            if found is not None:
+                node[name] = f"{found}:{attr}"
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
     """YAML file (or None for defaults) + dotted ``section.field=value`` overrides -> a typed Config.
 
-    Relative paths in the YAML file (``PATH_FIELDS``) are relative to its folder; in overrides, to the working
-    directory."""
+    Relative paths in the YAML file (``PATH_FIELDS``) are relative to its folder, and so are the modules of its
+    ``CODE_FIELDS`` that Python cannot import otherwise; in overrides, to the working directory."""
     tree: dict = {}
     if path is not None:
         file = Path(path)
@@ -638,6 +690,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
             raise ConfigError(f"config file {path} does not exist")
         tree = _read_yaml(file)
         _relative_to(tree, file.parent)
+        _code_beside(tree, file.parent)
     for override in overrides:
         _apply_override(tree, override)
     return _build(Config, tree, "")

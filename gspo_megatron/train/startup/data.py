@@ -9,7 +9,8 @@ Files: JSONL (one record a line), parquet (``*.parquet``: one record a row), or 
     {"prompt": [{"role": "user", ...}], "reward_model": {"ground_truth": "5"}}  (verl's parquet layout)
 ``data.prompt_key`` / ``data.label_key`` (dotted for nested fields: ``reward_model.ground_truth``) name other
 fields (slime's ``--input-key`` / ``--label-key``); the label reaches the reward as it is (``*``: the whole record,
-its metadata included). A chat prompt's ``tools`` field (``data.tools_key``: function schemas, as in OpenAI's and
+its metadata included). A built-in reward that scores against the label (``math``, ``exact_match``, ``code_tests``)
+refuses a record without one (file and line). A chat prompt's ``tools`` field (``data.tools_key``: function schemas, as in OpenAI's and
 Qwen3's tool calling) goes to the chat template. ``data.system_prompt``
 and ``data.chat_template_kwargs`` (Qwen3's ``enable_thinking``) shape chat prompts; ``data.apply_chat_template``
 puts plain-text prompts through the template too.
@@ -50,6 +51,7 @@ class PromptFormat:
     system_prompt: str = ""
     chat_template_kwargs: dict = field(default_factory=dict)
     apply_chat_template: bool = False
+    label_needed_by: str = ""  # a built-in reward that scores against the label (data.reward): a record needs one
 
 
 _MISSING = object()
@@ -71,7 +73,7 @@ def _is_messages(value) -> bool:
         isinstance(m, dict) and "role" in m and "content" in m for m in value)
 
 
-def _record_to_prompt(record: Any, tokenizer, where: str, fmt: PromptFormat = PromptFormat()) -> Prompt:
+def record_to_prompt(record: Any, tokenizer, where: str, fmt: PromptFormat = PromptFormat()) -> Prompt:
     if not isinstance(record, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
     if fmt.label_key == "*":
@@ -82,6 +84,9 @@ def _record_to_prompt(record: Any, tokenizer, where: str, fmt: PromptFormat = Pr
             raise DataError(f"{where}: no {fmt.label_key!r} (data.label_key) in {sorted(record)}")
     else:
         label = next((v for v in (_field(record, k) for k in LABEL_KEYS) if v is not _MISSING), None)
+        if label is None and fmt.label_needed_by:
+            raise DataError(f"{where}: no label for data.reward={fmt.label_needed_by!r}: none of "
+                            f"{', '.join(LABEL_KEYS)} in {sorted(record)} (data.label_key names another field)")
     if fmt.prompt_key:
         key = fmt.prompt_key
         value = _field(record, key)
@@ -191,7 +196,7 @@ def load_jsonl(path: str | Path, tokenizer, skip_malformed: bool = False, max_pr
         try:
             if isinstance(record, DataError):
                 raise record
-            prompt = _record_to_prompt(record, tokenizer, where, fmt)
+            prompt = record_to_prompt(record, tokenizer, where, fmt)
             if check_label is not None:
                 try:
                     check_label(prompt.label)

@@ -9,12 +9,15 @@ writable. Workers restarted by ``torchrun --max-restarts`` skip the used-dir che
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
-from gspo_megatron.train.records.checkpoint import check_resumable
+from gspo_megatron.model.checkpoint import METADATA_FILE, layout_dict
+from gspo_megatron.parallel.groups import Layout
+from gspo_megatron.train.records.checkpoint import check_resumable, latest
 from gspo_megatron.train.startup.config import Config, ConfigError
 
 METRICS = "metrics.jsonl"
@@ -68,6 +71,30 @@ def _remove_earlier_run(cfg: Config) -> None:
             shutil.rmtree(target, ignore_errors=True) if target.is_dir() else target.unlink(missing_ok=True)
 
 
+# The distributed optimizer's state is read back shard for shard: another data-parallel size is fine (its
+# dp_reshardable format), another split of the model is not (megatron's load then fails with every key listed).
+RESUMED_LAYOUT = ("tensor", "pipeline", "expert", "expert_tensor", "first_stage_layers", "last_stage_layers")
+
+
+def check_resumed_layout(step_dir: Path, cfg: Config) -> None:
+    """``--resume`` of ``step_dir`` under ``cfg.parallel``: the same model split as it was saved with, or a
+    ``ConfigError`` naming the fields that changed and the way on (its weights under any layout)."""
+    file = step_dir / METADATA_FILE
+    saved = json.loads(file.read_text()).get("saved_layout") if file.is_file() else None
+    if not saved:
+        return
+    now = layout_dict(Layout.of(cfg.parallel))
+    for layout in (saved, now):  # None: the same as parallel.tensor
+        layout["expert_tensor"] = layout.get("expert_tensor") or layout.get("tensor")
+    changed = [f"parallel.{name}={now.get(name)} (saved with {saved.get(name)})" for name in RESUMED_LAYOUT
+               if now.get(name) != saved.get(name)]
+    if changed:
+        raise ConfigError(f"--resume: {step_dir} was saved under another layout: {', '.join(changed)}. A resumed "
+                          "run keeps the tensor, pipeline and expert split (the data-parallel size may change): "
+                          "resume with the saved values, or start a new run from its weights under this layout with "
+                          f"model.megatron_checkpoint={step_dir} (optimizer and data position afresh)")
+
+
 def check_run_dirs(cfg: Config, resume: bool, overwrite: bool, rank: int = 0, restarted: bool = False) -> str | None:
     """Refuse what would mix or lose runs; returns the line to print (rank 0) about what ``--resume`` finds."""
     if resume and overwrite:
@@ -91,6 +118,7 @@ def check_run_dirs(cfg: Config, resume: bool, overwrite: bool, rank: int = 0, re
             check_resumable(ck)
         except (ValueError, FileNotFoundError) as e:
             raise ConfigError(str(e)) from None
+        check_resumed_layout(latest(ck), cfg)
         return None
     used = used_by(cfg)
     if used and overwrite:

@@ -278,6 +278,11 @@ def validate(cfg: Config, world_size: int, hf: dict | None = None) -> None:
         raise ConfigError(f"data.reward_workers={cfg.data.reward_workers} must be >= 0 (0: in the trainer's process)")
     if not (math.isfinite(cfg.data.reward_timeout_s) and cfg.data.reward_timeout_s > 0):
         raise ConfigError(f"data.reward_timeout_s={cfg.data.reward_timeout_s:g} must be a positive number of seconds")
+    if not 0 < cfg.data.max_masked_reward_share <= 1:
+        raise ConfigError(f"data.max_masked_reward_share={cfg.data.max_masked_reward_share:g} must be in (0, 1] "
+                          "(1: only a step with every reward masked stops the run)")
+    if cfg.data.masked_reward_window < 1:
+        raise ConfigError(f"data.masked_reward_window={cfg.data.masked_reward_window} must be >= 1 (steps)")
     _one_of(r.on_truncated, ("keep", "mask"), "rollout.on_truncated")
     _one_of(a.token_advantages, TOKEN_ADVANTAGES, "algo.token_advantages")
     if a.token_advantages == "segments":

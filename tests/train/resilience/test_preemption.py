@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from gspo_megatron.cli import main
 from gspo_megatron.parallel.launch import run_on_ranks
 from gspo_megatron.train.resilience import fault_injection
 from tests.train.saved import final_weights
@@ -30,7 +31,7 @@ def _command(run: Path, model: Path, *extra: str) -> list[str]:
 # What these add to the policy's step and checkpoints (which run on megatron-core 0.19 in the covering tests) is the
 # loop's own: when every rank stops, and what a signal does to a wait. Not run again on 0.19.
 @pytest.mark.megatron_covered_by("tests/train/records/test_checkpoint.py::test_resume_is_exact_ep2_distributed_optimizer")
-def test_a_signal_on_one_rank_stops_every_rank_after_the_same_step_and_resume_is_exact(tmp_path,
+def test_a_signal_on_one_rank_stops_every_rank_after_the_same_step_and_resume_is_exact(tmp_path, capsys, monkeypatch,
                                                                                         uninterrupted_two_ranks):
     uninterrupted, model = uninterrupted_two_ranks
     preempted = tmp_path / "b"
@@ -50,6 +51,14 @@ def test_a_signal_on_one_rank_stops_every_rank_after_the_same_step_and_resume_is
     assert logged_steps(preempted) == list(range(1, stopped + 1)), stderr[-3000:]
     assert (preempted / "ck" / "latest").read_text() == f"step_{stopped:06d}"
     assert f"stopped by a signal after step {stopped} of {STEPS}" in stdout and "SIGUSR1" in stderr
+
+    # Resumed under another expert split (EP 1, DP 2): refused before anything is built, naming the field and the way
+    # on (megatron's load would fail listing every key)
+    command = _command(preempted, model, "--resume", "parallel.expert=1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(command[command.index("train"):]) == 2
+    assert (f"--resume: {preempted / 'ck' / 'step_000002'} was saved under another layout: parallel.expert=1 (saved "
+            "with 2)" in capsys.readouterr().err)
 
     out = subprocess.run(_command(preempted, model, "--resume"), cwd=ROOT, env=env(), capture_output=True, text=True,
                          timeout=600)
@@ -107,3 +116,61 @@ def test_a_signal_while_waiting_for_the_rollout_servers_stops_the_wait(tmp_path)
     assert f"stopped before the first step: SIGTERM while waiting for {url} to answer" in stderr, stderr[-3000:]
     assert stopped_in < 30, f"the wait went on {stopped_in:.0f} s after the signal"
     assert not (tmp_path / "run" / "ck").exists() or not any((tmp_path / "run" / "ck").iterdir())
+
+
+def _ctrl_c_run(tmp_path: Path, name: str, presses: int) -> tuple[int, str, str, Path]:
+    """The CPU example at world 1 (local engine, 5 steps, no periodic checkpoint) in a process group of its own, as
+    a terminal runs it; once step 1 is logged, ``presses`` SIGINTs to the whole group (Ctrl-C), 0.3 s apart.
+    -> (exit status, stdout, stderr, run dir)."""
+    run = tmp_path / name
+    command = [sys.executable, "-m", "gspo_megatron.cli", "train", str(ROOT / "examples/tiny_moe_cpu.yaml"),
+               "rollout.engine=local", "train.steps=5", "train.eval_every=0", "model.warm_start_steps=0",
+               f"model.hf_dir={tmp_path / 'model'}", f"logging.dir={run}", f"checkpoint.dir={run / 'ck'}",
+               "logging.plot_every=0", "rollout.prompts_per_step=2", "parallel.micro_batch_size=8",
+               "data.reward_workers=1"]
+    process = subprocess.Popen(command, cwd=ROOT, env=dict(env(), WORLD_SIZE="1"), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not logged_steps(run) and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert process.poll() is None, process.communicate()[1][-3000:]
+        for _ in range(presses):
+            os.killpg(process.pid, signal.SIGINT)
+            time.sleep(0.3)
+        stdout, stderr = process.communicate(timeout=300)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    return process.returncode, stdout, stderr, run
+
+
+@pytest.mark.megatron_covered_by("tests/train/test_loop.py::test_train_logs_plots_and_resumes_exactly")
+def test_ctrl_c_saves_the_step_and_a_second_stops_at_once(tmp_path):
+    """Ctrl-C as a terminal sends it (SIGINT to the process group, reward worker included): the first finishes the
+    step, saves it and exits 0 saying so; a second stops at once (130, nothing saved: checkpoint.every=0)."""
+    status, stdout, stderr, run = _ctrl_c_run(tmp_path, "once", 1)
+    assert status == 0, stderr[-3000:]
+    stopped = logged_steps(run)[-1]
+    assert 1 <= stopped < 5 and logged_steps(run) == list(range(1, stopped + 1))
+    assert (run / "ck" / "latest").read_text() == f"step_{stopped:06d}"
+    assert "Ctrl-C (SIGINT): finishing this step, then saving a checkpoint and stopping (press Ctrl-C again" in stderr
+    assert f"stopped by Ctrl-C (SIGINT) after step {stopped} of 5" in stdout and "Traceback" not in stderr
+
+    status, stdout, stderr, run = _ctrl_c_run(tmp_path, "twice", 2)
+    assert status == 128 + signal.SIGINT, stderr[-3000:]
+    assert "Ctrl-C (SIGINT) again: stopping now, without saving this step" in stderr
+    assert len(logged_steps(run)) < 5 and not (run / "ck" / "latest").exists()
+
+
+def test_a_process_started_ignoring_ctrl_c_keeps_ignoring_it():
+    """A background job (``cmd &`` in a script, nohup) starts with SIGINT ignored: ``install`` leaves it so (SIGTERM
+    is still caught), in a process of its own started that way."""
+    code = ("import signal; from gspo_megatron.train.resilience import preemption; preemption.install(); "
+            "print(signal.getsignal(signal.SIGINT) is signal.SIG_IGN, "
+            "signal.getsignal(signal.SIGTERM) is preemption._handler)")
+    for ignored, expected in ((True, "True True"), (False, "False True")):
+        start = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignored else None
+        out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env(), capture_output=True, text=True,
+                             timeout=120, preexec_fn=start)
+        assert out.stdout.split() == expected.split(), out.stderr[-2000:]

@@ -245,6 +245,16 @@ def test_relative_paths_in_a_yaml_are_relative_to_its_folder(tmp_path, monkeypat
         root / "examples/qwen3_30b_a3b/hf_config")
 
 
+def test_null_unsets_a_field(tmp_path):
+    """`field=null` on the command line, or a field left empty in a YAML, is the field's default (an optional
+    field's None), never the string "None"."""
+    path = tmp_path / "c.yaml"
+    path.write_text("data:\n  task: count\n  eval_prompts: evals.jsonl\n  label_key:\nparallel:\n  expert_tensor: 1\n")
+    c = load_config(path, ["data.eval_prompts=null", "parallel.expert_tensor=null", "rollout.group_size=null"])
+    assert c.data.eval_prompts == "" and c.data.label_key == "" and c.parallel.expert_tensor is None
+    assert c.rollout.group_size == cfg().rollout.group_size  # a number that must be set: its default
+
+
 def test_sglang_flags_in_extra_args_are_checked_against_sglang():
     pytest.importorskip("sglang")
     from gspo_megatron.train.startup.validate import check_sglang_flags

@@ -56,6 +56,26 @@ CASES = {
                                           ["data.task=", "data.prompts={tmp}/p.jsonl", "data.reward=code_tests"], 1,
                                           "{tmp}/p.jsonl:2: the code test 'assert all(add(i, i) == 2 * i for i in "
                                           "range(3))' compares 'add(i, i) == 2 * i' inside"),
+    "prompt file: no label for a built-in reward": (
+        {"p.jsonl": json.dumps({"prompt": "ab", "answer": "ba"}) + "\n" + json.dumps({"prompt": "ab", "answr": "ba"})
+         + "\n"}, ["data.task=", "data.prompts={tmp}/p.jsonl", "data.reward=exact_match"], 1,
+        "{tmp}/p.jsonl:2: no label for data.reward='exact_match': none of answer, label, tests, "
+        "reward_model.ground_truth in ['answr', 'prompt'] (data.label_key names another field)"),
+    "reward: wrong signature": (
+        {}, ["data.reward=tests.rewards.user_rewards:wrong_signature"], 2,
+        "data.reward='tests.rewards.user_rewards:wrong_signature' called on the first problem of data.task='reverse' "
+        "(prompt '{task_prompt}', a response equal to its label '{task_answer}') raised TypeError: wrong_signature() "
+        "takes 2 positional arguments but 3 were given (wrong_signature is defined at {user_rewards}:{defined})"),
+    "reward: a bug in the user's line": (
+        {"p.jsonl": json.dumps({"prompt": "ab", "answer": "ba"}) + "\n"},
+        ["data.task=", "data.prompts={tmp}/p.jsonl", "data.reward=tests.rewards.user_rewards:divides_by_zero"], 2,
+        "data.reward='tests.rewards.user_rewards:divides_by_zero' called on the first record of "
+        "data.prompts='{tmp}/p.jsonl' (prompt 'ab', a response equal to its label 'ba') raised ZeroDivisionError: "
+        "division by zero ({user_rewards}:{failing})"),
+    "reward: hangs": ({}, ["data.reward=tests.rewards.user_rewards:hangs", "data.reward_timeout_s=0.5"], 2,
+                      "did not return within 0.5 s (data.reward_timeout_s)"),
+    "reward: not a number": ({}, ["data.reward=tests.rewards.user_rewards:returns_text"], 2,
+                             "returned '1.0' (str), not a finite number"),
     "unknown reward": ({}, ["data.reward=maths"], 2,
                        "data.reward='maths' is neither a built-in (['code_tests', 'exact_match', 'math', 'synthetic'])"),
     "reward module missing": ({}, ["data.reward=no_such_module:fn"], 2,
@@ -64,6 +84,17 @@ CASES = {
                               "model.hf_dir: {tmp}/m/config.json:1:29: not valid JSON (Unterminated string starting at); is the file "
                               "truncated?"),
 }
+
+
+def _facts(tmp: Path) -> dict:
+    """What the messages name: the reward file and its lines, the example task's first problem."""
+    from gspo_megatron.rewards.synthetic import make_problems
+    from tests.rewards import user_rewards
+
+    problem = make_problems("reverse", 1, seed=1234)[0]
+    return {"tmp": tmp, "user_rewards": user_rewards.__file__, "task_prompt": problem.prompt,
+            "task_answer": problem.answer, "defined": user_rewards.wrong_signature.__code__.co_firstlineno,
+            "failing": user_rewards.divides_by_zero.__code__.co_firstlineno + 2}
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -76,7 +107,7 @@ def test_errors_before_the_model_is_built(name, model_dir, tmp_path, capsys):
             *[o.format(tmp=tmp_path) for o in overrides]]
     assert main(args) == status
     err = capsys.readouterr().err
-    assert message.format(tmp=tmp_path) in err, err
+    assert message.format(**_facts(tmp_path)) in err, err
     assert "Traceback" not in err and not (tmp_path / "run").exists()  # nothing started, nothing written
 
 
@@ -169,3 +200,30 @@ def test_a_host_that_cannot_confine_programs_refuses_the_code_sandbox(override, 
     assert "Traceback" not in err and not (tmp_path / "run").exists()
     assert main([*args, "data.sandbox=uncontained"]) == 2
     assert "data.sandbox='uncontained' is not one of ('confined', 'unconfined')" in capsys.readouterr().err
+
+
+def test_a_hugging_face_repo_id_is_read_from_the_hub_cache_offline(model_dir, tmp_path, capsys, monkeypatch):
+    """model.hf_dir=org/name (on the command line or in a YAML), nothing of that name on disk: the snapshot in
+    huggingface_hub's cache (a cache laid out here, offline: nothing can be downloaded), read as a directory is (its
+    wrong tensor named at its snapshot path); a repo not in the cache is one sentence saying so."""
+    import shutil
+
+    snapshot = tmp_path / "hub/models--org--tiny/snapshots/0123abc"
+    shutil.copytree(_wrong_shape(model_dir, tmp_path / "bad"), snapshot)
+    (tmp_path / "hub/models--org--tiny/refs").mkdir()
+    (tmp_path / "hub/models--org--tiny/refs/main").write_text("0123abc")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run.yaml").write_text("model:\n  hf_dir: org/tiny\ndata:\n  task: reverse\n")
+    for args in (["train", EXAMPLE, "model.hf_dir=org/tiny", "model.tiny=null"], ["train", str(tmp_path / "run.yaml")]):
+        assert main([*args, f"logging.dir={tmp_path / 'run'}", "checkpoint.dir="]) == 2
+        err = capsys.readouterr().err
+        assert f"model.hf_dir='{snapshot}'" in err and "model.layers.0.self_attn.o_proj.weight" in err, err
+    assert main(["plan", str(tmp_path / "run.yaml")]) == 0  # the plan reads the cached config.json
+    out = capsys.readouterr().out
+    assert out.startswith("model: qwen3_moe") and "vocab 128" in out, out
+    assert main(["train", EXAMPLE, "model.hf_dir=org/elsewhere", "model.tiny=null", f"logging.dir={tmp_path / 'run'}",
+                 "checkpoint.dir="]) == 2
+    assert ("model.hf_dir='org/elsewhere' is not a directory, and as a Hugging Face repo id it is not in the cache "
+            "and this machine is offline (HF_HUB_OFFLINE=1)") in capsys.readouterr().err

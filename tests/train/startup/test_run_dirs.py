@@ -4,13 +4,14 @@ In process (the command line's ``main``, then ``check_run_dirs``): nothing of Me
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from gspo_megatron.cli import main
 from gspo_megatron.train.startup.config import ConfigError, load_config
-from gspo_megatron.train.startup.run_dirs import check_run_dirs
+from gspo_megatron.train.startup.run_dirs import check_resumed_layout, check_run_dirs
 
 ROOT = Path(__file__).resolve().parents[3]
 EXAMPLE = str(ROOT / "examples/tiny_moe_cpu.yaml")
@@ -39,7 +40,8 @@ def _args(root: Path) -> list[str]:
     (True, False, ["metrics.jsonl (2 logged steps)"]),
     (False, True, ["checkpoints step_000002"]),
 ])
-def test_a_used_run_dir_is_refused_before_anything_is_written(tmp_path, capsys, metrics, checkpoints, named):
+def test_a_used_run_dir_is_refused_before_anything_is_written(tmp_path, capsys, monkeypatch, metrics, checkpoints,
+                                                              named):
     _earlier_run(tmp_path, metrics, checkpoints)
     before = _files(tmp_path)
     assert main(_args(tmp_path)) == 2
@@ -47,6 +49,8 @@ def test_a_used_run_dir_is_refused_before_anything_is_written(tmp_path, capsys, 
     assert "already hold a run" in err and all(n in err for n in named), err
     assert "--resume" in err and "another logging.dir / checkpoint.dir" in err and "--overwrite" in err, err
     assert _files(tmp_path) == before  # nothing written: no model built, no metrics appended
+    monkeypatch.setenv("LOCAL_RANK", "1")  # under torchrun the node's other ranks refuse too, without repeating it
+    assert main(_args(tmp_path)) == 2 and capsys.readouterr().err == ""
 
 
 @pytest.mark.parametrize("field,value,message", [
@@ -87,3 +91,22 @@ def test_overwrite_removes_the_earlier_run_and_a_restarted_worker_continues_its_
     assert note.startswith("gspo-megatron train: --overwrite: removed the earlier run's") and "2 logged steps" in note
     assert sorted(_files(tmp_path / "run")) == ["ck", "model"]
     assert check_run_dirs(cfg, resume=False, overwrite=False) is None  # now unused
+
+
+def test_resume_under_another_model_split_is_refused_naming_the_fields(tmp_path):
+    """The layout a step dir was saved with (its gspo_megatron.json) against the config's: the data-parallel size and
+    an expert_tensor left to follow tensor may differ, the model's split may not. Through the CLI on a real EP2
+    checkpoint: tests/train/resilience/test_preemption.py."""
+    step = tmp_path / "step_000002"
+    step.mkdir()
+    saved = {"tensor": 2, "pipeline": 1, "expert": 2, "context": 1, "expert_tensor": None, "sequence_parallel": True,
+             "first_stage_layers": None, "last_stage_layers": None}
+    (step / "gspo_megatron.json").write_text(json.dumps({"saved_layout": saved}))
+    check_resumed_layout(step, load_config(EXAMPLE, ["parallel.tensor=2", "parallel.expert=2",
+                                                     "parallel.expert_tensor=2"]))
+    with pytest.raises(ConfigError) as error:
+        check_resumed_layout(step, load_config(EXAMPLE, ["parallel.tensor=1", "parallel.expert=4"]))
+    assert str(error.value).startswith(f"--resume: {step} was saved under another layout: parallel.tensor=1 (saved "
+                                       "with 2), parallel.expert=4 (saved with 2), parallel.expert_tensor=1 (saved "
+                                       "with 2). ")
+    assert f"model.megatron_checkpoint={step}" in str(error.value)
