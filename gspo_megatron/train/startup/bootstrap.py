@@ -15,7 +15,7 @@ from gspo_megatron.rollout import rewards
 from gspo_megatron.rollout.reward_pool import RewardPool
 from gspo_megatron.rollout.synthetic import demonstration, make_problems, save_tiny_model, tiny_config
 from gspo_megatron.rollout.user_code import load_named
-from gspo_megatron.train.startup.config import Config, ConfigError
+from gspo_megatron.train.startup.config import Config, ConfigError, correction
 from gspo_megatron.train.startup.data import PromptFormat, PromptStream, check_prompt_lengths, load_jsonl, task_prompts
 from gspo_megatron.train.update.loss import LossConfig
 
@@ -26,7 +26,8 @@ def loss_config(cfg: Config) -> LossConfig:
         name=a.name, eps_low=a.eps_low, eps_high=a.eps_high,
         max_log_ratio=a.max_log_ratio, grpo_aggregation=a.grpo_aggregation, kl_coef=a.kl_coef,
         kl_estimator=a.kl_estimator, entropy_coef=a.entropy_coef, temperature=cfg.rollout.temperature,
-        fused_loss=a.fused_loss,
+        fused_loss=a.fused_loss, correction=correction(cfg),
+        reuse_rollout_logprobs=cfg.rollout.reuse_rollout_logprobs,
     )
 
 
