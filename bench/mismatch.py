@@ -73,7 +73,7 @@ def main() -> None:
 
     hf_dir = args.hf_dir
     if hf_dir is None:
-        from gspo_megatron.rollout.synthetic import save_tiny_model
+        from gspo_megatron.rewards.synthetic import save_tiny_model
 
         hf_dir = str(save_tiny_model(tempfile.mkdtemp(prefix="gspo_mismatch_"), seed=args.seed))
     fp32 = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
