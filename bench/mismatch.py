@@ -3,11 +3,12 @@
 trainer's, by response length, and how many sequences that puts beyond GSPO's clip range.
 
 One tiny Qwen3-MoE (the CPU example's shape by default: 2 layers, hidden 128, 4 experts top-2, vocabulary 128;
-random weights, or ``--hf-dir`` for a trained one). The "engine" is transformers in bf16 on CPU decoding with its
-KV cache, one token at a time (as an inference server does), recording each sampled token's log-prob from its bf16
-logits (log-softmax in fp32, as SGLang's). The trainer recomputes the same tokens in one forward: in fp32 (the
-default trainer here) and in bf16 (the gap large runs have). Not a bf16 SGLang server: a CPU SGLang server decoding
-512 tokens x 32 sequences per length takes too long on the shared 2-core machine (bench/RESULTS.md says so).
+random weights, or ``--hf-dir`` for a trained one). The engine (``--engine sglang``, the default) is a CPU SGLang
+server started with ``--dtype bfloat16``: it samples ``--sequences`` responses of exactly each length (ignore_eos)
+and returns each token's log-prob, as in a rollout. ``--engine transformers`` stands in without SGLang: transformers
+in bf16 decoding with its KV cache, each token's log-prob from its bf16 logits (log-softmax in fp32). The trainer
+recomputes the same tokens in one forward (transformers, the same weights): in fp32 (the default trainer here) and in
+bf16 (the gap large runs have).
 
     .venv/bin/python bench/mismatch.py                       # lengths 4..512, 32 sequences each
     .venv/bin/python bench/mismatch.py --lengths 4 64 --sequences 8
@@ -23,6 +24,7 @@ import argparse
 import math
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -42,6 +44,19 @@ def engine_samples(model, prompt: torch.Tensor, length: int, sequences: int, see
     response = out.sequences[:, prompt.shape[1]:]
     logprobs = torch.log_softmax(logits, dim=-1).gather(-1, response.unsqueeze(-1)).squeeze(-1)
     return out.sequences, logprobs
+
+
+def sglang_samples(engine, prompt: torch.Tensor, length: int, sequences: int, seed: int):
+    """The same from a (bf16) SGLang server: ``sequences`` responses of exactly ``length`` tokens."""
+    from gspo_megatron.rollout.types import SamplingParams
+
+    sampling = SamplingParams(max_new_tokens=length, ignore_eos=True, seed=seed)
+    samples = engine.generate([prompt[0].tolist()], sequences, sampling)[0].samples
+    if any(len(s.response_ids) != length for s in samples):
+        raise RuntimeError(f"the server returned responses of {sorted({len(s.response_ids) for s in samples})} "
+                           f"tokens, not {length}")
+    ids = torch.tensor([s.prompt_ids + s.response_ids for s in samples])
+    return ids, torch.tensor([s.logprobs for s in samples], dtype=torch.float32)
 
 
 @torch.no_grad()
@@ -67,6 +82,7 @@ def main() -> None:
     parser.add_argument("--hf-dir", default=None, help="a model directory (default: a random tiny Qwen3-MoE)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--engine", choices=("sglang", "transformers"), default="sglang")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
@@ -80,16 +96,31 @@ def main() -> None:
     bf16 = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16).eval()
     prompt = torch.tensor([[1, 5, 9, 17, 33]])
     start = time.time()
-    print(f"model {hf_dir}; {args.sequences} sequences per length; engine: transformers bf16 decoding (KV cache); "
+    engine = None
+    if args.engine == "sglang":
+        from gspo_megatron.rollout import SGLangConfig, SGLangEngine
+
+        longest = prompt.shape[1] + max(args.lengths)
+        engine = SGLangEngine(SGLangConfig(
+            model_path=hf_dir, device="cpu", dtype="bfloat16", max_total_tokens=max(16384, 2 * longest * args.sequences),
+            context_length=max(256, longest + 8), log_dir=str(Path(tempfile.mkdtemp(prefix="gspo_mismatch_logs_"))),
+            startup_timeout_s=600, cpu_threads=args.threads, concurrency=1, prompts_per_request=1))
+    print(f"model {hf_dir}; {args.sequences} sequences per length; engine: "
+          f"{'SGLang server --dtype bfloat16' if engine else 'transformers bf16 decoding (KV cache)'}; "
           f"GSPO clip [1 - {CLIP[0]}, 1 + {CLIP[1]}]")
     print("| length | trainer | token mean \\|gap\\| | seq mean \\|mean gap\\| | seq max \\|mean gap\\| | beyond clip |")
     print("|---|---|---|---|---|---|")
     for length in args.lengths:
-        ids, engine = engine_samples(bf16, prompt, length, args.sequences, args.seed + length)
+        if engine is not None:
+            ids, engine_logprobs = sglang_samples(engine, prompt, length, args.sequences, args.seed + length)
+        else:
+            ids, engine_logprobs = engine_samples(bf16, prompt, length, args.sequences, args.seed + length)
         for name, model in (("fp32", fp32), ("bf16", bf16)):
-            r = row(trainer_logprobs(model, ids, prompt.shape[1]) - engine)
+            r = row(trainer_logprobs(model, ids, prompt.shape[1]) - engine_logprobs)
             print(f"| {length} | {name} | {r['token_mean_abs']:.2e} | {r['seq_mean_abs']:.2e} | "
                   f"{r['seq_max_abs']:.2e} | {r['beyond_clip']:.0%} |", flush=True)
+    if engine is not None:
+        engine.close()
     print(f"({time.time() - start:.0f} s; log sequence ratio bounds: {math.log(1 - CLIP[0]):.2e}, "
           f"{math.log(1 + CLIP[1]):.2e})")
 
