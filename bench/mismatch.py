@@ -83,6 +83,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--engine", choices=("sglang", "transformers"), default="sglang")
+    parser.add_argument("--device", default="cpu", help="cuda: the engine and trainer on the GPU (--engine "
+                        "transformers; bench/gpu_check.sh)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
@@ -91,10 +93,13 @@ def main() -> None:
     if hf_dir is None:
         from gspo_megatron.rewards.synthetic import save_tiny_model
 
-        hf_dir = str(save_tiny_model(tempfile.mkdtemp(prefix="gspo_mismatch_"), seed=args.seed))
-    fp32 = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    bf16 = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16).eval()
-    prompt = torch.tensor([[1, 5, 9, 17, 33]])
+        hf_dir = str(save_tiny_model(tempfile.mkdtemp(prefix="gspo_mismatch_"), seed=args.seed,
+                                     max_position_embeddings=1024))  # the prompt + 512 tokens and more
+    if args.device != "cpu" and args.engine == "sglang":
+        parser.error("--device cuda needs --engine transformers (the SGLang engine here is a CPU server)")
+    fp32 = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).to(args.device).eval()
+    bf16 = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16).to(args.device).eval()
+    prompt = torch.tensor([[1, 5, 9, 17, 33]], device=args.device)
     start = time.time()
     engine = None
     if args.engine == "sglang":
@@ -102,10 +107,11 @@ def main() -> None:
 
         longest = prompt.shape[1] + max(args.lengths)
         engine = SGLangEngine(SGLangConfig(
-            model_path=hf_dir, device="cpu", dtype="bfloat16", max_total_tokens=max(16384, 2 * longest * args.sequences),
+            model_path=hf_dir, device="cpu", dtype="bfloat16",
+            max_total_tokens=max(16384, 2 * longest * args.sequences),
             context_length=max(256, longest + 8), log_dir=str(Path(tempfile.mkdtemp(prefix="gspo_mismatch_logs_"))),
             startup_timeout_s=600, cpu_threads=args.threads, concurrency=1, prompts_per_request=1))
-    print(f"model {hf_dir}; {args.sequences} sequences per length; engine: "
+    print(f"model {hf_dir} on {args.device}; {args.sequences} sequences per length; engine: "
           f"{'SGLang server --dtype bfloat16' if engine else 'transformers bf16 decoding (KV cache)'}; "
           f"GSPO clip [1 - {CLIP[0]}, 1 + {CLIP[1]}]")
     print("| length | trainer | token mean \\|gap\\| | seq mean \\|mean gap\\| | seq max \\|mean gap\\| | beyond clip |")
@@ -116,7 +122,8 @@ def main() -> None:
         else:
             ids, engine_logprobs = engine_samples(bf16, prompt, length, args.sequences, args.seed + length)
         for name, model in (("fp32", fp32), ("bf16", bf16)):
-            r = row(trainer_logprobs(model, ids, prompt.shape[1]) - engine_logprobs)
+            trainer = trainer_logprobs(model, ids.to(args.device), prompt.shape[1])
+            r = row((trainer - engine_logprobs.to(args.device)).cpu())
             print(f"| {length} | {name} | {r['token_mean_abs']:.2e} | {r['seq_mean_abs']:.2e} | "
                   f"{r['seq_max_abs']:.2e} | {r['beyond_clip']:.0%} |", flush=True)
     if engine is not None:
