@@ -37,8 +37,8 @@ def engine_samples(model, prompt: torch.Tensor, length: int, sequences: int, see
     (token ids [n, P + length], the engine's log-prob of each response token [n, length])."""
     torch.manual_seed(seed)
     prompt = prompt.expand(sequences, -1)
-    out = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
-                         max_new_tokens=length, min_new_tokens=length, output_logits=True,
+    out = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=True, temperature=1.0, top_p=1.0,
+                         top_k=0, max_new_tokens=length, min_new_tokens=length, output_logits=True,
                          return_dict_in_generate=True, pad_token_id=0)
     logits = torch.stack(out.logits, dim=1).float()  # [n, length, V]: each step's bf16 logits
     response = out.sequences[:, prompt.shape[1]:]
@@ -114,7 +114,8 @@ def main() -> None:
     print(f"model {hf_dir} on {args.device}; {args.sequences} sequences per length; engine: "
           f"{'SGLang server --dtype bfloat16' if engine else 'transformers bf16 decoding (KV cache)'}; "
           f"GSPO clip [1 - {CLIP[0]}, 1 + {CLIP[1]}]")
-    print("| length | trainer | token mean \\|gap\\| | seq mean \\|mean gap\\| | seq max \\|mean gap\\| | beyond clip |")
+    print("| length | trainer | token mean \\|gap\\| | seq mean \\|mean gap\\| | seq max \\|mean gap\\| "
+          "| beyond clip |")
     print("|---|---|---|---|---|---|")
     for length in args.lengths:
         if engine is not None:
