@@ -7,7 +7,7 @@
 # Then there:   bash bench/gpu_check.sh         (device tool: carry [".whl"], timeout_s 420)
 #
 # One line per check at the end, also in $OUT/summary.txt (tests/gpu/summary.py); beside it in $OUT: env.txt,
-# pytest.log, junit.xml, checks.json (tests/gpu/checks.py's figures), logprob_gpu.log and .json. The checks:
+# pytest.log, junit.xml, checks.json (tests/gpu/checks.py's figures), logprob_gpu.log and .json, mismatch.log. The checks:
 #   tests/gpu/test_gpu_checks.py   a 204M-parameter Qwen3-MoE in bf16, 8 sequences of 1024 tokens: one update step's
 #                                  peak allocated memory against `plan`'s figure for the same config; bf16 against
 #                                  fp32 log-probs of the same weights through the old-policy pass; the Triton
@@ -23,6 +23,10 @@
 #                                  second process, the optimizer state offloaded and regained (memory_reserved)
 #   bench/logprob_gpu.py           the Triton backend against naive bf16 logits + log_softmax at T=8192, H=2048,
 #                                  V=151936: time, peak memory, TFLOP/s against a GEMM peak measured in the same run
+#   bench/mismatch.py              the training-inference mismatch on CUDA: a tiny Qwen3-MoE decoding in bf16
+#                                  (transformers, KV cache) against fp32 and bf16 recomputes of the same tokens, per
+#                                  response length 4-512: per-token and per-sequence-mean gaps, share beyond GSPO's
+#                                  clip (mismatch.log)
 # GSPO_GPU_TESTS_ON_CPU=1 runs this script on a machine without CUDA (tests/gpu's CPU mode, the bench's
 # --device cpu): the harness checked before device time is spent. CI runs tests/gpu that way.
 set -uo pipefail
@@ -34,7 +38,8 @@ limit() {  # seconds left before the deadline, less $1 kept for what follows; at
   local s=$((deadline - SECONDS - $1))
   echo $((s < 10 ? 10 : s))
 }
-BENCH_S=60  # bench/logprob_gpu.py's share, kept back from pytest's
+BENCH_S=90  # bench/logprob_gpu.py's and bench/mismatch.py's share, kept back from pytest's
+MISMATCH_S=30  # bench/mismatch.py's, kept back from bench/logprob_gpu.py's
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || { echo "gpu_check: installing the carried wheels failed" >&2; exit 1; }
@@ -67,10 +72,18 @@ echo "gpu_check: pytest exit $rc after $((SECONDS - start)) s$([[ $rc -eq 124 ]]
 start=$SECONDS
 DEVICE=cuda
 [[ "${GSPO_GPU_TESTS_ON_CPU:-}" == 1 ]] && DEVICE=cpu
-timeout "$(limit 5)" python3 bench/logprob_gpu.py --device $DEVICE --json "$LOG_DIR/logprob_gpu.json" 2>&1 \
+timeout "$(limit $MISMATCH_S)" python3 bench/logprob_gpu.py --device $DEVICE --json "$LOG_DIR/logprob_gpu.json" 2>&1 \
   | tee "$LOG_DIR/logprob_gpu.log"
 rc=${PIPESTATUS[0]}
 echo "gpu_check: bench/logprob_gpu.py exit $rc after $((SECONDS - start)) s$([[ $rc -eq 124 ]] && echo ': timed out')"
+start=$SECONDS
+# The training-inference mismatch in bf16 on CUDA (issue 38): bf16 decoding against fp32 and bf16 recomputes.
+LENGTHS=(4 16 64 256 512)
+[[ "$DEVICE" == cpu ]] && LENGTHS=(4 16)
+timeout "$(limit 5)" python3 bench/mismatch.py --engine transformers --device $DEVICE --lengths "${LENGTHS[@]}" \
+  --sequences 32 2>&1 | tee "$LOG_DIR/mismatch.log"
+rc=${PIPESTATUS[0]}
+echo "gpu_check: bench/mismatch.py exit $rc after $((SECONDS - start)) s$([[ $rc -eq 124 ]] && echo ': timed out')"
 echo "gpu_check: summary ($SECONDS s in all)"
 python3 -m tests.gpu.summary --junit "$LOG_DIR/junit.xml" --log "$LOG_DIR/pytest.log" \
   --bench "$LOG_DIR/logprob_gpu.json" --out "$LOG_DIR/summary.txt"

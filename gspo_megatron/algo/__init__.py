@@ -2,19 +2,20 @@
 
 Modules: advantages (group-relative A_i), ratios (sequence log-ratio and its CP-reducible partial sums),
 surrogate (the clipped min shared by all losses), gspo (GSPO and GSPO-token), grpo (token-level baseline),
-kl (reference-policy KL estimators), aggregation (denominators), metrics (diagnostics), decoupled (clipping
-samples from older weights around the proximal policy), defaults (the algorithms' names, clip ranges and other
-constants: the one place they live).
+kl (reference-policy KL estimators), aggregation (denominators), metrics (diagnostics), correction (the
+behaviour weight between the trainer's pi_old and the engine's log-probs: the mismatch, samples from older weights),
+defaults (the algorithms' names, clip ranges and other constants: the one place they live).
 """
 
 from .advantages import group_advantages, segment_advantages
 from .aggregation import AGGREGATIONS, aggregate, seq_mean_token_mean, sequence_mean, token_mean
 from .grpo import grpo_loss, grpo_terms
-from .decoupled import behaviour_weights, decoupled_advantages
-from .defaults import ALGORITHMS, BEHAVIOUR_WEIGHT_CAP, CLIP_RANGES, GRPO_AGGREGATION, KL_ESTIMATOR, MAX_LOG_RATIO
+from .correction import (CORRECTION_STATS, Correction, CorrectionTerms, correction_stats, correction_weights,
+                         corrected_advantages, log_weights, rollout_correction, weight_sums)
+from .defaults import ALGORITHMS, CLIP_RANGES, CORRECTION_HIGH, CORRECTION_LOW, GRPO_AGGREGATION, KL_ESTIMATOR, MAX_LOG_RATIO
 from .gspo import (GSPOTerms, TokenTerms, gspo_loss, gspo_loss_from_sums, gspo_sequence_objective, gspo_token_loss,
                    gspo_token_terms)
-from .metrics import SEQUENCE_STATS, mismatch_metrics, sequence_stats, update_metrics
+from .metrics import SEQUENCE_STATS, correction_metrics, mismatch_metrics, sequence_stats, update_metrics
 from .kl import KL_ESTIMATORS, kl_k1, kl_k2, kl_k3, kl_penalty
 from .ratios import masked_log_ratio_sums, sequence_log_ratio, sequence_log_ratio_from_sums
 from .surrogate import clipped_surrogate
@@ -22,8 +23,12 @@ from .surrogate import clipped_surrogate
 __all__ = [
     "AGGREGATIONS",
     "ALGORITHMS",
-    "BEHAVIOUR_WEIGHT_CAP",
     "CLIP_RANGES",
+    "CORRECTION_HIGH",
+    "CORRECTION_LOW",
+    "CORRECTION_STATS",
+    "Correction",
+    "CorrectionTerms",
     "GRPO_AGGREGATION",
     "GSPOTerms",
     "SEQUENCE_STATS",
@@ -32,9 +37,11 @@ __all__ = [
     "KL_ESTIMATORS",
     "MAX_LOG_RATIO",
     "aggregate",
-    "behaviour_weights",
     "clipped_surrogate",
-    "decoupled_advantages",
+    "corrected_advantages",
+    "correction_metrics",
+    "correction_stats",
+    "correction_weights",
     "group_advantages",
     "grpo_loss",
     "grpo_terms",
@@ -47,8 +54,10 @@ __all__ = [
     "kl_k2",
     "kl_k3",
     "kl_penalty",
+    "log_weights",
     "masked_log_ratio_sums",
     "mismatch_metrics",
+    "rollout_correction",
     "segment_advantages",
     "sequence_stats",
     "seq_mean_token_mean",
@@ -57,4 +66,5 @@ __all__ = [
     "sequence_mean",
     "token_mean",
     "update_metrics",
+    "weight_sums",
 ]

@@ -12,5 +12,7 @@ MAX_LOG_RATIO = 10.0
 KL_ESTIMATOR = "k3"
 # GRPO's normalisation: every token weighs the same (``aggregation``).
 GRPO_AGGREGATION = "token-mean"
-# The truncation of a stale sample's behaviour weight min(pi_prox / pi_behaviour, cap) (``decoupled``).
-BEHAVIOUR_WEIGHT_CAP = 2.0
+# The behaviour weight's bounds (``correction``): truncated at the upper one (slime's and verl's TIS default 2.0),
+# masked outside both (IcePop's 0.5 / 2.0).
+CORRECTION_LOW = 0.5
+CORRECTION_HIGH = 2.0

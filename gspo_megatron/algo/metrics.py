@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import torch
 
+from .correction import CORRECTION_STATS
 from .defaults import MAX_LOG_RATIO
 from .kl import KL_ESTIMATORS
 from .masking import masked_token_log_ratio
 
-__all__ = ["MAX_STATS", "SEQUENCE_STATS", "approx_kl", "clip_fractions", "masked_stats", "mismatch_metrics", "sequence_stats",
-           "to_floats", "update_metrics"]
+__all__ = ["LOSS_STATS", "MAX_STATS", "SEQUENCE_STATS", "approx_kl", "clip_fractions", "correction_metrics",
+           "masked_stats", "mismatch_metrics", "sequence_stats", "to_floats", "update_metrics"]
 
 
 def _count(valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -76,6 +77,8 @@ SEQUENCE_STATS = ("tokens", "log_ratio_sum", "clipped_tokens_low", "clipped_toke
                   "clipped_high", "kl_sum", "abs_diff_sum", "abs_diff_max")
 # The columns that combine over slices of a sequence (context parallelism) by max; the others add up.
 MAX_STATS = ("clipped_low", "clipped_high", "abs_diff_max")
+# The loss's per-sequence stats: these, then the correction's (``correction.CORRECTION_STATS``; 0 without one).
+LOSS_STATS = SEQUENCE_STATS + CORRECTION_STATS
 
 
 @torch.no_grad()
@@ -107,11 +110,15 @@ def sequence_stats(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: tor
     ], dim=-1)
 
 
-def _columns(stats: torch.Tensor) -> dict[str, torch.Tensor]:
-    if stats.dim() != 2 or stats.shape[-1] != len(SEQUENCE_STATS):
-        raise ValueError(f"stats must be [N, {len(SEQUENCE_STATS)}] (SEQUENCE_STATS), got {tuple(stats.shape)}")
+def _columns(stats: torch.Tensor, names: tuple[str, ...] = SEQUENCE_STATS) -> dict[str, torch.Tensor]:
+    """The named columns of SEQUENCE_STATS ([N, len(SEQUENCE_STATS)]) or LOSS_STATS ([N, len(LOSS_STATS)]) stats."""
+    if stats.dim() != 2 or stats.shape[-1] not in (len(SEQUENCE_STATS), len(LOSS_STATS)):
+        raise ValueError(f"stats must be [N, {len(SEQUENCE_STATS)}] (SEQUENCE_STATS) or [N, {len(LOSS_STATS)}] "
+                         f"(LOSS_STATS), got {tuple(stats.shape)}")
+    if stats.shape[-1] < len(LOSS_STATS) and names is not SEQUENCE_STATS:
+        raise ValueError(f"correction metrics need [N, {len(LOSS_STATS)}] (LOSS_STATS), got {tuple(stats.shape)}")
     stats = stats.double()
-    return {name: stats[:, i] for i, name in enumerate(SEQUENCE_STATS)}
+    return {name: stats[:, LOSS_STATS.index(name)] for name in names}
 
 
 @torch.no_grad()
@@ -146,22 +153,52 @@ def update_metrics(stats: torch.Tensor, unit: str, max_log_ratio: float = MAX_LO
 
 
 @torch.no_grad()
-def mismatch_metrics(stats: torch.Tensor) -> dict[str, float]:
+def mismatch_metrics(stats: torch.Tensor, clip_range: tuple[float, float] | None = None) -> dict[str, float]:
     """Rollout-vs-trainer log-prob gap from per-sequence stats of (trainer log-probs, rollout log-probs) at the
     same weights: logprob_diff_max / _mean (|diff| per response token), logprob_diff_seq_log_ratio (the largest
-    |mean token diff| of a sequence: GSPO's log sequence ratio were the rollout's log-probs pi_old), and
-    logprob_diff_kl (k3 of KL(rollout || trainer) per token)."""
+    |mean token diff| of a sequence: GSPO's log sequence ratio were the rollout's log-probs pi_old),
+    logprob_diff_kl and logprob_diff_kl_k1 (k3 and k1 of KL(rollout || trainer) per token: sampled by the engine,
+    k1 = log pi_engine - log pi_trainer, k3 = w - 1 - log w with w = pi_trainer / pi_engine), and with
+    ``clip_range`` (eps_low, eps_high) logprob_diff_beyond_clip: the share of sequences whose geometric-mean ratio
+    exp(mean token diff) lies outside [1 - eps_low, 1 + eps_high] (clipped at unchanged weights, were the engine's
+    log-probs GSPO's pi_old)."""
     c = _columns(stats)
     valid = c["tokens"] > 0
     tokens = c["tokens"].sum().clamp(min=1)
-    seq = (c["log_ratio_sum"][valid] / c["tokens"][valid]).abs()
+    mean_diff = c["log_ratio_sum"][valid] / c["tokens"][valid]
     zero = c["tokens"].new_zeros(())
-    return to_floats({
+    out = {
         "logprob_diff_max": c["abs_diff_max"].max() if valid.any() else zero,
         "logprob_diff_mean": c["abs_diff_sum"].sum() / tokens,
-        "logprob_diff_seq_log_ratio": seq.max() if valid.any() else zero,
+        "logprob_diff_seq_log_ratio": mean_diff.abs().max() if valid.any() else zero,
         "logprob_diff_kl": c["kl_sum"].sum() / tokens,
-    })
+        "logprob_diff_kl_k1": -c["log_ratio_sum"].sum() / tokens,
+    }
+    if clip_range is not None:
+        ratio = torch.exp(mean_diff)
+        beyond = (ratio < 1 - clip_range[0]) | (ratio > 1 + clip_range[1])
+        out["logprob_diff_beyond_clip"] = beyond.sum() / valid.sum().clamp(min=1)
+    return to_floats(out)
+
+
+@torch.no_grad()
+def correction_metrics(stats: torch.Tensor) -> dict[str, float]:
+    """What the correction did over every sequence of the update ([N, len(LOSS_STATS)]): the share of response
+    tokens (correction_*_tokens) and of sequences (correction_*_seqs: holding such a token) masked, truncated and
+    rejected, and the mean and max weight of the tokens kept (correction_weight_mean / _max)."""
+    c = _columns(stats, CORRECTION_STATS)
+    tokens = c["correction_tokens"].sum()
+    valid = c["correction_tokens"] > 0
+    seqs, kept = valid.sum().clamp(min=1), (tokens - c["rejected_tokens"].sum()).clamp(min=1)
+    out = {}
+    for name in ("masked", "truncated"):
+        out[f"correction_{name}_tokens"] = c[f"{name}_tokens"].sum() / tokens.clamp(min=1)
+        out[f"correction_{name}_seqs"] = c[name][valid].sum() / seqs
+    out["correction_rejected_tokens"] = c["rejected_tokens"].sum() / tokens.clamp(min=1)
+    out["correction_rejected_seqs"] = c["rejected"][valid].sum() / seqs
+    out["correction_weight_mean"] = c["weight_sum"].sum() / kept
+    out["correction_weight_max"] = c["weight_max"].max() if valid.any() else tokens.new_zeros(())
+    return to_floats(out)
 
 
 def to_floats(metrics: dict[str, torch.Tensor]) -> dict[str, float]:

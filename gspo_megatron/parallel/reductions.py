@@ -107,7 +107,7 @@ def broadcast_from_last_stage(tensors: dict[str, torch.Tensor] | None, pp_group)
 def all_reduce_sequence_stats(stats: torch.Tensor, max_columns: tuple[int, ...], group=None) -> torch.Tensor:
     """Per-sequence statistics [B, K] whose columns are partial over ``group`` (the CP group: each rank saw a slice
     of every sequence) -> whole-sequence values on every rank: SUM for every column but ``max_columns`` (MAX).
-    No autograd (metrics only). A group of size 1 returns ``stats`` unchanged."""
+    No autograd (metrics, and the correction's constant weights). A group of size 1 returns ``stats`` unchanged."""
     if group is None or dist.get_world_size(group) == 1:
         return stats
     total = stats.detach().clone()

@@ -73,6 +73,10 @@ def test_mismatch_hand_values():
     assert m["logprob_diff_mean"] == pytest.approx(0.4 / 4)
     assert m["logprob_diff_seq_log_ratio"] == pytest.approx(0.15)
     assert m["logprob_diff_kl"] == pytest.approx(sum(math.exp(d) - 1 - d for d in (0.1, 0.0, 0.0, 0.3)) / 4)
+    # k1 of KL(engine || trainer): log pi_engine - log pi_trainer per token; the sequences' mean gaps are 0.05 and
+    # 0.15, ratios 1.051 (inside [0.8, 1.1]) and 1.162 (beyond it).
+    m = mismatch_metrics(sequence_stats(trainer, rollout, mask), clip_range=(0.2, 0.1))
+    assert m["logprob_diff_kl_k1"] == pytest.approx(-0.4 / 4) and m["logprob_diff_beyond_clip"] == 0.5
 
 
 def test_stats_shape_is_checked():

@@ -130,22 +130,31 @@ def _records(run: Path) -> list[dict]:
 
 def test_gspo_token_with_segment_rewards_on_the_rollout_logprobs_and_grpo_with_routing_replay(tmp_path):
     """GSPO-token with per-token advantages from per-segment rewards, taking pi_old from the engine: no old-policy
-    pass (the mismatch is measured by the first update instead); GRPO + Routing Replay, whose pass records the
-    experts. Both log their clip fraction per token, the paper's unit for token-level clipping."""
+    pass (the mismatch is measured by the first update instead), with a geometric correction of the current policy
+    against the engine's log-probs (verl's bypass mode); GRPO + Routing Replay, whose pass records the experts,
+    with a token-level masked correction of that pass against the engine's. Both log their clip fraction per token,
+    the paper's unit for token-level clipping, and what the correction did."""
     quick = ("checkpoint.every=0", "train.eval_every=0", "logging.plot_every=0")
     token = tmp_path / "gspo_token"
     _train(token, 2, "algo.name=gspo_token", "algo.token_advantages=segments", "data.segment_reward=synthetic",
-           "rollout.reuse_rollout_logprobs=true", *quick)
+           "rollout.reuse_rollout_logprobs=true", "correction.level=geometric", "correction.rejection=max",
+           "correction.rejection_high=3", *quick)
     for r in _records(token):
         assert "time/old_logprobs" not in r and "entropy" not in r and "expert_volatility" not in r, sorted(r)
         # pi_old is the engine's: at unchanged weights the first minibatch sees only the fp32 rounding gap.
         assert r["logprob_diff_max"] < 1e-4 and r["logprob_diff_mean"] < 1e-5, r
         assert r["clip_frac"] == r["clip_frac_tokens"] and 0 <= r["clip_frac_seqs"] <= 1
+        # The weights are the policy's moves over the step's minibatches (6% in the geometric mean seen): not 1, none
+        # beyond a token ratio of e^3.
+        assert 0 < abs(r["correction_weight_max"] - 1) < 0.5 and r["correction_rejected_seqs"] == 0.0, r
     replay = tmp_path / "grpo_rr"
-    _train(replay, 2, "algo.name=grpo", "algo.routing_replay=old", *quick)
+    _train(replay, 2, "algo.name=grpo", "algo.routing_replay=old", "correction.level=token", "correction.mode=mask",
+           *quick)
     for r in _records(replay):
         assert r["time/old_logprobs"] > 0 and "expert_volatility" not in r, sorted(r)  # replay pins the routing
         assert r["clip_frac"] == r["clip_frac_tokens"] and r["logprob_diff_max"] < 1e-4
+        # The pass and the fp32 engine agree to rounding: every weight ~1, none outside [0.5, 2].
+        assert abs(r["correction_weight_max"] - 1) < 1e-4 and r["correction_masked_tokens"] == 0.0, r
 
 
 @SCHEDULE_ONLY
@@ -183,33 +192,35 @@ def test_one_step_off_through_the_loop(tmp_path):
 @SCHEDULE_ONLY
 def test_decoupled_clip_weights_the_stale_samples(tmp_path):
     """algo.decoupled_clip under one_step_off through the real loop: the samples one version old are clipped around
-    the trainer's weights and weighted by (pi_prox / pi_behaviour)^(1/|y|); the weights' log range is the
-    rollout-vs-trainer gap the mismatch metrics measure independently (max |mean token diff| of a sequence)."""
+    the trainer's weights and weighted by the correction's geometric weight (pi_prox / pi_behaviour)^(1/|y|); its
+    largest log is the rollout-vs-trainer gap the mismatch metrics measure independently (max |mean token diff| of
+    a sequence), when that gap is the positive side's."""
     run = tmp_path / "run"
-    _train(run, 3, "rollout.mode=one_step_off", "algo.decoupled_clip=true", "algo.behaviour_weight_cap=100",
+    _train(run, 3, "rollout.mode=one_step_off", "algo.decoupled_clip=true", "correction.high=100",
            "checkpoint.every=0", "train.eval_every=0", "logging.plot_every=0")
     records = _records(run)
-    assert "behaviour_weight_max" not in records[0]  # version 0's samples trained by version 0: none stale
+    # Version 0's samples trained by version 0: none stale, every weight 1 up to fp32 rounding.
+    assert abs(records[0]["correction_weight_max"] - 1) < 1e-5, records[0]
     for r in records[1:]:
-        assert r["staleness_max"] == 1 and r["behaviour_weight_capped"] == 0.0, r
-        widest = max(abs(math.log(r["behaviour_weight_min"])), abs(math.log(r["behaviour_weight_max"])))
+        assert r["staleness_max"] == 1 and r["correction_truncated_tokens"] == 0.0, r
         assert r["logprob_diff_seq_log_ratio"] > 1e-4  # one update apart: far beyond fp32 rounding
-        assert abs(widest - r["logprob_diff_seq_log_ratio"]) < 1e-5 * r["logprob_diff_seq_log_ratio"] + 1e-7, r
+        widest = math.log(r["correction_weight_max"])
+        assert 0 < widest <= r["logprob_diff_seq_log_ratio"] * (1 + 1e-5) + 1e-7, r
     # With a cap below every weight > 1 those weights are cut there; here with the README's fast CPU settings
     # (packed rows, one trainer thread).
     capped = tmp_path / "capped"
-    _train(capped, 2, "rollout.mode=one_step_off", "algo.decoupled_clip=true", "algo.behaviour_weight_cap=1",
+    _train(capped, 2, "rollout.mode=one_step_off", "algo.decoupled_clip=true", "correction.high=1",
            "parallel.pack_sequences=true", "train.cpu_threads=1", "checkpoint.every=0", "train.eval_every=0",
            "logging.plot_every=0")
     last = _records(capped)[1]
-    assert last["behaviour_weight_max"] == 1.0 and last["behaviour_weight_capped"] > 0, last
+    assert last["correction_weight_max"] == 1.0 and last["correction_truncated_tokens"] > 0, last
     # Partial rollouts: a sample spanning versions is stale; its behaviour log-probs are per token, from each chunk's
     # weights.
     partial = tmp_path / "partial"
     _train(partial, 3, "rollout.partial_chunk_tokens=2", "algo.decoupled_clip=true", "checkpoint.every=0",
            "train.eval_every=0", "logging.plot_every=0")
     spanning = [r for r in _records(partial) if r["staleness_max"] >= 1]
-    assert spanning and all(0 < r["behaviour_weight_min"] <= r["behaviour_weight_max"] <= 2.0
+    assert spanning and all(0 < r["correction_weight_mean"] <= r["correction_weight_max"] <= 2.0
                             and math.isfinite(r["loss"]) for r in spanning), _records(partial)
 
 

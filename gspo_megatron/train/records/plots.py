@@ -4,7 +4,9 @@ Panels: reward (mean, and eval when present; with rollout.env the fraction of tr
 observation, i.e. called a tool), clip fraction (of response tokens and of sequences, log axis: GSPO
 and GRPO differ by orders of magnitude), sequence-ratio range (min/mean/max), KL (old vs new policy per update, and
 policy vs reference when algo.kl_coef > 0), expert volatility (MoE routing decisions one step changed), the
-policy's entropy, and the rollout-vs-trainer log-prob difference.
+policy's entropy, the rollout-vs-trainer log-prob difference (and KL(engine || trainer), the share of sequences
+whose mean gap lies beyond the clip range), and what the rollout correction did (the shares of tokens masked,
+truncated and rejected; the weights' mean and max).
 """
 
 from __future__ import annotations
@@ -22,7 +24,14 @@ PANELS = [
     ("KL", [("approx_kl", "old || new (per update)"), ("kl_ref", "policy || reference")], "linear"),
     ("expert volatility (one step)", [("expert_volatility", "routing decisions changed")], "linear"),
     ("entropy per response token", [("entropy", "policy")], "linear"),
-    ("rollout vs trainer log-prob |diff|", [("logprob_diff_mean", "mean per token"), ("logprob_diff_max", "max")], "log"),
+    ("rollout vs trainer log-prob |diff|", [("logprob_diff_mean", "mean per token"), ("logprob_diff_max", "max"),
+                                            ("logprob_diff_kl", "KL(engine || trainer) k3"),
+                                            ("logprob_diff_kl_k1", "KL k1"),
+                                            ("logprob_diff_beyond_clip", "sequences beyond the clip range")], "log"),
+    ("rollout correction (tokens)", [("correction_masked_tokens", "masked"),
+                                     ("correction_truncated_tokens", "truncated"),
+                                     ("correction_rejected_tokens", "rejected")], "linear"),
+    ("correction weight", [("correction_weight_mean", "mean"), ("correction_weight_max", "max")], "linear"),
 ]
 
 

@@ -20,7 +20,7 @@ from gspo_megatron.rewards.code_tests import parse_tests
 from gspo_megatron.rewards.reward_pool import RewardPool
 from gspo_megatron.rewards.synthetic import demonstration, make_problems, save_tiny_model, tiny_config
 from gspo_megatron.rewards.user_code import load_named
-from gspo_megatron.train.startup.config import Config, ConfigError, is_repo_id
+from gspo_megatron.train.startup.config import Config, ConfigError, correction, is_repo_id
 from gspo_megatron.train.startup.run_dirs import ENGINE_MODEL
 from gspo_megatron.train.startup.data import (LABEL_KEYS, PromptFormat, PromptStream, check_prompt_lengths,
                                               load_jsonl, task_prompts)
@@ -33,7 +33,8 @@ def loss_config(cfg: Config) -> LossConfig:
         name=a.name, eps_low=a.eps_low, eps_high=a.eps_high,
         max_log_ratio=a.max_log_ratio, grpo_aggregation=a.grpo_aggregation, kl_coef=a.kl_coef,
         kl_estimator=a.kl_estimator, entropy_coef=a.entropy_coef, temperature=cfg.rollout.temperature,
-        fused_loss=a.fused_loss,
+        fused_loss=a.fused_loss, correction=correction(cfg),
+        reuse_rollout_logprobs=cfg.rollout.reuse_rollout_logprobs,
     )
 
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from gspo_megatron.algo.defaults import BEHAVIOUR_WEIGHT_CAP, GRPO_AGGREGATION, KL_ESTIMATOR, MAX_LOG_RATIO
+from gspo_megatron.algo.defaults import CORRECTION_HIGH, CORRECTION_LOW, GRPO_AGGREGATION, KL_ESTIMATOR, MAX_LOG_RATIO
 
 
 class ConfigError(ValueError):
@@ -302,11 +302,10 @@ class AlgoSection:
     decoupled_clip: bool = False
     """Samples from older weights than the trainer's (rollout.mode one_step_off / async, partial rollouts) clip
     around the trainer's weights at the update's start (the old-policy pass: the proximal policy) instead of the
-    engine's, and their advantages are weighted by min(pi_prox / pi_behaviour, behaviour_weight_cap),
-    length-normalised for GSPO (AReaL's decoupled PPO, ``algo/decoupled.py``). false: such a sample's pi_old is the
-    engine's, and after the first optimizer step GSPO's narrow range clips most of them."""
-    behaviour_weight_cap: float = BEHAVIOUR_WEIGHT_CAP
-    """With decoupled_clip: the truncation of the behaviour weight (a one-version-old sample's is ~1)."""
+    engine's, and the correction section weights them by pi_prox / pi_behaviour (AReaL's decoupled PPO,
+    ``algo/correction.py``); with correction.level unset it is geometric (token for GRPO), truncated at
+    correction.high. false: such a sample's pi_old is the engine's, and after the first optimizer step GSPO's narrow
+    range clips most of them."""
 
     def __post_init__(self):
         # One value: None or the replayed routing's name. YAML true / false (read as the strings "True" / "False"),
@@ -324,6 +323,38 @@ class AlgoSection:
     def replays_rollout_routing(self) -> bool:
         """Rollout routing replay (R3): both passes replay the experts the engine routed to."""
         return self.routing_replay == "rollout"
+
+
+@dataclass
+class CorrectionSection:
+    """The behaviour weight w_t = pi_old(y_t) / pi_engine(y_t) between the trainer's old policy and the engine's
+    log-probs (training-inference mismatch; stale samples with algo.decoupled_clip), in the loss
+    (``algo/correction.py``, docs/mismatch.md). With rollout.reuse_rollout_logprobs the current policy (detached)
+    stands in for pi_old: verl's bypass mode. Off by default."""
+
+    level: str | None = None
+    """token (w_t), sequence (prod_t w_t) or geometric (exp(mean_t log w_t)); null: no weight."""
+    mode: str = "truncate"
+    """truncate (min(w, high): TIS) or mask (w = 0 outside [low, high]: IcePop; the token stays in the denominator)."""
+    low: float = CORRECTION_LOW
+    """With mode=mask: the lowest weight kept."""
+    high: float = CORRECTION_HIGH
+    """The truncation (mode=truncate) or the highest weight kept (mode=mask)."""
+    rejection: str | None = None
+    """Drop whole sequences (out of the loss and its denominator) by a statistic of their tokens: max (of |log w_t|,
+    or of k3), mean or sum (of log w_t, or of k3 = w_t - 1 - log w_t); null: no rejection by a statistic."""
+    rejection_estimator: str = "k1"
+    """The rejection statistic's per-token term: k1 (log w_t) or k3 (w_t - 1 - log w_t >= 0)."""
+    rejection_low: float | None = None
+    """Reject a sequence whose statistic is below this (e.g. log 0.999 for verl's geometric 0.999_1.001)."""
+    rejection_high: float | None = None
+    """Reject a sequence whose statistic is above this (e.g. log 1.001; 0.01 for verl's K3-RS)."""
+    veto: float | None = None
+    """Reject a sequence holding a token with w_t below this (slime's 1e-4); null: no veto."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.level is not None or self.rejection is not None or self.veto is not None
 
 
 @dataclass
@@ -486,6 +517,7 @@ class Config:
     performance: PerformanceConfig = field(default_factory=PerformanceConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algo: AlgoSection = field(default_factory=AlgoSection)
+    correction: CorrectionSection = field(default_factory=CorrectionSection)
     optimizer: OptimizerSection = field(default_factory=OptimizerSection)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainSection = field(default_factory=TrainSection)
@@ -505,6 +537,18 @@ def runs_old_pass(cfg: Config) -> bool:
     the pass anyway (it records the experts to replay); rollout routing replay does not (the engine's experts
     come with the rollout)."""
     return not cfg.rollout.reuse_rollout_logprobs or cfg.algo.replays_old_routing
+
+
+def correction(cfg: Config):
+    """The loss's ``algo.Correction``: the correction section's, or with algo.decoupled_clip and no level set,
+    the decoupled objective's weight (geometric, per token for GRPO whose ratio is; truncated at correction.high).
+    A bad value raises ValueError naming its field."""
+    from gspo_megatron.algo.correction import Correction
+
+    values = dataclasses.asdict(cfg.correction)
+    if cfg.algo.decoupled_clip and values["level"] is None:
+        values.update(level="token" if cfg.algo.name == "grpo" else "geometric", mode="truncate")
+    return Correction(**values)
 
 
 def measures_volatility(cfg: Config, spec) -> bool:

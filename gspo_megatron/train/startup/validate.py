@@ -7,7 +7,7 @@ import math
 from gspo_megatron.algo import AGGREGATIONS, KL_ESTIMATORS
 from gspo_megatron.environment import transformer_engine_available
 from gspo_megatron.parallel.groups import Layout
-from gspo_megatron.train.startup.config import Config, ConfigError, unknown_names
+from gspo_megatron.train.startup.config import Config, ConfigError, correction, unknown_names
 from gspo_megatron.algo.defaults import ALGORITHMS
 from gspo_megatron.train.startup.performance import check_performance
 from gspo_megatron.train.update.recompute import check_recompute
@@ -309,8 +309,10 @@ def validate(cfg: Config, world_size: int, hf: dict | None = None) -> None:
     if a.decoupled_clip and r.reuse_rollout_logprobs:
         raise ConfigError("algo.decoupled_clip=true clips around the trainer's old-policy pass, but "
                           "rollout.reuse_rollout_logprobs=true takes the engine's log-probs as pi_old: unset one")
-    if not (math.isfinite(a.behaviour_weight_cap) and a.behaviour_weight_cap > 0):
-        raise ConfigError(f"algo.behaviour_weight_cap={a.behaviour_weight_cap} must be finite and > 0")
+    try:  # the correction's own rules (algo.correction.Correction), before anything starts
+        correction(cfg)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     for name in ("kl_coef", "entropy_coef"):
         value = getattr(a, name)
         if not (math.isfinite(value) and value >= 0):

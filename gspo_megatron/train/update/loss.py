@@ -12,13 +12,18 @@ Context parallelism (GSPO): each CP rank holds megatron's load-balanced share of
 partial sums are all-reduced as scalars (``parallel.reductions``), every CP rank computes the same loss, and only CP
 rank 0 counts the sequences (the count is summed over the DP x CP group).
 
+Corrections (``algo.correction``, the config's ``correction`` section): each micro batch's behaviour weights come
+from its ``rollout_logprobs`` (the engine's) and ``old_logprobs`` (or, with ``reuse_rollout_logprobs``, the policy's
+own log-probs, detached) before the loss; a sequence-level weight or rejection reduces its sums over CP ranks as
+the GSPO ratio does, so the fused and unfused loss and every layout see the same whole-sequence weights.
+
 ``LossConfig`` is the loss's configuration; its defaults are the algorithm layer's (``algo.defaults``: the papers'
 clip ranges ``CLIP_RANGES`` and the other constants live there).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -47,6 +52,9 @@ class LossConfig:
     entropy_coef: float = 0.0  # an entropy bonus: loss - entropy_coef * mean entropy (aggregated like the loss)
     temperature: float = 1.0  # the rollout's sampling temperature: log-probs are of logits / temperature
     fused_loss: bool = True  # the loss inside the output layer's op (ops.sequence_loss); False: log-probs, then loss
+    correction: algo.Correction = field(default_factory=algo.Correction)  # the behaviour weight (off by default)
+    # pi_old is the engine's (rollout.reuse_rollout_logprobs): the correction weighs the current policy against it
+    reuse_rollout_logprobs: bool = False
 
     def __post_init__(self):
         if self.name not in ALGORITHMS:
@@ -87,11 +95,39 @@ def token_logprobs(output_tensor: torch.Tensor, captured, labels: torch.Tensor, 
     return (out[0].t(), out[1].t()) if with_entropy else out.t()
 
 
+def _corrected(cfg: LossConfig, batch: dict, logprobs: torch.Tensor, cp_group) -> tuple[dict, torch.Tensor]:
+    """The micro batch with the correction's weights folded into its advantages and its rejected sequences out of
+    its loss mask (``algo.correction``), and the correction's per-sequence stats [b, len(CORRECTION_STATS)] (zeros
+    without one); whole-sequence sums are reduced over ``cp_group``."""
+    mask = batch["loss_mask"]
+    if not cfg.correction.enabled:
+        return batch, logprobs.new_zeros(mask.shape[0], len(algo.CORRECTION_STATS), dtype=torch.float32)
+    target = logprobs.detach() if cfg.reuse_rollout_logprobs else batch["old_logprobs"]
+    log_weight = algo.log_weights(target, batch["rollout_logprobs"], mask)
+    sums = algo.weight_sums(log_weight, mask, cfg.max_log_ratio)
+    sums = all_reduce_sequence_stats(sums, _indices(algo.correction.WEIGHT_SUMS, algo.correction.WEIGHT_MAX_SUMS),
+                                     cp_group)
+    terms = algo.correction_weights(log_weight, sums, mask, cfg.correction, cfg.max_log_ratio)
+    sequence_weight = None
+    if cfg.name == "gspo":  # the sequence term takes the token mean of the weights over the whole sequence
+        weight_sum = all_reduce_sequence_stats(terms.weights.sum(dim=-1, keepdim=True), (), cp_group)[:, 0]
+        sequence_weight = weight_sum / sums[:, 0].clamp(min=1)
+    advantages = _token_advantages(batch) if cfg.name == "gspo_token" else batch["advantages"]
+    corrected = dict(batch, advantages=algo.corrected_advantages(advantages, terms.weights, sequence_weight),
+                     loss_mask=mask & terms.keep.unsqueeze(-1))
+    return corrected, algo.correction_stats(terms, mask).float()
+
+
+def _indices(names: tuple[str, ...], chosen: tuple[str, ...]) -> tuple[int, ...]:
+    return tuple(names.index(name) for name in chosen)
+
+
 def _loss_terms(loss_config: LossConfig, batch: dict, logprobs: torch.Tensor):
-    """(loss summed over this micro batch's units, number of units, per-sequence stats [b, len(SEQUENCE_STATS)])
+    """(loss summed over this micro batch's units, number of units, per-sequence stats [b, len(LOSS_STATS)])
     for one micro batch (or a chunk of its sequences)."""
     _, cp_group, ps = megatron_groups()
     cfg = loss_config
+    batch, correction_stats = _corrected(cfg, batch, logprobs, cp_group)
     mask, old = batch["loss_mask"], batch["old_logprobs"]
     ref = batch.get("ref_logprobs")
     kl = dict(ref_logprobs=ref, kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator)
@@ -128,8 +164,9 @@ def _loss_terms(loss_config: LossConfig, batch: dict, logprobs: torch.Tensor):
         loss, clipped = terms.loss, (terms.clipped_low, terms.clipped_high)
         units = mask.sum() if per_token else mask.any(dim=-1).sum()
     stats = algo.sequence_stats(logprobs, old, mask, *clipped, max_log_ratio=cfg.max_log_ratio).float()
+    stats = torch.cat([stats, correction_stats.to(stats.device)], dim=-1)
     if cp > 1:  # this rank's columns are partial sums over its slice of each sequence
-        max_columns = tuple(algo.SEQUENCE_STATS.index(name) for name in algo.metrics.MAX_STATS)
+        max_columns = _indices(algo.metrics.LOSS_STATS, algo.metrics.MAX_STATS + algo.correction.CORRECTION_MAX_STATS)
         stats = all_reduce_sequence_stats(stats, max_columns, cp_group)
     return loss, units, stats
 

@@ -39,7 +39,7 @@ def old_logprobs(policy, batch: dict, rows: list[torch.Tensor], cfg: Config, los
     rollout-vs-trainer mismatch over the whole batch (under rollout routing replay, with the engine's experts
     replayed). Rows of ``batch["stale"]`` (sampled by older weights than the policy's: ``rollout.mode`` one_step_off
     or async, partial rollouts) take the engine's log-probs, their behaviour policy's, or with algo.decoupled_clip
-    keep this pass's and have their advantages weighted (``_weight_stale``). Returns this rank's ``old_routing``
+    keep this pass's (the loss's correction weighs them: ``algo.correction``). Returns this rank's ``old_routing``
     record when Routing Replay (all its rows, in the order of ``rows``) or expert volatility (the second
     minibatch's rows) needs it, else None."""
     if not runs_old_pass(cfg):
@@ -55,34 +55,17 @@ def old_logprobs(policy, batch: dict, rows: list[torch.Tensor], cfg: Config, los
     mask = batch["loss_mask"]
     # The policy's entropy per response token: a collapsing policy stops exploring (and learning).
     metrics["entropy"] = float(all_rows(trainer["entropy"], total, cfg)[mask].mean()) if mask.any() else 0.0
-    metrics.update(algo.mismatch_metrics(algo.sequence_stats(trainer_logprobs, batch["rollout_logprobs"], mask)))
+    metrics.update(algo.mismatch_metrics(algo.sequence_stats(trainer_logprobs, batch["rollout_logprobs"], mask),
+                                         (loss_config.eps_low, loss_config.eps_high)))
     batch["old_logprobs"] = batch["rollout_logprobs"] if cfg.rollout.reuse_rollout_logprobs else trainer_logprobs
     stale = batch.get("stale")
-    if stale is not None and stale.any():
-        if cfg.algo.decoupled_clip:  # clipped around this pass (the proximal policy), weighted by the engine's
-            _weight_stale(batch, trainer_logprobs, stale, cfg, metrics)
-        else:
-            batch["old_logprobs"] = torch.where(stale.unsqueeze(1), batch["rollout_logprobs"], batch["old_logprobs"])
+    if stale is not None and stale.any() and not cfg.algo.decoupled_clip:
+        # With decoupled_clip they keep this pass (the proximal policy) and the correction weighs them.
+        batch["old_logprobs"] = torch.where(stale.unsqueeze(1), batch["rollout_logprobs"], batch["old_logprobs"])
     if record and not cfg.algo.replays_old_routing:  # volatility compares the second minibatch's rows only
         first = rows[0].numel()
         return trainer["old_routing"][first:first + rows[1].numel()].clone()
     return trainer.get("old_routing")
-
-
-def _weight_stale(batch: dict, prox_logprobs: torch.Tensor, stale: torch.Tensor, cfg: Config,
-                  metrics: dict) -> None:
-    """algo.decoupled_clip: the stale rows' advantages times min(pi_prox / pi_behaviour, cap) (``algo.decoupled``;
-    per token for GRPO, whose ratio is), and the weights' range and capped share over those rows' responses."""
-    mask = batch["loss_mask"]
-    per_token = cfg.algo.name == "grpo"
-    weights = algo.behaviour_weights(prox_logprobs, batch["rollout_logprobs"], mask, per_token=per_token,
-                                     cap=cfg.algo.behaviour_weight_cap)
-    batch["advantages"] = algo.decoupled_advantages(batch["advantages"], weights, stale)
-    held = (mask & stale.unsqueeze(1)) if per_token else (stale & mask.any(dim=1))
-    if held.any():
-        held_weights = weights[held]
-        metrics.update(behaviour_weight_min=float(held_weights.min()), behaviour_weight_max=float(held_weights.max()),
-                       behaviour_weight_capped=float((held_weights >= cfg.algo.behaviour_weight_cap).float().mean()))
 
 
 def reference_logprobs(reference, batch: dict, rows: list[torch.Tensor], cfg: Config, loss_config: LossConfig,
@@ -141,8 +124,11 @@ def update(policy, batch: dict, rows: list[torch.Tensor], old_routing, cfg: Conf
         if m == 0 and not runs_old_pass(cfg):
             # pi_old is the engine's and the weights are still the rollout's: the first minibatch's ratios are the
             # rollout-vs-trainer mismatch (over its sequences), measured without an old-policy pass.
-            metrics.update(algo.mismatch_metrics(out["stats"]))
+            metrics.update(algo.mismatch_metrics(out["stats"][:, :len(algo.SEQUENCE_STATS)],
+                                                 (loss_config.eps_low, loss_config.eps_high)))
     metrics.update(algo.update_metrics(torch.cat(stats), loss_config.unit, loss_config.max_log_ratio))
+    if loss_config.correction.enabled:
+        metrics.update(algo.correction_metrics(torch.cat(stats)))
     metrics.update(loss=sum(losses) / len(losses), grad_norm=sum(norms) / len(norms) if norms else float("nan"),
                    skipped_updates=float(skipped), padding_frac=_padding_fraction(positions))
     return metrics

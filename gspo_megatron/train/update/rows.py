@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from gspo_megatron import environment
 from gspo_megatron.parallel import packing
-from gspo_megatron.train.startup.config import Config
+from gspo_megatron.train.startup.config import Config, correction
 
 
 def row_plan(total: int, cfg: Config) -> list[torch.Tensor]:
@@ -55,11 +55,14 @@ def micro_batches(batch: dict, rows: torch.Tensor, cfg: Config, old_routing: tor
                   parts: list[torch.Tensor] | None = None, with_rollout_routing: bool = True) -> list[dict]:
     """``rows`` of the batch as micro batches (``micro_batch_rows``, or ``parts`` already planned); ``old_routing``
     (this rank's old-policy record for exactly these rows, in their order) goes in as ``old_routing`` (replayed or
-    compared: ``update_step``'s ``replay_old_routing``). Each carries ``seq_lengths`` (packed rows hold those
+    compared: ``update_step``'s ``replay_old_routing``), and with a correction the engine's ``rollout_logprobs``. Each
+    carries ``seq_lengths`` (packed rows hold those
     tokens). With rollout routing replay (and ``with_rollout_routing``) the batch's ``rollout_routing`` goes in too:
     the engine's experts."""
     keys = [k for k in ("input_ids", "labels", "loss_mask", "old_logprobs", "ref_logprobs", "advantages")
             if k in batch]
+    if correction(cfg).enabled:  # the loss's behaviour weights need the engine's log-probs
+        keys.append("rollout_logprobs")
     if with_rollout_routing and cfg.algo.replays_rollout_routing:
         if "rollout_routing" not in batch:
             raise ValueError("algo.routing_replay=rollout but the rollout batch has no rollout_routing: the "

@@ -114,7 +114,7 @@ def update_step(model, optimizer, micro_batches: list[dict], loss_config: LossCo
     routing replay).
 
     Returns, on every rank (CPU tensors): ``loss`` (the minibatch's mean loss per unit, over all DP ranks),
-    ``stats`` [N, len(algo.SEQUENCE_STATS)] for every sequence of the minibatch (gathered over DP ranks in
+    ``stats`` [N, len(algo.metrics.LOSS_STATS)] for every sequence of the minibatch (gathered over DP ranks in
     rank order: ``algo.update_metrics`` turns them into the logged metrics), ``seq_log_ratio`` and ``valid`` [N]
     from them, ``grad_norm``, ``update_successful``, ``token_positions`` (this rank's ``computed_positions``), and
     with ``old_routing`` compared, ``routing_changes`` [changed, decisions] summed over all ranks. If any rank's loss or

@@ -108,7 +108,11 @@ def test_bad_fields_are_named(overrides, message):
          r"rollout.filter_zero_variance_groups"),
         (["algo.decoupled_clip=true", "rollout.reuse_rollout_logprobs=true"], 1, None,
          r"algo.decoupled_clip=true clips around the trainer's old-policy pass"),
-        (["algo.behaviour_weight_cap=0"], 1, None, r"algo.behaviour_weight_cap=0.* must be finite and > 0"),
+        # the rollout correction (algo/correction.py)
+        (["correction.high=0"], 1, None, r"correction.low=0.5 and correction.high=0"),
+        (["correction.level=tokens"], 1, None, r"correction.level='tokens' is not one of"),
+        (["correction.rejection=mean"], 1, None, r"correction.rejection='mean' needs correction.rejection_low"),
+        (["correction.veto=2"], 1, None, r"correction.veto=2.0 must lie in \(0, 1\)"),
         # partial rollouts (train/sampling/partial_rollouts.py)
         (["rollout.partial_chunk_tokens=0"], 1, None, r"rollout.partial_chunk_tokens=0"),
         (["rollout.partial_chunk_tokens=2", "rollout.partial_mask=old"], 1, None, r"rollout.partial_mask='old'"),
@@ -130,7 +134,8 @@ def test_incompatibilities_name_the_field(overrides, world, hf, message):
     ["rollout.mode=one_step_off", "rollout.engine=local"],
     ["rollout.mode=async", "rollout.max_staleness=3", "algo.routing_replay=rollout"],
     ["rollout.partial_chunk_tokens=2", "rollout.partial_mask=old_tokens"],
-    ["rollout.mode=async", "algo.decoupled_clip=true", "algo.behaviour_weight_cap=5"],
+    ["rollout.mode=async", "algo.decoupled_clip=true", "correction.high=5"],
+    ["rollout.reuse_rollout_logprobs=true", "correction.rejection=mean", "correction.rejection_high=1e-3"],
     ["rollout.partial_chunk_tokens=2", "algo.decoupled_clip=true", "algo.name=grpo"],
 ])
 def test_rollout_modes_that_combine(overrides):

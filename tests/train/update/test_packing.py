@@ -5,8 +5,9 @@ mask path), the same rollout of 8 sequences of 5-16 tokens (garbage after each s
 attention keeps out of the padded path) in micro batches of 2, padded and packed, on the same weights:
 the log-prob pass (log-probs and entropies on every real position, sequence sums), a GSPO update (loss,
 per-sequence stats, every gradient, gradient norm), GRPO + Routing Replay of experts recorded (packed, and padded)
-under drifted routers, GRPO + rollout routing replay of an engine's routes (packed with the tokens), and expert
-volatility (the update's routing against that record). At world=1 and in one
+under drifted routers, GRPO + rollout routing replay of an engine's routes (packed with the tokens), expert
+volatility (the update's routing against that record), and GSPO with a rollout correction (geometric weights
+truncated, rejection by max |log w|: whole-sequence sums of the unpacked rows, reduced over CP ranks). At world=1 and in one
 2-rank launch: TP2 + SP, PP2, EP2. Tolerances: RoPE runs over the packed row's positions, so queries and keys
 rotate by different angles than padded (relative positions, hence scores, equal up to rounding): log-probs 2e-5
 absolute (fp32, values ~5), loss 1e-6 absolute (a mean of advantage-weighted ratios ~1 that nearly cancel),
@@ -17,7 +18,7 @@ Through the trainer (``train.update.passes``, the policy built from a tiny HF Qw
 then PP2, 2 minibatches at lr 0): padded rows, packed rows (DP2), and packed token-budget micro batches
 (``parallel.max_tokens_per_micro_batch``: other groupings than the fixed split, the count agreed over DP ranks) give
 the same old-policy pass, loss, gradient norm, update metrics and the second minibatch's gradients, for GSPO (with expert
-volatility) and GRPO + Routing Replay: the per-sequence normalisation is exact for token-budget splits too (1e-5
+volatility) and GRPO + Routing Replay, each with a rollout correction (geometric, token): the per-sequence normalisation is exact for token-budget splits too (1e-5
 relative). Under PP2 rank 0 also gathers every stage's HF tensors (``train.weight_sync.pipeline.pipeline_gathered``).
 """
 
@@ -26,7 +27,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gspo_megatron.algo import group_advantages
+from gspo_megatron.algo import Correction, correction_metrics, group_advantages
 from gspo_megatron.parallel import packing
 from gspo_megatron.parallel.groups import Layout
 from gspo_megatron.parallel.launch import run_on_ranks
@@ -42,6 +43,8 @@ GSPO = LossConfig(eps_low=3e-4, eps_high=4e-4)
 GRPO = LossConfig(name="grpo", eps_low=1e-3, eps_high=1e-3)
 # Under context parallelism only GSPO's terms reduce over CP ranks: the replay cases run it, with GRPO's clipping.
 GSPO_REPLAY = LossConfig(eps_low=1e-3, eps_high=1e-3)
+GSPO_CORRECTED = LossConfig(eps_low=3e-4, eps_high=4e-4, correction=Correction(level="geometric", high=1.01,
+                                                                               rejection="max", rejection_high=0.12))
 
 
 def test_pack_and_unpack():
@@ -138,6 +141,9 @@ def compare(cases) -> dict:
         old = torch.zeros_like(noise)
         old[rows] = passes[False]["logprobs"].cpu()
         batch = dict(rollout, old_logprobs=old + noise)
+        # the engine's log-probs: pi_old's plus a bf16-sized gap
+        gap = 0.05 * torch.randn(noise.shape, generator=torch.Generator().manual_seed(6))
+        batch["rollout_logprobs"] = batch["old_logprobs"] + gap
 
         def step(cfg, pack, routing=None, key="old_routing", replay_old_routing=False):
             out = update_step(ddp, optimizer, micro_batches(batch, first, per_dp, routing, key), cfg, pack=pack,
@@ -152,6 +158,9 @@ def compare(cases) -> dict:
                     "grad_norm": abs(out_a["grad_norm"] - out_b["grad_norm"]) / out_b["grad_norm"]}
 
         r["gspo"] = diff(step(GSPO, True), step(GSPO, False))
+        corrected = {pack: step(GSPO_CORRECTED, pack) for pack in (False, True)}
+        r["corrected"] = diff(corrected[True], corrected[False])
+        r["corrected_metrics"] = correction_metrics(corrected[True][0]["stats"])
         drifted = {pack: _drifted_routing(ddp, batch, first, per_dp, pack) for pack in (False, True)}
         replay_algo = GRPO if layout.context == 1 else GSPO_REPLAY
         free = step(replay_algo, False)
@@ -176,7 +185,10 @@ def _check(results, cases):
         for name, _ in cases:
             r, where = res[name], f"{name} rank {rank}"
             assert r["pass"] <= LOGPROB_ATOL and r["pass_sums"] <= LOGPROB_ATOL, (where, r)
-            for key in ("gspo", "replay", "r3"):
+            m = r["corrected_metrics"]  # the correction acts on some of the batch, not all of it
+            assert 0 < m["correction_truncated_tokens"] + m["correction_rejected_tokens"], (where, m)
+            assert m["correction_rejected_seqs"] < 1, (where, m)
+            for key in ("gspo", "replay", "r3", "corrected"):
                 d = r[key]
                 assert d["loss"] <= LOSS_ATOL and d["grad_norm"] <= RTOL, (where, key, d)
                 assert d["stats"] <= LOGPROB_ATOL and d["grads"] <= GRAD_RTOL, (where, key, d)
@@ -234,7 +246,10 @@ PHASE_CASES = {
     # the ranks); PP2's 4-row minibatches split by tokens, not by 2 rows
     "budget": ["parallel.pack_sequences=true", "parallel.max_tokens_per_micro_batch=150"],
 }
-ALGOS = {"gspo": [], "grpo_replay": ["algo.name=grpo", "algo.routing_replay=old"]}
+# Each with a rollout correction against the synthetic rollout's engine log-probs (far from the policy's: the weights
+# are small, truncation changes nothing, the weighting does).
+ALGOS = {"gspo": ["correction.level=geometric"],
+         "grpo_replay": ["algo.name=grpo", "algo.routing_replay=old", "correction.level=token"]}
 
 
 PHASE_LAYOUTS = {"dp2": [], "pp2": ["parallel.pipeline=2"]}
