@@ -197,8 +197,14 @@ def quantized_stream(named_tensors: Iterable[tuple[str, torch.Tensor]], scheme: 
 
 
 def quantized_config(config: dict, scheme: Fp8Scheme) -> dict:
-    """config.json for weights quantized by ``scheme``: the original with its ``quantization_config``."""
-    return {**config, "quantization_config": scheme.quantization_config(int(config["num_hidden_layers"]))}
+    """config.json for weights quantized by ``scheme``: the original with its ``quantization_config``. MTP layers
+    (DeepSeek-V3's ``num_nextn_predict_layers``, after the last decoder layer) are carried unquantized, so they are
+    listed as kept too."""
+    layers = int(config["num_hidden_layers"])
+    quant = scheme.quantization_config(layers)
+    mtp = int(config.get("num_nextn_predict_layers") or 0)
+    quant["modules_to_not_convert"] += [f"model.layers.{i}" for i in range(layers, layers + mtp)]
+    return {**config, "quantization_config": quant}
 
 
 def dequantized_config(config: dict) -> dict:
