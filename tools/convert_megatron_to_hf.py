@@ -42,16 +42,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def fp8_scheme(args: argparse.Namespace):
-    """The --fp8 options as an ``Fp8Scheme`` (None without --fp8); a bad value is a ValueError naming the option."""
+def fp8_block(args: argparse.Namespace) -> tuple[int, int] | None:
+    """--fp8-block-size as (rows, cols) with --fp8, else None; a bad value is a ValueError naming the option."""
     if not args.fp8:
         return None
-    from gspo_megatron.model.fp8 import Fp8Scheme
-
     sizes = args.fp8_block_size.split(",")
-    if len(sizes) != 2 or not all(s.strip().isdigit() for s in sizes):
+    if len(sizes) != 2 or not all(s.strip().isdigit() and int(s) > 0 for s in sizes):
         raise ValueError(f"--fp8-block-size={args.fp8_block_size!r} must be two integers 'rows,cols', e.g. 128,128")
-    return Fp8Scheme(block=tuple(int(s) for s in sizes), keep_layers=args.fp8_keep_layers)
+    if args.fp8_keep_layers < 0:
+        raise ValueError(f"--fp8-keep-layers={args.fp8_keep_layers} must be >= 0")
+    return int(sizes[0]), int(sizes[1])
 
 
 def main(argv=None) -> int:
@@ -63,9 +63,10 @@ def main(argv=None) -> int:
         from gspo_megatron.model.convert import megatron_to_hf
         from gspo_megatron.model.hf_files import parse_size
 
-        scheme = fp8_scheme(args)  # before anything is built
+        block = fp8_block(args)  # before anything is built
         megatron_to_hf(args.megatron_dir, args.out, args.hf_config, layout_from_args(args),
-                       max_shard_bytes=parse_size(args.max_shard_size), fp8_scheme=scheme)
+                       max_shard_bytes=parse_size(args.max_shard_size), fp8_block=block,
+                       fp8_keep_layers=args.fp8_keep_layers)
 
     return exit_status("convert_megatron_to_hf", convert)
 

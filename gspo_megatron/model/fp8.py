@@ -25,6 +25,7 @@ import functools
 import math
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterable, Iterator
 
 import torch
@@ -147,10 +148,12 @@ KEPT_OUTSIDE_LAYERS = ("lm_head", "model.embed_tokens")
 
 @dataclass(frozen=True)
 class Fp8Scheme:
-    """Which Hugging Face tensors become block-FP8 and how: every 2-D ``model.layers.<i>.*.weight`` of a decoder
-    layer but the routers (``KEPT_MODULES``) and the first and last ``keep_layers`` layers, in ``block`` blocks.
-    Embeddings, ``lm_head``, norms, biases and MTP layers (indices from ``num_layers`` on) stay as they are."""
+    """Which Hugging Face tensors of a model of ``num_layers`` decoder layers become block-FP8, and how: every 2-D
+    ``model.layers.<i>.*.weight`` of a decoder layer but the routers (``KEPT_MODULES``) and the first and last
+    ``keep_layers`` layers, in ``block`` blocks. Embeddings, ``lm_head``, norms, biases and MTP layers (indices from
+    ``num_layers`` on) stay as they are."""
 
+    num_layers: int
     block: tuple[int, int] = DEFAULT_BLOCK
     keep_layers: int = 0
 
@@ -161,34 +164,42 @@ class Fp8Scheme:
             raise ValueError(f"fp8 keep_layers={self.keep_layers} must be >= 0")
         object.__setattr__(self, "block", tuple(int(b) for b in self.block))
 
-    def kept_layers(self, num_layers: int) -> list[int]:
-        k = min(self.keep_layers, num_layers)
-        return sorted(set(range(k)) | set(range(num_layers - k, num_layers)))
+    @property
+    def kept_layers(self) -> list[int]:
+        k = min(self.keep_layers, self.num_layers)
+        return sorted(set(range(k)) | set(range(self.num_layers - k, self.num_layers)))
 
-    def quantizes(self, name: str, shape, num_layers: int) -> bool:
+    def quantizes(self, name: str, shape) -> bool:
         match = _LAYER_WEIGHT.match(name)
         if match is None or len(shape) != 2:
             return False
         layer, module = int(match[1]), match[2]
-        if layer >= num_layers or layer in self.kept_layers(num_layers):
+        if layer >= self.num_layers or layer in self.kept_layers:
             return False
         return not any(module == m or module.endswith("." + m) for m in KEPT_MODULES)
 
-    def quantization_config(self, num_layers: int) -> dict:
+    def quantization_config(self, mtp_layers: int = 0) -> dict:
         """config.json's ``quantization_config`` of weights quantized so: what SGLang's ``Fp8Config`` and
-        transformers read (``modules_to_not_convert``: module paths built unquantized)."""
-        kept = [*KEPT_OUTSIDE_LAYERS, *KEPT_MODULES, *(f"model.layers.{i}" for i in self.kept_layers(num_layers))]
+        transformers read (``modules_to_not_convert``: module paths built unquantized; ``mtp_layers`` MTP layers
+        after the last decoder layer, carried unquantized, among them)."""
+        layers = [*self.kept_layers, *range(self.num_layers, self.num_layers + mtp_layers)]
+        kept = [*KEPT_OUTSIDE_LAYERS, *KEPT_MODULES, *(f"model.layers.{i}" for i in layers)]
         return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                 "weight_block_size": list(self.block), "modules_to_not_convert": kept}
 
+    def config(self, config: dict) -> dict:
+        """The model's config.json for weights quantized so: with this ``quantization_config``."""
+        mtp = int(config.get("num_nextn_predict_layers") or 0)
+        return {**config, "quantization_config": self.quantization_config(mtp)}
 
-def quantized_stream(named_tensors: Iterable[tuple[str, torch.Tensor]], scheme: Fp8Scheme, num_layers: int
+
+def quantized_stream(named_tensors: Iterable[tuple[str, torch.Tensor]], scheme: Fp8Scheme
                      ) -> Iterator[tuple[str, torch.Tensor]]:
     """``named_tensors`` with each weight ``scheme`` quantizes replaced by its ``{name}_scale_inv`` (fp32) and then
     the float8_e4m3fn weight, as it streams: one tensor's quantization alive at a time. The scale comes first so
     that the fp8 bytes (1-byte aligned) follow the 4-byte scales in a packed bucket without padding."""
     for name, tensor in named_tensors:
-        if scheme.quantizes(name, tuple(tensor.shape), num_layers):
+        if scheme.quantizes(name, tuple(tensor.shape)):
             weight, scale_inv = quantize(tensor.detach(), scheme.block)
             yield name + SCALE_SUFFIX, scale_inv
             yield name, weight
@@ -196,15 +207,35 @@ def quantized_stream(named_tensors: Iterable[tuple[str, torch.Tensor]], scheme: 
             yield name, tensor
 
 
-def quantized_config(config: dict, scheme: Fp8Scheme) -> dict:
-    """config.json for weights quantized by ``scheme``: the original with its ``quantization_config``. MTP layers
-    (DeepSeek-V3's ``num_nextn_predict_layers``, after the last decoder layer) are carried unquantized, so they are
-    listed as kept too."""
-    layers = int(config["num_hidden_layers"])
-    quant = scheme.quantization_config(layers)
-    mtp = int(config.get("num_nextn_predict_layers") or 0)
-    quant["modules_to_not_convert"] += [f"model.layers.{i}" for i in range(layers, layers + mtp)]
-    return {**config, "quantization_config": quant}
+def write_quantized_dir(hf_dir: str | Path, out: str | Path, scheme: Fp8Scheme,
+                        max_shard_bytes: int = 5 * 10**9) -> Path:
+    """A block-FP8 copy of the Hugging Face directory ``hf_dir`` at ``out`` (what servers of FP8 rollouts start
+    from: the weights ``scheme`` names quantized tensor by tensor, config.json with its ``quantization_config`` and
+    the fields SGLang reads (``hf_config.serving_config``), the tokenizer files). ``hf_dir`` may itself be FP8
+    (dequantized on read, then quantized by ``scheme``). Written beside ``out`` and renamed into place."""
+    import json
+    import shutil
+    import tempfile
+
+    from .hf_config import serving_config
+    from .hf_files import copy_hf_metadata, open_hf_dir, write_safetensors
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        source = open_hf_dir(hf_dir)
+        write_safetensors(quantized_stream(((n, source.read(n)) for n in source.shapes()), scheme), tmp,
+                          max_shard_bytes)
+        copy_hf_metadata(hf_dir, tmp)
+        config = json.loads((tmp / "config.json").read_text())
+        config = scheme.config(serving_config(dequantized_config(config) if block_size(config) else config))
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
 
 
 def dequantized_config(config: dict) -> dict:

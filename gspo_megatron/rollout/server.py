@@ -22,6 +22,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -314,6 +315,7 @@ def start_servers(config: SGLangConfig, keep: bool = False) -> list[ServerProces
     """
     log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix="gspo_sglang_"))
     log_dir.mkdir(parents=True, exist_ok=True)
+    config = replace(config, model_path=serving_model_dir(config, log_dir))
     servers: list[ServerProcess] = []
     try:
         for i, gpus in enumerate(config.gpu_groups):
@@ -327,6 +329,24 @@ def start_servers(config: SGLangConfig, keep: bool = False) -> list[ServerProces
             server.shutdown()
         raise
     return servers
+
+
+def serving_model_dir(config: SGLangConfig, log_dir: Path) -> str:
+    """The model directory launched servers load: ``config.model_path``, or for FP8 rollouts
+    (``weight_sync.fp8``) its block-FP8 copy under ``log_dir`` (written once, ``fp8.write_quantized_dir``), so that
+    SGLang builds FP8 layers (its ``Fp8Config`` from the copy's ``quantization_config``) into which every weight
+    sync then loads FP8 tensors."""
+    scheme = config.weight_sync.fp8
+    if scheme is None:
+        return config.model_path
+    out = log_dir / "fp8_model"
+    if not (out / "config.json").is_file():
+        from gspo_megatron.model.fp8 import write_quantized_dir
+
+        started = time.perf_counter()
+        write_quantized_dir(config.model_path, out, scheme)
+        log.info("FP8 copy of %s for the servers: %s (%.1f s)", config.model_path, out, time.perf_counter() - started)
+    return str(out)
 
 
 def wait_all_ready(servers: list[ServerProcess], timeout: float, stop: Stop = None) -> None:

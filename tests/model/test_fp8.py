@@ -95,14 +95,13 @@ def test_fp8_weights_read_as_their_dequantized_reference(fp8_models):
 
 def _convert_and_score(quantized: str, dequantized: str, megatron_dir: str, back: str, back_fp8: str) -> dict:
     from gspo_megatron.model.convert import hf_to_megatron, megatron_to_hf
-    from gspo_megatron.model.fp8 import Fp8Scheme
     from gspo_megatron.parallel.groups import Layout
     from gspo_megatron.score import score_on_this_rank
     from tests.model.rank_checks import score_records_for_tests
 
     hf_to_megatron(quantized, megatron_dir, Layout())
     megatron_to_hf(megatron_dir, back, None, Layout())
-    megatron_to_hf(megatron_dir, back_fp8, None, Layout(), fp8_scheme=Fp8Scheme(block=BLOCK))
+    megatron_to_hf(megatron_dir, back_fp8, None, Layout(), fp8_block=BLOCK)
     records = score_records_for_tests(read_hf_config(quantized).vocab_size)
     # score reads the FP8 export through the loader every command uses (model.hf_files.open_hf_dir); the score
     # command's pre-flight refused FP8 directories when this was written (issue 35), hence the function.
@@ -135,12 +134,11 @@ def _fp8_export_checks(export: Path, plain: Path, keep_layers: int) -> dict:
     one; config.json carries the scheme's quantization_config. Returns {name: (fp8, scale)}."""
     from gspo_megatron.model.fp8 import Fp8Scheme, quantize_reference
 
-    scheme, raw, bf16 = Fp8Scheme(block=BLOCK, keep_layers=keep_layers), SafetensorsDir(export), SafetensorsDir(plain)
+    raw, bf16 = SafetensorsDir(export), SafetensorsDir(plain)
     config = json.loads((export / "config.json").read_text())
-    layers = config["num_hidden_layers"]
-    assert config["quantization_config"] == {**scheme.quantization_config(layers), "modules_to_not_convert": [
-        *scheme.quantization_config(layers)["modules_to_not_convert"], f"model.layers.{layers}"]}  # + the MTP layer
-    quantized = {n for n, shape in bf16.shapes().items() if scheme.quantizes(n, shape, layers)}
+    scheme = Fp8Scheme(config["num_hidden_layers"], BLOCK, keep_layers)
+    assert config["quantization_config"] == scheme.quantization_config(mtp_layers=1)  # the tiny model's MTP layer
+    quantized = {n for n, shape in bf16.shapes().items() if scheme.quantizes(n, shape)}
     assert set(raw.shapes()) == set(bf16.shapes()) | {n + "_scale_inv" for n in quantized}
     out = {}
     for name in bf16.shapes():
@@ -157,7 +155,7 @@ def _fp8_export_checks(export: Path, plain: Path, keep_layers: int) -> dict:
 
 @pytest.mark.megatron
 def test_fp8_export_round_trips_and_scores_as_transformers_on_its_dequantized_weights(fp8_models, tmp_path):
-    """``megatron_to_hf(..., fp8_scheme)`` of the FP8 checkpoint converted to Megatron (bf16 there): FP8 ->
+    """``megatron_to_hf(..., fp8_block)`` of the FP8 checkpoint converted to Megatron (bf16 there): FP8 ->
     dequantized -> FP8 equals the quantizer's reference of the dequantized weights, and ``score`` on the export
     equals transformers (fp32, eager) on the export's dequantized weights to 1e-4 on each record's sum (as
     tests/tools/test_score.py). The command line (``--fp8 --fp8-block-size 16,12 --fp8-keep-layers 1``) writes the

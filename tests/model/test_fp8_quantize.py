@@ -83,8 +83,7 @@ def test_triton_kernel_equals_the_reference_bit_for_bit(shape, block, dtype):
 
 
 def test_scheme_quantizes_the_decoder_linear_weights_only():
-    scheme = fp8.Fp8Scheme(keep_layers=1)
-    layers = 4
+    scheme = fp8.Fp8Scheme(4, keep_layers=1)
     quantized = [
         "model.layers.1.self_attn.q_proj.weight", "model.layers.2.mlp.experts.3.down_proj.weight",
         "model.layers.1.self_attn.kv_a_proj_with_mqa.weight", "model.layers.2.mlp.shared_experts.gate_proj.weight",
@@ -96,12 +95,12 @@ def test_scheme_quantizes_the_decoder_linear_weights_only():
         "model.layers.1.self_attn.q_proj.bias", "model.layers.4.eh_proj.weight",  # a bias; an MTP layer
     ]
     for name in quantized:
-        assert scheme.quantizes(name, (256, 128), layers), name
+        assert scheme.quantizes(name, (256, 128)), name
     for name in kept:
         one_dim = name.endswith(("norm.weight", "bias"))  # norms and biases are 1-D: not linear weights
-        assert not scheme.quantizes(name, (256,) if one_dim else (256, 128), layers), name
-    assert fp8.Fp8Scheme().quantizes("model.layers.0.self_attn.q_proj.weight", (256, 128), layers)
-    config = scheme.quantization_config(layers)
+        assert not scheme.quantizes(name, (256,) if one_dim else (256, 128)), name
+    assert fp8.Fp8Scheme(4).quantizes("model.layers.0.self_attn.q_proj.weight", (256, 128))
+    config = scheme.quantization_config()
     assert config["quant_method"] == "fp8" and config["fmt"] == "e4m3"
     assert config["weight_block_size"] == [128, 128] and config["activation_scheme"] == "dynamic"
     kept = config["modules_to_not_convert"]
@@ -111,12 +110,12 @@ def test_scheme_quantizes_the_decoder_linear_weights_only():
 
 
 def test_quantized_stream_puts_each_scale_before_its_weight():
-    scheme = fp8.Fp8Scheme(block=(16, 16))
+    scheme = fp8.Fp8Scheme(1, block=(16, 16))
     g = torch.Generator().manual_seed(0)
     stream = [("model.embed_tokens.weight", torch.randn(40, 16, generator=g)),
               ("model.layers.0.self_attn.o_proj.weight", torch.randn(33, 16, generator=g)),
               ("model.layers.0.input_layernorm.weight", torch.ones(16))]
-    out = list(fp8.quantized_stream(stream, scheme, num_layers=1))
+    out = list(fp8.quantized_stream(stream, scheme))
     names = [n for n, _ in out]
     assert names == ["model.embed_tokens.weight", "model.layers.0.self_attn.o_proj.weight_scale_inv",
                      "model.layers.0.self_attn.o_proj.weight", "model.layers.0.input_layernorm.weight"]

@@ -57,12 +57,26 @@ def sglang_config(cfg: Config, hf_dir: str | Path):
         model_path=str(hf_dir),
         urls=tuple(cfg.rollout.urls),
         request_timeout_s=cfg.rollout.timeout_s,
-        weight_sync=WeightSyncConfig(method=cfg.rollout.weight_sync, master_address=cfg.rollout.weight_sync_address),
+        weight_sync=WeightSyncConfig(method=cfg.rollout.weight_sync, master_address=cfg.rollout.weight_sync_address,
+                                     fp8=fp8_scheme(cfg, hf_dir)),
         **server_args,
     )
     if cfg.rollout.colocate:  # servers on the trainer's GPUs, weights as tensor handles (sampling/colocate.py)
         config = replace(config, colocate=True, weight_sync=replace(config.weight_sync, method="tensor"))
     return config
+
+
+def fp8_scheme(cfg: Config, hf_dir: str | Path):
+    """``rollout.fp8``'s quantization of the synced weights (``model.fp8.Fp8Scheme``), None when off."""
+    if not cfg.rollout.fp8:
+        return None
+    import json
+
+    from gspo_megatron.model.fp8 import Fp8Scheme
+    from gspo_megatron.model.hf_config import text_config
+
+    config = text_config(json.loads((Path(hf_dir) / "config.json").read_text()))
+    return Fp8Scheme(int(config["num_hidden_layers"]), keep_layers=cfg.rollout.fp8_keep_layers)
 
 
 def refuse_colocation(config, trainer_gpus: int) -> None:
