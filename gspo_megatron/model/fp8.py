@@ -7,8 +7,9 @@ scale per ``weight_block_size`` block (``quantization_config``: ``quant_method: 
 ``fp8.float() * scale_inv`` broadcast over each block (DeepSeek's ``weight_dequant``), here cast to the checkpoint's
 ``torch_dtype`` (bf16). ``BlockFp8Source`` does that on every read of a quantized tensor, one tensor at a time (a
 rank reads only the tensors it loads; nothing holds the whole model in a wider dtype), and hides the scales: the
-bridge, the converter, the policy build and ``score`` see an ordinary bf16 checkpoint; ``dequantized_config`` is
-the config.json of such weights exported in bf16.
+bridge, the converter, the policy build, ``score`` and the pre-flight checks (all through ``hf_files.open_hf_dir``) see
+an ordinary bf16 checkpoint; what loads a directory by itself gets ``hf_files.plain_copy``. ``dequantized_config``
+is the config.json of such weights exported in bf16.
 
 The other way (``quantize``, for FP8 rollouts and ``convert_megatron_to_hf.py --fp8``): per block, scale_inv =
 max(|block|) / 448 in fp32 (448: float8_e4m3fn's largest finite value) and fp8 = (w / scale_inv) rounded to the
@@ -25,7 +26,6 @@ import functools
 import math
 import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterable, Iterator
 
 import torch
@@ -207,35 +207,13 @@ def quantized_stream(named_tensors: Iterable[tuple[str, torch.Tensor]], scheme: 
             yield name, tensor
 
 
-def write_quantized_dir(hf_dir: str | Path, out: str | Path, scheme: Fp8Scheme,
-                        max_shard_bytes: int = 5 * 10**9) -> Path:
-    """A block-FP8 copy of the Hugging Face directory ``hf_dir`` at ``out`` (what servers of FP8 rollouts start
-    from: the weights ``scheme`` names quantized tensor by tensor, config.json with its ``quantization_config`` and
-    the fields SGLang reads (``hf_config.serving_config``), the tokenizer files). ``hf_dir`` may itself be FP8
-    (dequantized on read, then quantized by ``scheme``). Written beside ``out`` and renamed into place."""
-    import json
-    import shutil
-    import tempfile
-
+def quantized_dir_config(config: dict, scheme: Fp8Scheme) -> dict:
+    """config.json of a directory (of ``config``) whose weights ``scheme`` quantized (``hf_files.quantized_copy``):
+    an FP8 source's own quantization dropped, the fields SGLang reads added (``hf_config.serving_config``), then
+    ``scheme``'s ``quantization_config``."""
     from .hf_config import serving_config
-    from .hf_files import copy_hf_metadata, open_hf_dir, write_safetensors
 
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    try:
-        source = open_hf_dir(hf_dir)
-        write_safetensors(quantized_stream(((n, source.read(n)) for n in source.shapes()), scheme), tmp,
-                          max_shard_bytes)
-        copy_hf_metadata(hf_dir, tmp)
-        config = json.loads((tmp / "config.json").read_text())
-        config = scheme.config(serving_config(dequantized_config(config) if block_size(config) else config))
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+    return scheme.config(serving_config(dequantized_config(config) if block_size(config) else config))
 
 
 def dequantized_config(config: dict) -> dict:

@@ -3,6 +3,11 @@
 ``open_hf_tensors(source)`` gives a ``TensorSource`` (names, shapes, dtypes, ``read(name, index)``) over an
 HF directory (``model.safetensors`` or shards with ``model.safetensors.index.json``) or an in-memory dict.
 Reads take an index so a rank loads only its shard's rows or columns (safetensors slices the file).
+
+``open_hf_dir`` is the one way to open an HF directory: the load, the converters, ``score`` and every pre-flight
+check read a checkpoint through it, so they see the same tensors (a block-scaled FP8 checkpoint's scales hidden,
+its weights dequantized). ``SafetensorsDir`` is the raw file reader beneath it. What loads an HF directory by
+itself (transformers, an SGLang server) gets ``plain_copy`` of an FP8 one: the same tensors, written out.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Iterable, Mapping
 
@@ -98,6 +104,51 @@ def open_hf_dir(directory: str | Path) -> TensorSource:
     config_file = Path(directory) / "config.json"
     config = json.loads(config_file.read_text()) if config_file.is_file() else {}
     return fp8.BlockFp8Source(source, config) if fp8.block_size(config) else source
+
+
+def plain_copy(directory: str | Path, out: str | Path) -> Path:
+    """``directory`` as ``open_hf_dir`` reads it, written to ``out``: a block-scaled FP8 checkpoint's weights
+    dequantized to its dtype and its scales dropped, config.json without ``quantization_config``, the tokenizer and
+    other files copied. For what loads a directory by itself and would build FP8 layers from it (transformers needs
+    a GPU and accelerate for them; an SGLang server would serve FP8 while the trainer syncs the dequantized weights).
+    Tensor by tensor (shards of at most 5 GB); ``out`` appears complete or not at all, and a complete copy already
+    there is kept (a restarted run reuses it; one with another config.json, another model's, is replaced). One
+    process writes it."""
+    return _copy(directory, out, lambda tensors: tensors,
+                 lambda config: fp8.dequantized_config(config) if fp8.block_size(config) else config)
+
+
+def quantized_copy(directory: str | Path, out: str | Path, scheme: fp8.Fp8Scheme) -> Path:
+    """``directory`` with the weights ``scheme`` names block-FP8, written to ``out``: what the servers of FP8
+    rollouts start from (config.json ``fp8.quantized_dir_config``: SGLang builds FP8 layers, into which every
+    weight sync loads the FP8 tensors it sends). Read as ``open_hf_dir`` reads it (an FP8 checkpoint dequantized,
+    then quantized by ``scheme``: the trainer's weights), quantized tensor by tensor (``fp8.quantized_stream``); as
+    ``plain_copy``, ``out`` appears complete or not at all and a complete copy of the same config.json is kept."""
+    return _copy(directory, out, lambda tensors: fp8.quantized_stream(tensors, scheme),
+                 lambda config: fp8.quantized_dir_config(config, scheme))
+
+
+def _copy(directory: str | Path, out: str | Path, tensors, config_of) -> Path:
+    """``directory``'s tensors through ``tensors`` and its config.json through ``config_of``, written to ``out``
+    (beside it, then renamed into place), with its other files; kept if complete already with that config.json."""
+    directory, out = Path(directory), Path(out).absolute()
+    config = config_of(json.loads((directory / "config.json").read_text()))
+    if (out / "config.json").is_file():
+        if json.loads((out / "config.json").read_text()) == config:
+            return out
+        shutil.rmtree(out)  # another model's or another quantization's copy
+    source = open_hf_dir(directory)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        copy_hf_metadata(directory, tmp)
+        write_safetensors(tensors((name, source.read(name)) for name in source.shapes()), tmp)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
 
 
 def open_hf_tensors(source) -> TensorSource:

@@ -42,7 +42,7 @@ class WeightSyncConfig:
     # FP8 rollouts: every method sends the weights this scheme names as block-FP8 (float8_e4m3fn + fp32
     # ``weight_scale_inv``, quantized bucket by bucket as they stream: ``model.fp8.quantized_stream``), the names
     # SGLang's FP8 checkpoint loader reads; the servers must serve an FP8 model dir with the matching
-    # ``quantization_config`` (launched ones get one: ``model.fp8.write_quantized_dir``). None: sent as they are.
+    # ``quantization_config`` (launched ones get one: ``server.serving_model_dir``). None: sent as they are.
     fp8: Fp8Scheme | None = None
 
     def __post_init__(self):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import json
 import logging
 import os
 import signal
@@ -332,20 +333,22 @@ def start_servers(config: SGLangConfig, keep: bool = False) -> list[ServerProces
 
 
 def serving_model_dir(config: SGLangConfig, log_dir: Path) -> str:
-    """The model directory launched servers load: ``config.model_path``, or for FP8 rollouts
-    (``weight_sync.fp8``) its block-FP8 copy under ``log_dir`` (written once, ``fp8.write_quantized_dir``), so that
-    SGLang builds FP8 layers (its ``Fp8Config`` from the copy's ``quantization_config``) into which every weight
-    sync then loads FP8 tensors."""
+    """The model directory launched servers load: ``config.model_path``, or for FP8 rollouts (``weight_sync.fp8``)
+    one whose config.json has the scheme's ``quantization_config``, so that SGLang builds FP8 layers (its
+    ``Fp8Config``) into which every weight sync then loads FP8 tensors: ``model_path`` itself where it is such a
+    copy (``train`` serves one: ``bootstrap.engine_model_dir``), else its block-FP8 copy under ``log_dir`` (written
+    once, ``hf_files.quantized_copy``)."""
     scheme = config.weight_sync.fp8
     if scheme is None:
         return config.model_path
-    out = log_dir / "fp8_model"
-    if not (out / "config.json").is_file():
-        from gspo_megatron.model.fp8 import write_quantized_dir
+    model_config = json.loads((Path(config.model_path) / "config.json").read_text())
+    if model_config.get("quantization_config") == scheme.config(model_config)["quantization_config"]:
+        return config.model_path
+    from gspo_megatron.model.hf_files import quantized_copy
 
-        started = time.perf_counter()
-        write_quantized_dir(config.model_path, out, scheme)
-        log.info("FP8 copy of %s for the servers: %s (%.1f s)", config.model_path, out, time.perf_counter() - started)
+    started = time.perf_counter()
+    out = quantized_copy(config.model_path, log_dir / "fp8_model", scheme)
+    log.info("FP8 copy of %s for the servers: %s (%.1f s)", config.model_path, out, time.perf_counter() - started)
     return str(out)
 
 

@@ -1,7 +1,7 @@
 """FP8 rollouts' weight sync (``weight_sync.fp8``) into SGLang's own FP8 layer classes, in-process on CPU.
 
 What each sync path sends, produced by our code, fed to SGLang 0.5.23's real ``load_weights`` of a model built from
-the FP8 model directory our launched servers start from (``fp8.write_quantized_dir``: SGLang reads its
+the FP8 model directory our launched servers start from (``server.serving_model_dir``: SGLang reads its
 ``quantization_config`` and builds ``Fp8LinearMethod`` / ``Fp8MoEMethod`` layers holding float8_e4m3fn weights and
 fp32 ``weight_scale_inv``), in a process of its own (``tests/rollout/sglang_load.py``; no server: SGLang's FP8 GEMM
 cannot run on this CPU, docs/weight-sync.md):
@@ -126,10 +126,10 @@ def expected(variant: str, stream: list, scheme, config_json: dict) -> dict:
 @pytest.fixture(scope="module")
 def loaded(tmp_path_factory):
     require_sglang()
-    from gspo_megatron.model.fp8 import Fp8Scheme, write_quantized_dir
+    from gspo_megatron.model.fp8 import Fp8Scheme
     from gspo_megatron.model.hf_files import SafetensorsDir
-    from gspo_megatron.rollout.config import WeightSyncConfig
-    from gspo_megatron.rollout.server import node_env
+    from gspo_megatron.rollout.config import SGLangConfig, WeightSyncConfig
+    from gspo_megatron.rollout.server import node_env, serving_model_dir
 
     out, args = {}, []
     for variant, (block, seed) in MODELS.items():
@@ -141,8 +141,10 @@ def loaded(tmp_path_factory):
         layers = config_json["num_hidden_layers"]
         names = [n for n in _export_order(list(files.shapes())) if not n.startswith(f"model.layers.{layers}.")]
         stream = [(n, files.read(n)) for n in names]  # the policy has no MTP layer: the sync never sends one
-        model_dir = write_quantized_dir(source, work / "fp8_model", scheme)  # what a launched server starts from
         config = WeightSyncConfig(bucket_bytes=4096, dtype="bfloat16", fp8=scheme)
+        # what a server launched with this config starts from: the model's block-FP8 copy
+        model_dir = Path(serving_model_dir(SGLangConfig(model_path=str(source), weight_sync=config), work))
+        assert model_dir == work / "fp8_model"
         loads = _calls(stream, config, model_dir, work)
         torch.save(loads, work / "loads.pt")
         args += [str(model_dir), str(work / "loads.pt"), str(work / "sglang.pt")]
@@ -216,3 +218,86 @@ def test_quantization_is_lazy_bucket_by_bucket():
     assert [n for n, _ in first][:2] == ["model.layers.0.mlp.down_proj.weight_scale_inv",
                                          "model.layers.0.mlp.down_proj.weight"]
     assert first[1][1].dtype == torch.float8_e4m3fn and len(first) == 6 and len(pulled) == 4
+
+
+# ---- the model directory train's launched servers start from (bootstrap.engine_model_dir) -------------------------
+
+
+def _engine_dirs(example: str, plain: str, fp8_checkpoint: str, run_dir: str) -> dict:
+    """On a rank (engine_model_dir is collective): the engine's model dir for FP8 rollouts of a plain model, asked
+    twice; then, in the same logging.dir, for FP8 rollouts (1 layer kept) of an FP8 checkpoint; then for that
+    checkpoint without FP8 rollouts. Each result copied aside; with what the SGLang config gets."""
+    import os
+    import shutil
+
+    from gspo_megatron.rollout.server import serving_model_dir
+    from gspo_megatron.train.sampling.engine import sglang_config
+    from gspo_megatron.train.startup.bootstrap import engine_model_dir
+    from gspo_megatron.train.startup.config import load_config
+
+    def cfg(hf_dir, *overrides):
+        return load_config(example, [f"model.hf_dir={hf_dir}", f"logging.dir={run_dir}", "data.reward_workers=0",
+                                     *overrides])
+
+    out = {}
+    fp8_plain = cfg(plain, "rollout.fp8=true")
+    served = engine_model_dir(fp8_plain, Path(plain))
+    stamp = os.stat(next(served.glob("*.safetensors"))).st_mtime_ns
+    assert engine_model_dir(fp8_plain, Path(plain)) == served  # a restarted run: kept, not rewritten
+    out["kept"] = os.stat(next(served.glob("*.safetensors"))).st_mtime_ns == stamp
+    config = sglang_config(fp8_plain, served)
+    out["scheme"] = config.weight_sync.fp8
+    out["serving"] = serving_model_dir(config, Path(run_dir) / "sglang")  # what start_servers launches from
+    out["second_copy"] = (Path(run_dir) / "sglang").exists()
+    shutil.copytree(served, Path(run_dir) / "fp8_of_plain")
+    for name, overrides in (("fp8_of_fp8", ("rollout.fp8=true", "rollout.fp8_keep_layers=1")),
+                            ("dequantized", ())):
+        assert engine_model_dir(cfg(fp8_checkpoint, *overrides), Path(fp8_checkpoint)) == served
+        shutil.copytree(served, Path(run_dir) / name)
+    return out
+
+
+def test_train_serves_fp8_rollouts_from_a_block_fp8_copy(tmp_path):
+    """``train`` with ``rollout.fp8`` and launched servers: ``logging.dir/engine_model`` is the model block-FP8
+    (float8_e4m3fn weights equal to ``quantize_reference`` of the source's, 128 x 128 blocks, fp32 scales; config.json
+    with the scheme's quantization_config), kept on a restart, and what ``start_servers`` launches from (no second
+    copy); a later run on an FP8 checkpoint with one layer kept each end replaces it (the checkpoint dequantized
+    then quantized by the scheme: what the trainer syncs), and without rollout.fp8 the copy is the dequantized one
+    (issue 35)."""
+    from gspo_megatron.model.fp8 import Fp8Scheme, quantize_reference
+    from gspo_megatron.model.hf_files import SafetensorsDir, open_hf_dir, quantized_copy
+    from gspo_megatron.parallel.launch import run_on_ranks
+
+    plain = hf_tiny.save_variant("qwen3", tmp_path / "plain", seed=3)
+    layers = json.loads((plain / "config.json").read_text())["num_hidden_layers"]
+    fp8_checkpoint = quantized_copy(plain, tmp_path / "fp8_checkpoint", Fp8Scheme(layers, block=(8, 8)))
+    run = tmp_path / "run"
+    (result,) = run_on_ranks(_engine_dirs, 1, None, str(REPO / "examples/tiny_moe_cpu.yaml"), str(plain),
+                             str(fp8_checkpoint), str(run), timeout=300)
+    scheme = Fp8Scheme(layers)
+    assert result["scheme"] == scheme and result["kept"] and not result["second_copy"]
+    assert result["serving"] == str(run / "engine_model")
+
+    def check(copy: Path, source: Path, scheme) -> int:
+        """Every tensor of ``copy`` against ``source`` as the trainer reads it; returns how many are FP8."""
+        written, read = SafetensorsDir(copy), open_hf_dir(source)
+        config = json.loads((copy / "config.json").read_text())
+        assert config.get("quantization_config") == (scheme.quantization_config() if scheme else None)
+        quantized = {n for n, shape in read.shapes().items() if scheme and scheme.quantizes(n, shape)}
+        assert set(written.shapes()) == set(read.shapes()) | {n + "_scale_inv" for n in quantized}
+        for name in read.shapes():
+            if name in quantized:
+                weight, scale = quantize_reference(read.read(name), scheme.block)
+                assert written.read(name).dtype == torch.float8_e4m3fn, name
+                assert torch.equal(_bits(written.read(name)), _bits(weight)), name
+                assert torch.equal(written.read(name + "_scale_inv"), scale), name
+            else:
+                assert hf_tiny.same_bits(written.read(name), read.read(name)), name
+        return len(quantized)
+
+    assert check(run / "fp8_of_plain", plain, scheme) == 7 * layers  # q, k, v, o, gate, up, down per layer
+    kept = Fp8Scheme(layers, keep_layers=1)  # the tiny model's two layers both kept: nothing quantized
+    assert kept.kept_layers == [0, 1] and check(run / "fp8_of_fp8", fp8_checkpoint, kept) == 0
+    assert check(run / "dequantized", fp8_checkpoint, None) == 0
+    # An FP8 checkpoint's own blocks (8 x 8) dequantized, then quantized in the scheme's (128 x 128)
+    assert check(quantized_copy(fp8_checkpoint, tmp_path / "requantized", scheme), fp8_checkpoint, scheme) == 7 * layers

@@ -19,6 +19,9 @@ from gspo_megatron.train.startup.config import Config, ConfigError
 def make_engine(cfg: Config, hf_dir: str | Path, tokenizer):
     """The configured engine on global rank 0, None elsewhere (collective: the others wait until it is up)."""
     from gspo_megatron.train.sampling import colocate
+    from gspo_megatron.train.startup.bootstrap import engine_model_dir
+
+    hf_dir = engine_model_dir(cfg, Path(hf_dir))  # the copy serving what we sync (FP8 rollouts, an FP8 checkpoint)
 
     if colocate.on_several_nodes(cfg):  # rollout.colocate: each node's leader launches its servers (colocate.py)
         return colocate.engine_on_each_node(cfg, sglang_config(cfg, hf_dir))
@@ -47,6 +50,9 @@ def _engine(cfg: Config, hf_dir: str | Path, tokenizer):
 
 def sglang_config(cfg: Config, hf_dir: str | Path):
     """The SGLang engine's configuration from ``cfg.rollout``."""
+    from gspo_megatron.model.hf_config import load_config_json
+    from gspo_megatron.train.startup.bootstrap import rollout_fp8_scheme
+
     server_args = dict(cfg.rollout.server_args)
     server_args.setdefault("seed", cfg.train.seed)
     for name in ("max_server_restarts", "restart_window_s", "attached_wait_s"):  # fault tolerance
@@ -58,25 +64,12 @@ def sglang_config(cfg: Config, hf_dir: str | Path):
         urls=tuple(cfg.rollout.urls),
         request_timeout_s=cfg.rollout.timeout_s,
         weight_sync=WeightSyncConfig(method=cfg.rollout.weight_sync, master_address=cfg.rollout.weight_sync_address,
-                                     fp8=fp8_scheme(cfg, hf_dir)),
+                                     fp8=rollout_fp8_scheme(cfg, load_config_json(Path(hf_dir) / "config.json"))),
         **server_args,
     )
     if cfg.rollout.colocate:  # servers on the trainer's GPUs, weights as tensor handles (sampling/colocate.py)
         config = replace(config, colocate=True, weight_sync=replace(config.weight_sync, method="tensor"))
     return config
-
-
-def fp8_scheme(cfg: Config, hf_dir: str | Path):
-    """``rollout.fp8``'s quantization of the synced weights (``model.fp8.Fp8Scheme``), None when off."""
-    if not cfg.rollout.fp8:
-        return None
-    import json
-
-    from gspo_megatron.model.fp8 import Fp8Scheme
-    from gspo_megatron.model.hf_config import text_config
-
-    config = text_config(json.loads((Path(hf_dir) / "config.json").read_text()))
-    return Fp8Scheme(int(config["num_hidden_layers"]), keep_layers=cfg.rollout.fp8_keep_layers)
 
 
 def refuse_colocation(config, trainer_gpus: int) -> None:

@@ -18,8 +18,9 @@ from gspo_megatron.train.records.checkpoint import check_resumable
 from gspo_megatron.train.startup.config import Config, ConfigError
 
 METRICS = "metrics.jsonl"
+ENGINE_MODEL = "engine_model"  # the rollout engine's copy of model.hf_dir: FP8 rollouts' or an FP8 model's (bootstrap)
 # What a run leaves in logging.dir beside metrics.jsonl (removed with it by --overwrite)
-LOGGING_FILES = (METRICS, "metrics.png", "tensorboard", "elastic_run.json")
+LOGGING_FILES = (METRICS, "metrics.png", "tensorboard", "elastic_run.json", ENGINE_MODEL)
 
 
 def used_by(cfg: Config) -> list[str]:

@@ -184,7 +184,7 @@ def validate_env(cfg: Config) -> None:
         raise ConfigError(f"algo.gamma={a.gamma} applies to algo.token_advantages='turns' only")
     if not r.env:
         return
-    from gspo_megatron.rollout.multiturn import BUILTIN_ENVS, load_env
+    from gspo_megatron.rewards.multiturn import BUILTIN_ENVS, load_env
 
     try:
         env_class = load_env(r.env)
@@ -242,6 +242,10 @@ def validate_fp8(cfg: Config) -> None:
     if r.fp8 and r.engine != "sglang":
         raise ConfigError(f"rollout.fp8=true needs rollout.engine=sglang: the {r.engine} engine samples with the "
                           "trainer's own weights; set rollout.fp8=false")
+    if r.fp8 and r.server_args.get("dtype") in ("float", "float32"):  # before the FP8 copy is written
+        raise ConfigError(f"rollout.fp8=true with rollout.server_args.dtype={r.server_args['dtype']}: SGLang's FP8 "
+                          "layers compute in bfloat16 or float16 (its Fp8Config); set rollout.server_args.dtype="
+                          "bfloat16")
 
 
 def validate_partial(cfg: Config) -> None:

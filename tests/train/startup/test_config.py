@@ -119,6 +119,12 @@ def test_bad_fields_are_named(overrides, message):
         (["rollout.partial_chunk_tokens=2", "algo.routing_replay=rollout"], 1, None, r"algo.routing_replay=rollout"),
         (["rollout.partial_chunk_tokens=2", "rollout.partial_groups_in_flight=1"], 1, None,
          r"rollout.partial_groups_in_flight=1"),
+        # FP8 rollouts (model/fp8.py, rollout/weight_sync.py)
+        (["rollout.fp8_keep_layers=2"], 1, None, r"rollout.fp8_keep_layers=2 needs rollout.fp8=true"),
+        (["rollout.fp8=true", "rollout.fp8_keep_layers=-1"], 1, None, r"rollout.fp8_keep_layers=-1 must be >= 0"),
+        (["rollout.fp8=true", "rollout.engine=local"], 1, None, r"rollout.fp8=true needs rollout.engine=sglang"),
+        (["rollout.fp8=true", "rollout.server_args={dtype: float32}"], 1, None,
+         r"rollout.server_args.dtype=float32: SGLang's FP8 layers compute in bfloat16 or float16"),
     ],
 )
 def test_incompatibilities_name_the_field(overrides, world, hf, message):
@@ -132,6 +138,7 @@ def test_incompatibilities_name_the_field(overrides, world, hf, message):
     ["rollout.partial_chunk_tokens=2", "rollout.partial_mask=old_tokens"],
     ["rollout.mode=async", "algo.decoupled_clip=true", "algo.behaviour_weight_cap=5"],
     ["rollout.partial_chunk_tokens=2", "algo.decoupled_clip=true", "algo.name=grpo"],
+    ["rollout.fp8=true", "rollout.fp8_keep_layers=1", "rollout.server_args={dtype: bfloat16}"],
 ])
 def test_rollout_modes_that_combine(overrides):
     validate(cfg(*overrides), 1)
