@@ -171,7 +171,10 @@ def engine_model_dir(cfg: Config, hf_dir: Path) -> Path:
         if not kept.is_file() or load_config_json(kept) != wanted:  # (another model's copy is replaced)
             what = "block-FP8 copy (rollout.fp8)" if scheme else "dequantized copy (it is block-scaled FP8)"
             print(f"gspo-megatron train: writing model.hf_dir's {what} for the rollout engine to {out}", flush=True)
-        quantized_copy(hf_dir, out, scheme) if scheme else plain_copy(hf_dir, out)
+        if scheme:
+            quantized_copy(hf_dir, out, scheme)
+        else:
+            plain_copy(hf_dir, out)
     control.barrier()  # the others wait where no NCCL watchdog fires
     return out
 
