@@ -21,6 +21,9 @@
 #   tests/gpu/test_logprob_kernel.py  the log-prob op's Triton backend in bf16 against float64
 #   tests/gpu/test_colocate_ipc.py colocation's trainer side: the bucketed export's CUDA IPC handles opened by a
 #                                  second process, the optimizer state offloaded and regained (memory_reserved)
+#   tests/gpu/test_fp8_quantizer.py  FP8 rollouts' block quantizer: the Triton kernel on CUDA against the torch
+#                                  reference bit for bit (bf16, 128 x 128 blocks, partial edge blocks), the weight
+#                                  sync's stream quantized on the device, and the kernel's GB/s (8192 x 8192 bf16)
 #   bench/logprob_gpu.py           the Triton backend against naive bf16 logits + log_softmax at T=8192, H=2048,
 #                                  V=151936: time, peak memory, TFLOP/s against a GEMM peak measured in the same run
 #   bench/mismatch.py              the training-inference mismatch on CUDA: a tiny Qwen3-MoE decoding in bf16

@@ -47,6 +47,9 @@ def test_671b_rollout_facts_and_its_uneven_stages(plan):
     assert "KV cache     68.6 KiB per token in bf16 (multi-latent: (kv_lora_rank 512 + qk_rope 64) x 61 layers" in out
     assert "weight sync  1342 GB (bf16) into every server GPU: ~45.7-47.1 s (29.8 s at 45 GB/s" in out, out
     assert "in flight (1F1B): 4 on the first stage, 3 on the middle stage, 1 on the last stage" in out, out
+    code, out, err = plan(*example, "rollout.fp8=true")  # FP8 rollouts: half the servers' weights and the sync
+    assert "weights      673 GB in FP8 (rollout.fp8) instead of 1342 GB in bf16 per server: 669 GB more" in out, out
+    assert "weight sync  673 GB (FP8 + scales, bf16 rest) into every server GPU: ~23.4-24.8 s" in out, out
     code, out, err = plan(*example, "parallel.first_stage_layers=null")
     assert code == 2 and "num_hidden_layers=61 is not divisible by parallel.pipeline=4" in err, out + err
     pp1 = ("parallel.pipeline=1", "parallel.expert=256", "parallel.first_stage_layers=null")

@@ -120,11 +120,15 @@ def _is_stage_writer() -> bool:
 
 
 def megatron_to_hf(megatron_dir: str | Path, out: str | Path, hf_config_dir: str | Path | None = None,
-                   layout: Layout = Layout(), max_shard_bytes: int = 5 * 10**9) -> Path:
+                   layout: Layout = Layout(), max_shard_bytes: int = 5 * 10**9,
+                   fp8_block: tuple[int, int] | None = None, fp8_keep_layers: int = 0) -> Path:
     """Convert a Megatron checkpoint back to HF safetensors + config + tokenizer files at ``out``.
 
     ``hf_config_dir`` supplies config.json and the tokenizer files (default: the copy stored in the
-    checkpoint); it must describe the model the checkpoint was converted from.
+    checkpoint); it must describe the model the checkpoint was converted from. With ``fp8_block`` the linear weights
+    of the decoder layers (``fp8.Fp8Scheme``: all but the first and last ``fp8_keep_layers``) are written block-FP8
+    in blocks of that size (each cast to its HF dtype first, then ``fp8.quantize``d, one tensor at a time) and
+    config.json gets the matching ``quantization_config``: a checkpoint SGLang serves in FP8.
     """
     from megatron.core import parallel_state as ps
 
@@ -141,6 +145,7 @@ def megatron_to_hf(megatron_dir: str | Path, out: str | Path, hf_config_dir: str
     check_output_dir(out)
     ensure_model_parallel(layout)
     bridge = Bridge(spec, info.padded_vocab_size)
+    fp8_scheme = fp8.Fp8Scheme(spec.num_layers, fp8_block, fp8_keep_layers) if fp8_block else None
     with atomic_output_dir(out) as tmp:
         model = build_gpt_model(spec, layout, dtype=checkpoint.torch_dtype(info.dtype),
                                 padded_vocab_size=info.padded_vocab_size)
@@ -153,14 +158,21 @@ def megatron_to_hf(megatron_dir: str | Path, out: str | Path, hf_config_dir: str
         if mtp is not None and _rank() == 0:  # rank 0 writes stage 0's shards
             for name in mtp.shapes():
                 writer.add(name, mtp.read(name))
-        for name, tensor in bridge.export_hf_weights(model):
-            if writes:
+        def in_hf_dtypes():
+            for name, tensor in bridge.export_hf_weights(model):
                 # Back to each tensor's HF dtype: megatron keeps some parameters wider than params_dtype
                 # (torch norms stay fp32 in a bf16 model), which holds the bf16 values exactly. The router's bias
                 # stays fp32 whatever the checkpoint held (mapping.export_dtype): training may have moved it.
                 wanted = info.hf_dtypes.get(name)
                 dtype = checkpoint.torch_dtype(wanted) if wanted else default_dtype
-                writer.add(name, tensor.to(export_dtype(name, tensor, dtype)))
+                yield name, tensor.to(export_dtype(name, tensor, dtype))
+
+        exported = in_hf_dtypes()
+        if fp8_scheme is not None:
+            exported = fp8.quantized_stream(exported, fp8_scheme)
+        for name, tensor in exported:
+            if writes:
+                writer.add(name, tensor)
         shards = writer.finish() if writes else []
         every_rank = [shards]
         if dist.get_world_size() > 1:
@@ -170,6 +182,9 @@ def megatron_to_hf(megatron_dir: str | Path, out: str | Path, hf_config_dir: str
             shards = sorted((s for rank_shards in every_rank for s in rank_shards), key=lambda s: _stage_order(s[0]))
             written = {name for _, names, _ in shards for name in names}
             expected = set(bridge.hf_tensor_shapes()) | set(mtp.shapes() if mtp is not None else ())
+            if fp8_scheme is not None:
+                expected |= {n + fp8.SCALE_SUFFIX for n, shape in bridge.hf_tensor_shapes().items()
+                             if fp8_scheme.quantizes(n, shape)}
             if written != expected:
                 raise MappingError("export wrote a different tensor set than the mapping: "
                                    + listing("missing", expected - written) + "; "
@@ -179,6 +194,8 @@ def megatron_to_hf(megatron_dir: str | Path, out: str | Path, hf_config_dir: str
             config = load_config_json(tmp)
             exported = fp8.dequantized_config(config) if fp8.block_size(config) else config  # bf16 weights now
             exported = serving_config(exported)  # what SGLang reads, as the family's releases hold it
+            if fp8_scheme is not None:
+                exported = fp8_scheme.config(exported)
             if exported != config:
                 (tmp / "config.json").write_text(json.dumps(exported, indent=2))
     _log(f"{megatron_dir} -> {out}: {len(bridge.hf_tensor_shapes())} HF tensors, "

@@ -199,8 +199,10 @@ LOADED_TOGETHER = ((".self_attn.q_a_proj.weight", ".self_attn.kv_a_proj_with_mqa
 
 
 def ends_no_bucket(name: str) -> bool:
-    """A weight-sync bucket must not end after this HF tensor: its partner in ``LOADED_TOGETHER`` comes next."""
-    return any(name.endswith(first) for first, _ in LOADED_TOGETHER)
+    """A weight-sync bucket must not end after this HF tensor: its partner in ``LOADED_TOGETHER`` comes next, or,
+    for a block-FP8 ``{weight}_scale_inv``, its weight (``fp8.quantized_stream`` sends the scale first; SGLang joins
+    the fused layers' scales as their weights)."""
+    return name.endswith("_scale_inv") or any(name.endswith(first) for first, _ in LOADED_TOGETHER)
 
 
 # HF tensors the engine keeps in float32 whatever its dtype, as megatron does: the sigmoid router's correction bias
@@ -213,9 +215,11 @@ KEPT_FP32 = (".mlp.gate.e_score_correction_bias",)
 def export_dtype(name: str, tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
     """The dtype HF tensor ``name`` leaves in when an export (weight sync, conversion) is cast to ``dtype``:
     float32 for ``KEPT_FP32``, ``dtype`` for other floating tensors, the tensor's own where ``dtype`` is None or it
-    is not floating."""
+    is not floating, or it is block-FP8 (a float8 weight or its fp32 ``weight_scale_inv``: ``model.fp8``)."""
     if name.endswith(KEPT_FP32):
         return torch.float32
+    if tensor.dtype == torch.float8_e4m3fn or name.endswith("_scale_inv"):
+        return tensor.dtype
     return dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
 
 

@@ -179,17 +179,19 @@ def format_plan(cfg: Config, world_size: int, gpu_memory_gib: float = H100_GIB, 
         shown = ", ".join(fmt(g) for g in ranks[:4]) + (f", ... ({len(ranks)} groups)" if len(ranks) > 4 else "")
         lines.append(f"  {name:<14} groups: {shown}")
     lines += memory_lines(cfg, estimate, world_size, gpu_memory_gib)
-    lines += server_lines(spec)
+    lines += server_lines(spec, cfg)
     if cfg.rollout.colocate:  # [colocate hook] both sides' memory per phase (plan/colocated.py)
         from gspo_megatron.plan import colocated
         lines += colocated.plan_lines(colocated.colocated_plan(cfg, spec, estimate, gpu_memory_gib))
     return "\n".join(lines)
 
 
-def server_lines(spec) -> list[str]:
-    """The rollout servers' side (``train.plan_servers``): the KV cache per token, and the weight sync's time."""
+def server_lines(spec, cfg: Config) -> list[str]:
+    """The rollout servers' side (``train.plan_servers``): the KV cache per token, the weight sync's time and, with
+    FP8 rollouts (``rollout.fp8``), the servers' weights in FP8 against bf16 (``ServerLayout.weight_bytes``)."""
     from gspo_megatron.rollout.config import WeightSyncConfig
-    from gspo_megatron.plan.servers import kv_cache_bytes_per_token, model_sync_estimate
+    from gspo_megatron.plan.servers import (ServerLayout, fp8_bytes_per_parameter, kv_cache_bytes_per_token,
+                                            model_sync_estimate, server_weights_per_gpu)
 
     per_token = kv_cache_bytes_per_token(spec)
     if spec.attention == "mla":
@@ -201,16 +203,23 @@ def server_lines(spec) -> list[str]:
                f"heads split over attention-TP: {per_gpu / 1024:.1f} KiB per GPU from attention-TP "
                f"{spec.num_key_value_heads} on")
     bucket = WeightSyncConfig.bucket_bytes
-    sync = model_sync_estimate(spec, bucket)
-    low, high = sync.seconds
-    return [
-        "rollout servers (SGLang 0.5.23; estimates, train.plan_servers):",
-        f"  KV cache     {per_token / 1024:.1f} KiB per token in bf16 ({how})",
-        f"  weight sync  {sync.gigabytes:.0f} GB (bf16) into every server GPU: ~{low:.1f}-{high:.1f} s "
-        f"({sync.wire_s:.1f} s at 45 GB/s per GPU + {sync.buckets} buckets of {bucket >> 20} MiB x 3 ms "
-        "+ load_weights)",
-    ]
+    lines = ["rollout servers (SGLang 0.5.23; estimates, train.plan_servers):",
+             f"  KV cache     {per_token / 1024:.1f} KiB per token in bf16 ({how})"]
+    bytes_per_parameter, dtype = 2, "bf16"
+    if cfg.rollout.fp8:
+        from gspo_megatron.model.fp8 import Fp8Scheme
 
+        scheme = Fp8Scheme(spec.num_layers, keep_layers=cfg.rollout.fp8_keep_layers)
+        bytes_per_parameter, dtype = fp8_bytes_per_parameter(spec, scheme), "FP8 + scales, bf16 rest"
+        bf16, fp8 = (server_weights_per_gpu(spec, ServerLayout(tp=1, weight_bytes=w)) for w in (2.0, 1.0))
+        lines.append(f"  weights      {fp8 / 1e9:.0f} GB in FP8 (rollout.fp8) instead of {bf16 / 1e9:.0f} GB in bf16 "
+                     f"per server: {(bf16 - fp8) / 1e9:.0f} GB more for its KV cache")
+    sync = model_sync_estimate(spec, bucket, bytes_per_parameter)
+    low, high = sync.seconds
+    lines.append(f"  weight sync  {sync.gigabytes:.0f} GB ({dtype}) into every server GPU: ~{low:.1f}-{high:.1f} s "
+                 f"({sync.wire_s:.1f} s at 45 GB/s per GPU + {sync.buckets} buckets of {bucket >> 20} MiB x 3 ms "
+                 "+ load_weights)")
+    return lines
 
 
 def fits(cfg: Config, world_size: int, gpu_memory_gib: float = H100_GIB, impl: str = "te",

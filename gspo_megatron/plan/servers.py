@@ -129,6 +129,22 @@ def weight_sync_estimate(parameters: float, tensors: int, bucket_bytes: int = 25
                         load_s=(tensors * load_per_tensor_s[0], tensors * load_per_tensor_s[1]))
 
 
+def fp8_bytes_per_parameter(spec: ModelSpec, scheme) -> float:
+    """Bytes per parameter a sync of FP8 rollouts sends (``scheme``: a ``model.fp8.Fp8Scheme``): 1 for each weight
+    it quantizes plus that weight's fp32 scales (4 B per block), 2 (bf16) for the rest."""
+    from gspo_megatron.model import mapping
+
+    total = parameters = 0
+    for name, shape in mapping.hf_tensor_shapes(spec).items():
+        numel = math.prod(shape)
+        parameters += numel
+        if scheme.quantizes(name, shape):
+            total += numel + 4 * math.ceil(shape[0] / scheme.block[0]) * math.ceil(shape[1] / scheme.block[1])
+        else:
+            total += 2 * numel
+    return total / parameters
+
+
 def model_sync_estimate(spec: ModelSpec, bucket_bytes: int = 256 << 20, bytes_per_parameter: float = 2,
                         link_gb_s: float = 45.0) -> SyncEstimate:
     """``weight_sync_estimate`` for a model: its parameters and Hugging Face tensors (what the sync sends)."""

@@ -59,7 +59,7 @@ from .client import HttpClient, RetryPolicy
 from .config import WeightSyncConfig
 from .errors import RolloutError, WeightSyncError
 from .types import NamedTensors, SyncStats
-from .weight_sync import _post, buckets, finish
+from .weight_sync import _post, buckets, finish, sent_tensors
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +170,7 @@ def send_tensors(clients: list[HttpClient], tp_sizes: list[int], named_tensors: 
     phases["begin"] = time.perf_counter() - start
     num_tensors = num_bytes = num_buckets = 0
     slots: list[torch.Tensor | None] = [None]  # one buffer: each bucket's call returns after the servers copied it
-    source = iter(buckets(named_tensors, config.bucket_bytes, dtype))
+    source = iter(buckets(sent_tensors(named_tensors, config), config.bucket_bytes, dtype))  # FP8: quantized here
     try:
         while True:
             t0 = time.perf_counter()

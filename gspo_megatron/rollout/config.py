@@ -5,6 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # (importing it imports torch: this module stays light)
+    from ..model.fp8 import Fp8Scheme
 
 DEVICES = ("cpu", "cuda")
 SYNC_METHODS = ("distributed", "tensor", "disk")  # tensor: colocated servers (rollout/colocate.py)
@@ -35,6 +39,11 @@ class WeightSyncConfig:
     # loopback, else this host's fully qualified name; set it when that name does not resolve from the servers.
     master_address: str | None = None
     timeout_s: float = 600.0  # one bucket (HTTP call + broadcast) or one disk reload
+    # FP8 rollouts: every method sends the weights this scheme names as block-FP8 (float8_e4m3fn + fp32
+    # ``weight_scale_inv``, quantized bucket by bucket as they stream: ``model.fp8.quantized_stream``), the names
+    # SGLang's FP8 checkpoint loader reads; the servers must serve an FP8 model dir with the matching
+    # ``quantization_config`` (launched ones get one: ``server.serving_model_dir``). None: sent as they are.
+    fp8: Fp8Scheme | None = None
 
     def __post_init__(self):
         if self.method not in SYNC_METHODS:

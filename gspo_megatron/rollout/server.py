@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import json
 import logging
 import os
 import signal
@@ -22,6 +23,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -314,6 +316,7 @@ def start_servers(config: SGLangConfig, keep: bool = False) -> list[ServerProces
     """
     log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix="gspo_sglang_"))
     log_dir.mkdir(parents=True, exist_ok=True)
+    config = replace(config, model_path=serving_model_dir(config, log_dir))
     servers: list[ServerProcess] = []
     try:
         for i, gpus in enumerate(config.gpu_groups):
@@ -327,6 +330,26 @@ def start_servers(config: SGLangConfig, keep: bool = False) -> list[ServerProces
             server.shutdown()
         raise
     return servers
+
+
+def serving_model_dir(config: SGLangConfig, log_dir: Path) -> str:
+    """The model directory launched servers load: ``config.model_path``, or for FP8 rollouts (``weight_sync.fp8``)
+    one whose config.json has the scheme's ``quantization_config``, so that SGLang builds FP8 layers (its
+    ``Fp8Config``) into which every weight sync then loads FP8 tensors: ``model_path`` itself where it is such a
+    copy (``train`` serves one: ``bootstrap.engine_model_dir``), else its block-FP8 copy under ``log_dir`` (written
+    once, ``hf_files.quantized_copy``)."""
+    scheme = config.weight_sync.fp8
+    if scheme is None:
+        return config.model_path
+    model_config = json.loads((Path(config.model_path) / "config.json").read_text())
+    if model_config.get("quantization_config") == scheme.config(model_config)["quantization_config"]:
+        return config.model_path
+    from gspo_megatron.model.hf_files import quantized_copy
+
+    started = time.perf_counter()
+    out = quantized_copy(config.model_path, log_dir / "fp8_model", scheme)
+    log.info("FP8 copy of %s for the servers: %s (%.1f s)", config.model_path, out, time.perf_counter() - started)
+    return str(out)
 
 
 def wait_all_ready(servers: list[ServerProcess], timeout: float, stop: Stop = None) -> None:

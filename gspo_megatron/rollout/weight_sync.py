@@ -29,6 +29,13 @@ tensor is broadcast as it is (no copy), which bench/weight_sync.py measured fast
 Disk (``save_checkpoint`` + ``/update_weights_from_disk``), the fallback: safetensors shards of at most one
 bucket each in a full HF model directory; the servers must see the same file system.
 
+FP8 rollouts (``config.fp8``, a ``model.fp8.Fp8Scheme``): every method streams the tensors through
+``fp8.quantized_stream`` before bucketing, so each linear weight leaves as its fp32 ``weight_scale_inv`` followed by
+its float8_e4m3fn bytes, quantized as its bucket is formed (one tensor's quantization alive at a time: the peak
+stays about two buckets), the pair never split across buckets (``mapping.ends_no_bucket``). gloo has no float8
+type, so FP8 buckets are always packed (flattened, bytes): a tensor larger than a bucket then gets a buffer of its
+own size for its bucket.
+
 Every step checks the servers' answers and fails with ``WeightSyncError`` naming the server and the step; the
 caller then checks that each server reports the new weight version.
 
@@ -49,6 +56,7 @@ from typing import Iterable, Iterator, Sequence
 
 import torch
 
+from ..model import fp8
 from ..model.mapping import ends_no_bucket, export_dtype
 from .client import HttpClient, RetryPolicy
 from .config import WeightSyncConfig
@@ -89,6 +97,12 @@ def buckets(named_tensors: NamedTensors, bucket_bytes: int, dtype: torch.dtype |
         size += nbytes
     if bucket:
         yield bucket
+
+
+def sent_tensors(named_tensors: NamedTensors, config: WeightSyncConfig) -> NamedTensors:
+    """What a sync with ``config`` sends of ``named_tensors``: block-FP8 quantized as they stream under
+    ``config.fp8``, else themselves."""
+    return named_tensors if config.fp8 is None else fp8.quantized_stream(named_tensors, config.fp8)
 
 
 def _post(client: HttpClient, path: str, body: dict | None, timeout: float, step: str | None = None):
@@ -191,7 +205,9 @@ class DistributedSender:
         self.config = config
         self._dtype = getattr(torch, config.dtype) if config.dtype else None
         # One collective per bucket on NCCL; on gloo per-tensor broadcasts skip the packing copy (faster there).
+        # FP8 buckets always packed: gloo cannot broadcast float8 tensors ("Invalid scalar type"), bytes it can.
         self.flatten = config.flatten if config.flatten is not None else self.backend == "nccl"
+        self.flatten = self.flatten or config.fp8 is not None
         self._buffers: list[torch.Tensor | None] = [None, None]
 
     def _all(self, path: str, body: dict | None = None) -> None:
@@ -240,15 +256,19 @@ class DistributedSender:
         dtypes = [str(dt).removeprefix("torch.") for dt in sent]
         shapes = [list(t.shape) for _, t in bucket]
         total = sum(t.numel() * dt.itemsize for (_, t), dt in zip(bucket, sent))
-        if not self.flatten or total > self.config.bucket_bytes:
+        oversized = total > self.config.bucket_bytes
+        if not self.flatten or (oversized and self.config.fp8 is None):
             # One broadcast per tensor, no copy unless the dtype, device or layout must change (a tensor larger
-            # than a bucket always goes this way: it is alone in its bucket).
+            # than a bucket always goes this way, unless FP8: it is alone in its bucket).
             payload = [t.detach().to(self.device, dt).contiguous() for (_, t), dt in zip(bucket, sent)]
             return _Bucket(names, dtypes, shapes, payload, False, total)
-        # Two buffers: this bucket is packed while the previous one, in the other buffer, is on the wire.
-        buffer = self._buffers[slot]
+        # Two buffers: this bucket is packed while the previous one, in the other buffer, is on the wire (an
+        # oversized FP8 bucket: a buffer of its own, freed once sent).
+        buffer = None if oversized else self._buffers[slot]
         if buffer is None:
-            buffer = self._buffers[slot] = torch.empty(self.config.bucket_bytes, dtype=torch.uint8, device=self.device)
+            buffer = torch.empty(max(total, self.config.bucket_bytes), dtype=torch.uint8, device=self.device)
+            if not oversized:
+                self._buffers[slot] = buffer
         offset = 0
         for (_, tensor), dt in zip(bucket, sent):
             nbytes = tensor.numel() * dt.itemsize
@@ -278,7 +298,7 @@ class DistributedSender:
         start = time.perf_counter()
         phases = dict.fromkeys(("export", "pack", "transfer", "wait"), 0.0)
         num_tensors = num_bytes = num_buckets = 0
-        source = iter(buckets(named_tensors, self.config.bucket_bytes, self._dtype))
+        source = iter(buckets(sent_tensors(named_tensors, self.config), self.config.bucket_bytes, self._dtype))
         inflight: _InFlight | None = None
         try:
             while True:
@@ -342,13 +362,17 @@ def finish(clients: list[HttpClient], version: str, timeout: float) -> None:
 
 
 def save_checkpoint(named_tensors: NamedTensors, out_dir: Path, base_model_dir: str | Path,
-                    shard_bytes: int, dtype: torch.dtype | None = None) -> tuple[int, int, int]:
+                    shard_bytes: int, dtype: torch.dtype | None = None, fp8_scheme: fp8.Fp8Scheme | None = None
+                    ) -> tuple[int, int, int]:
     """Write a complete HF model directory: safetensors shards (one bucket each) + index + the base model's
-    config and tokenizer files. Returns (tensors, bytes, shards)."""
+    config and tokenizer files (with ``fp8_scheme``: the weights it names block-FP8, config.json with its
+    ``quantization_config``). Returns (tensors, bytes, shards)."""
     from safetensors.torch import save_file
 
     out_dir.mkdir(parents=True, exist_ok=True)
     weight_map, num_tensors, num_bytes, shards = {}, 0, 0, []
+    if fp8_scheme is not None:
+        named_tensors = fp8.quantized_stream(named_tensors, fp8_scheme)
     for i, bucket in enumerate(buckets(named_tensors, shard_bytes, dtype)):
         file = f"model-{i + 1:05d}.safetensors"
         tensors = {}
@@ -368,6 +392,9 @@ def save_checkpoint(named_tensors: NamedTensors, out_dir: Path, base_model_dir: 
         source = Path(base_model_dir) / name
         if source.is_file():
             shutil.copy2(source, out_dir / name)
+    if fp8_scheme is not None:
+        config = json.loads((out_dir / "config.json").read_text())
+        (out_dir / "config.json").write_text(json.dumps(fp8_scheme.config(config), indent=2))
     return num_tensors, num_bytes, len(shards)
 
 
@@ -380,7 +407,8 @@ def disk_update(clients: list[HttpClient], named_tensors: NamedTensors, version:
     if out.exists():
         shutil.rmtree(out)
     dtype = getattr(torch, config.dtype) if config.dtype else None
-    num_tensors, num_bytes, shards = save_checkpoint(named_tensors, out, base_model_dir, config.bucket_bytes, dtype)
+    num_tensors, num_bytes, shards = save_checkpoint(named_tensors, out, base_model_dir, config.bucket_bytes, dtype,
+                                                     config.fp8)
     saved = time.perf_counter()
     for client in clients:
         _post(client, "/update_weights_from_disk", {"model_path": str(out), "weight_version": version,

@@ -251,3 +251,25 @@ def test_weight_sync_estimate_by_hand():
     # The model's own count: every HF tensor the sync sends (DeepSeek-V3: 58 x 256 x 3 expert tensors among them).
     dsv3 = model_sync_estimate(DEEPSEEK_V3)
     assert 58 * 256 * 3 < dsv3.load_s[0] / 20e-6 < 50_000 and dsv3.gigabytes == pytest.approx(1342, rel=1e-3)
+
+
+def test_fp8_rollouts_halve_the_servers_weights_and_the_sync():
+    """``rollout.fp8``: DeepSeek-V3's servers hold and receive 1 B per quantized parameter plus its fp32 scales (4 B
+    per 128 x 128 block); the embeddings and lm_head (2 x 129280 x 7168), norms and routers stay bf16. Keeping the
+    first and last 3 layers adds their bytes back."""
+    from gspo_megatron.model.fp8 import Fp8Scheme
+    from gspo_megatron.plan.memory import model_parameters
+    from gspo_megatron.plan.servers import (ServerLayout, fp8_bytes_per_parameter, model_sync_estimate,
+                                            server_weights_per_gpu)
+
+    parameters = model_parameters(DEEPSEEK_V3)[0]
+    vocab = 2 * 129280 * 7168
+    per_parameter = fp8_bytes_per_parameter(DEEPSEEK_V3, Fp8Scheme(61))
+    # everything else quantized, less than 0.1% of it (norms, routers) left bf16
+    by_hand = (vocab * 2 + (parameters - vocab) * (1 + 4 / 128**2)) / parameters
+    assert per_parameter == pytest.approx(by_hand, rel=1e-3) and per_parameter < 0.502 * 2
+    assert fp8_bytes_per_parameter(DEEPSEEK_V3, Fp8Scheme(61, keep_layers=3)) > per_parameter + 0.05
+    sync = model_sync_estimate(DEEPSEEK_V3, bytes_per_parameter=per_parameter)
+    assert sync.gigabytes == pytest.approx(673, abs=1) and sync.buckets == 2508
+    weights = [server_weights_per_gpu(DEEPSEEK_V3, ServerLayout(tp=1, weight_bytes=w)) for w in (2.0, 1.0)]
+    assert weights[1] / 1e9 == pytest.approx(673, abs=1) and weights[0] / 1e9 == pytest.approx(1342, abs=1)

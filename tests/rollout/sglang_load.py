@@ -11,9 +11,14 @@ loading weights are the same code its server runs at start-up (``DefaultModelLoa
 (``update_weights_from_distributed`` / ``_from_tensor`` call ``load_weights`` once per bucket). The model is built
 with ``load_format="dummy"`` (random weights, no files read) on a one-rank gloo group (formed once).
 
-``LOADS.pt`` is ``{load: [call, ...]}``, each call a list of ``(name, tensor)`` or the string ``"files"`` (SGLang's
-safetensors iterator over MODEL_DIR, as its start-up load reads it). For each load every SGLang parameter is first
-filled with NaN, then the calls run in order. ``OUT.pt`` gets per load: ``params`` (every parameter after it),
+``LOADS.pt`` is ``{load: [call, ...]}``, each call a list of ``(name, tensor)``, the string ``"files"`` (SGLang's
+safetensors iterator over MODEL_DIR, as its start-up load reads it; ``("files", DIR)``: over another directory), a
+flattened bucket (``{"flattened_tensor", "metadata"}``, what ``update_weights_from_tensor`` receives: unpacked by
+SGLang's own ``FlattenedTensorBucket``) or ``("distributed", names, dtypes, shapes, bytes)``, a packed broadcast
+received as ``update_weights_from_distributed`` receives it (``FlattenedTensorBucket.empty`` filled with the bytes).
+For each load every SGLang parameter is first filled with NaN, then the calls run in order. A MODEL_DIR whose
+config.json has a ``quantization_config`` is built in bf16 (SGLang's Fp8Config refuses fp32), else in fp32.
+``OUT.pt`` gets per load: ``params`` (every parameter after it),
 ``routing_bias`` (per MoE layer, the correction bias its top-k routes with), ``w_kc`` / ``w_vc`` (the MLA up-projection
 halves ``post_load_weights`` derives from ``kv_b_proj``) and ``warnings`` (what SGLang's loader logged, e.g. a name
 "not found in params_dict").
@@ -21,8 +26,10 @@ halves ``post_load_weights`` derives from ``kv_b_proj``) and ``warnings`` (what 
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
+from pathlib import Path
 
 import torch
 
@@ -39,8 +46,10 @@ def build_model(model_dir: str):
     from sglang.srt.runtime_context import SpawnRanks, publish
     from sglang.srt.server_args import ServerArgs
 
-    args = ServerArgs(model_path=model_dir, device="cpu", dtype="float32", load_format="dummy",
-                      attention_backend="torch_native", skip_tokenizer_init=True)
+    # fp32 for exact comparisons; an FP8 checkpoint's layers run in bf16 (SGLang's Fp8Config refuses fp32)
+    quantized = "quantization_config" in json.loads((Path(model_dir) / "config.json").read_text())
+    args = ServerArgs(model_path=model_dir, device="cpu", dtype="bfloat16" if quantized else "float32",
+                      load_format="dummy", attention_backend="torch_native", skip_tokenizer_init=True)
     publish(args, role="scheduler", ranks=SpawnRanks(world_rank=0, dp_rank=None, gpu_id=0))  # the last one wins
     if not torch.distributed.is_initialized():
         init_distributed_environment(backend="gloo", world_size=1, rank=0, local_rank=0,
@@ -59,11 +68,29 @@ def build_model(model_dir: str):
 
 
 def file_weights(model_dir: str):
-    from pathlib import Path
-
     from sglang.srt.model_loader.weight_utils import safetensors_weights_iterator
 
     return safetensors_weights_iterator(sorted(str(p) for p in Path(model_dir).glob("*.safetensors")))
+
+
+def _weights(call, model_dir: str):
+    """One ``load_weights`` call's (name, tensor) pairs, unpacked by SGLang's own code where it unpacks them."""
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket, FlattenedTensorMetadata
+
+    if call == "files":
+        return file_weights(model_dir)
+    if isinstance(call, tuple) and call[0] == "files":  # another directory (a disk sync's)
+        return file_weights(call[1])
+    if isinstance(call, tuple) and call[0] == "distributed":  # the receive side of a flattened broadcast
+        _, names, dtypes, shapes, payload = call
+        bucket = FlattenedTensorBucket.empty(names, dtypes, shapes, "cpu")
+        bucket.get_flattened_tensor().copy_(payload)  # what the broadcast writes into it
+        return bucket.reconstruct_tensors()
+    if isinstance(call, dict):  # update_weights_from_tensor's flattened bucket
+        metadata = [FlattenedTensorMetadata(m.name, m.shape, m.dtype, m.start_idx, m.end_idx, m.numel)
+                    for m in call["metadata"]]
+        return FlattenedTensorBucket(flattened_tensor=call["flattened_tensor"], metadata=metadata).reconstruct_tensors()
+    return call
 
 
 class Captured(logging.Handler):
@@ -83,7 +110,7 @@ def run_load(model, model_dir: str, calls: list) -> dict:
     logging.getLogger("sglang").addHandler(captured)
     try:
         for call in calls:
-            model.load_weights(file_weights(model_dir) if call == "files" else call)
+            model.load_weights(_weights(call, model_dir))
     finally:
         logging.getLogger("sglang").removeHandler(captured)
     out = {"params": {name: p.detach().clone() for name, p in model.named_parameters()}, "routing_bias": {},
@@ -93,7 +120,8 @@ def run_load(model, model_dir: str, calls: list) -> dict:
         if topk is not None:
             out["routing_bias"][i] = topk.topk_config.correction_bias.detach().clone()
         for key in ("w_kc", "w_vc"):
-            out[key][i] = getattr(layer.self_attn, key).detach().clone()
+            if hasattr(layer.self_attn, key):  # MLA only
+                out[key][i] = getattr(layer.self_attn, key).detach().clone()
     return out
 
 

@@ -21,7 +21,7 @@ def make_engine(cfg: Config, hf_dir: str | Path, tokenizer):
     from gspo_megatron.train.sampling import colocate
     from gspo_megatron.train.startup.bootstrap import engine_model_dir
 
-    hf_dir = engine_model_dir(cfg, Path(hf_dir))  # an FP8 checkpoint's dequantized copy: the weights we train
+    hf_dir = engine_model_dir(cfg, Path(hf_dir))  # the copy serving what we sync (FP8 rollouts, an FP8 checkpoint)
 
     if colocate.on_several_nodes(cfg):  # rollout.colocate: each node's leader launches its servers (colocate.py)
         return colocate.engine_on_each_node(cfg, sglang_config(cfg, hf_dir))
@@ -50,6 +50,9 @@ def _engine(cfg: Config, hf_dir: str | Path, tokenizer):
 
 def sglang_config(cfg: Config, hf_dir: str | Path):
     """The SGLang engine's configuration from ``cfg.rollout``."""
+    from gspo_megatron.model.hf_config import load_config_json
+    from gspo_megatron.train.startup.bootstrap import rollout_fp8_scheme
+
     server_args = dict(cfg.rollout.server_args)
     server_args.setdefault("seed", cfg.train.seed)
     for name in ("max_server_restarts", "restart_window_s", "attached_wait_s"):  # fault tolerance
@@ -60,7 +63,8 @@ def sglang_config(cfg: Config, hf_dir: str | Path):
         model_path=str(hf_dir),
         urls=tuple(cfg.rollout.urls),
         request_timeout_s=cfg.rollout.timeout_s,
-        weight_sync=WeightSyncConfig(method=cfg.rollout.weight_sync, master_address=cfg.rollout.weight_sync_address),
+        weight_sync=WeightSyncConfig(method=cfg.rollout.weight_sync, master_address=cfg.rollout.weight_sync_address,
+                                     fp8=rollout_fp8_scheme(cfg, load_config_json(Path(hf_dir) / "config.json"))),
         **server_args,
     )
     if cfg.rollout.colocate:  # servers on the trainer's GPUs, weights as tensor handles (sampling/colocate.py)

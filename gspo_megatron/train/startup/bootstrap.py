@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -11,9 +10,9 @@ import torch
 import torch.distributed as dist
 
 from gspo_megatron.model.bridge import Bridge
-from gspo_megatron.model.hf_config import load_config_json, read_hf_config
+from gspo_megatron.model.hf_config import load_config_json, read_hf_config, text_config
 from gspo_megatron.model import fp8
-from gspo_megatron.model.hf_files import open_hf_dir, plain_copy
+from gspo_megatron.model.hf_files import open_hf_dir, plain_copy, quantized_copy
 from gspo_megatron.parallel import control
 from gspo_megatron.rewards import rewards, sandbox
 from gspo_megatron.rewards.code_tests import parse_tests
@@ -239,28 +238,44 @@ def prepare_model_dir(cfg: Config) -> Path:
     return hf_dir
 
 
+def rollout_fp8_scheme(cfg: Config, config: dict) -> fp8.Fp8Scheme | None:
+    """``rollout.fp8``'s quantization of the served and synced weights for the model of ``config`` (its
+    config.json), None when off."""
+    if not cfg.rollout.fp8:
+        return None
+    layers = int(text_config(config)["num_hidden_layers"])
+    return fp8.Fp8Scheme(layers, keep_layers=cfg.rollout.fp8_keep_layers)
+
+
 def engine_model_dir(cfg: Config, hf_dir: Path) -> Path:
-    """The HF directory the rollout engine loads: ``hf_dir`` itself, or for a block-scaled FP8 checkpoint its
-    dequantized copy in ``logging.dir`` (written once by rank 0; collective). The trainer holds the dequantized
-    weights and the weight sync sends them in that dtype, so the engine must start from them too: an SGLang server
-    given the FP8 directory would build FP8 layers, and transformers cannot load one without a GPU."""
+    """The HF directory the rollout engine loads: ``hf_dir`` itself, or a copy in ``logging.dir`` (written once by
+    rank 0; collective) that serves the weights the trainer syncs. With FP8 rollouts (``rollout.fp8``), its
+    block-FP8 copy (``hf_files.quantized_copy``: ``quantization_config`` in config.json, so SGLang builds FP8 layers
+    for the FP8 tensors every sync sends); else, for a block-scaled FP8 checkpoint, its dequantized copy (the trainer
+    holds the dequantized weights and syncs them in that dtype: an SGLang server given the FP8 directory would build
+    FP8 layers, and transformers cannot load one without a GPU)."""
     config = load_config_json(hf_dir / "config.json")
-    if not fp8.block_size(config):
+    scheme = rollout_fp8_scheme(cfg, config)
+    if scheme is None and not fp8.block_size(config):
         return hf_dir
     if cfg.rollout.engine == "sglang" and cfg.rollout.urls:  # the user's servers: they loaded what they loaded
         if dist.get_rank() == 0:
-            print("gspo-megatron train: model.hf_dir is a block-scaled FP8 checkpoint; the servers of rollout.urls "
-                  "must serve its dequantized weights (docs/models.md), as the trainer syncs those", flush=True)
+            served = ("a block-FP8 copy with rollout.fp8's quantization_config (tools/convert_megatron_to_hf.py "
+                      "--fp8)" if scheme else "its dequantized weights (docs/models.md)")
+            print(f"gspo-megatron train: the servers of rollout.urls must serve {served}, as the trainer syncs those",
+                  flush=True)
         return hf_dir
     out = Path(cfg.logging.dir).absolute() / ENGINE_MODEL
     if dist.get_rank() == 0:
+        wanted = fp8.quantized_dir_config(config, scheme) if scheme else fp8.dequantized_config(config)
         kept = out / "config.json"
-        if kept.is_file() and load_config_json(kept) != fp8.dequantized_config(config):  # another model's copy
-            shutil.rmtree(out)
-        if not kept.is_file():
-            print(f"gspo-megatron train: model.hf_dir is a block-scaled FP8 checkpoint; writing its dequantized copy "
-                  f"for the rollout engine to {out}", flush=True)
-        plain_copy(hf_dir, out)
+        if not kept.is_file() or load_config_json(kept) != wanted:  # (another model's copy is replaced)
+            what = "block-FP8 copy (rollout.fp8)" if scheme else "dequantized copy (it is block-scaled FP8)"
+            print(f"gspo-megatron train: writing model.hf_dir's {what} for the rollout engine to {out}", flush=True)
+        if scheme:
+            quantized_copy(hf_dir, out, scheme)
+        else:
+            plain_copy(hf_dir, out)
     control.barrier()  # the others wait where no NCCL watchdog fires
     return out
 

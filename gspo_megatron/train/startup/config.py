@@ -228,6 +228,16 @@ class RolloutConfig:
     """Rank 0's address as the servers see it, for the distributed sync; None: 127.0.0.1 for local servers, else
     this host's fully qualified name. Set it for servers on other nodes when that name does not resolve. (Each
     pipeline stage sends from its first rank; stages on other nodes are reached at their own names.)"""
+    fp8: bool = False
+    """FP8 rollouts (``model/fp8.py``, ``rollout/weight_sync.py``): the trainer stays in its dtype; every weight sync
+    (distributed, disk, colocated tensor) sends the decoder layers' linear weights block-FP8 (float8_e4m3fn, one fp32
+    ``weight_scale_inv`` per 128 x 128 block, quantized bucket by bucket as they stream), and servers we launch start
+    from an FP8 copy of the model (``quantization_config`` in its config.json, so SGLang builds FP8 layers; attached
+    servers must serve such a copy: ``tools/convert_megatron_to_hf.py --fp8``). Embeddings, lm_head, norms and
+    routers stay in the trainer's dtype. Needs SGLang's FP8 GEMMs: GPUs (its CPU build needs AMX and sgl-kernel's CPU
+    wheel, docs/weight-sync.md)."""
+    fp8_keep_layers: int = 0
+    """With fp8: the first and last N decoder layers stay in high precision (NeMo-RL's option; 0: all quantized)."""
     server_args: dict = field(default_factory=dict)
     """Extra sglang.launch_server arguments for servers we launch."""
     timeout_s: float = 300.0

@@ -21,7 +21,7 @@ from gspo_megatron.train.records.checkpoint import check_resumable, latest
 from gspo_megatron.train.startup.config import Config, ConfigError
 
 METRICS = "metrics.jsonl"
-ENGINE_MODEL = "engine_model"  # the dequantized copy an FP8 model.hf_dir is served from (bootstrap.engine_model_dir)
+ENGINE_MODEL = "engine_model"  # the rollout engine's copy of model.hf_dir: FP8 rollouts' or an FP8 model's (bootstrap)
 # What a run leaves in logging.dir beside metrics.jsonl (removed with it by --overwrite)
 LOGGING_FILES = (METRICS, "metrics.png", "tensorboard", "elastic_run.json", ENGINE_MODEL)
 

@@ -232,6 +232,22 @@ def validate_rollout_mode(cfg: Config) -> None:
                           "set rollout.mode=sync or rollout.filter_zero_variance_groups=false")
 
 
+def validate_fp8(cfg: Config) -> None:
+    """FP8 rollouts (``rollout.fp8``): SGLang servers only."""
+    r = cfg.rollout
+    if r.fp8_keep_layers < 0:
+        raise ConfigError(f"rollout.fp8_keep_layers={r.fp8_keep_layers} must be >= 0")
+    if r.fp8_keep_layers and not r.fp8:
+        raise ConfigError(f"rollout.fp8_keep_layers={r.fp8_keep_layers} needs rollout.fp8=true")
+    if r.fp8 and r.engine != "sglang":
+        raise ConfigError(f"rollout.fp8=true needs rollout.engine=sglang: the {r.engine} engine samples with the "
+                          "trainer's own weights; set rollout.fp8=false")
+    if r.fp8 and r.server_args.get("dtype") in ("float", "float32"):  # before the FP8 copy is written
+        raise ConfigError(f"rollout.fp8=true with rollout.server_args.dtype={r.server_args['dtype']}: SGLang's FP8 "
+                          "layers compute in bfloat16 or float16 (its Fp8Config); set rollout.server_args.dtype="
+                          "bfloat16")
+
+
 def validate_partial(cfg: Config) -> None:
     """Partial rollouts (``rollout.partial_chunk_tokens``, ``train/sampling/partial_rollouts.py``)."""
     r = cfg.rollout
@@ -294,6 +310,7 @@ def validate(cfg: Config, world_size: int, hf: dict | None = None) -> None:
                               "module:function returning [(end, reward), ...] per response)")
     validate_env(cfg)
     validate_rollout_mode(cfg)
+    validate_fp8(cfg)
     from gspo_megatron.train.sampling import colocate  # rollout.colocate's rules
     colocate.validate(cfg)
     if a.routing_replay not in (None, "old", "rollout"):

@@ -123,6 +123,12 @@ def test_bad_fields_are_named(overrides, message):
         (["rollout.partial_chunk_tokens=2", "algo.routing_replay=rollout"], 1, None, r"algo.routing_replay=rollout"),
         (["rollout.partial_chunk_tokens=2", "rollout.partial_groups_in_flight=1"], 1, None,
          r"rollout.partial_groups_in_flight=1"),
+        # FP8 rollouts (model/fp8.py, rollout/weight_sync.py)
+        (["rollout.fp8_keep_layers=2"], 1, None, r"rollout.fp8_keep_layers=2 needs rollout.fp8=true"),
+        (["rollout.fp8=true", "rollout.fp8_keep_layers=-1"], 1, None, r"rollout.fp8_keep_layers=-1 must be >= 0"),
+        (["rollout.fp8=true", "rollout.engine=local"], 1, None, r"rollout.fp8=true needs rollout.engine=sglang"),
+        (["rollout.fp8=true", "rollout.server_args={dtype: float32}"], 1, None,
+         r"rollout.server_args.dtype=float32: SGLang's FP8 layers compute in bfloat16 or float16"),
     ],
 )
 def test_incompatibilities_name_the_field(overrides, world, hf, message):
@@ -137,6 +143,7 @@ def test_incompatibilities_name_the_field(overrides, world, hf, message):
     ["rollout.mode=async", "algo.decoupled_clip=true", "correction.high=5"],
     ["rollout.reuse_rollout_logprobs=true", "correction.rejection=mean", "correction.rejection_high=1e-3"],
     ["rollout.partial_chunk_tokens=2", "algo.decoupled_clip=true", "algo.name=grpo"],
+    ["rollout.fp8=true", "rollout.fp8_keep_layers=1", "rollout.server_args={dtype: bfloat16}"],
 ])
 def test_rollout_modes_that_combine(overrides):
     validate(cfg(*overrides), 1)
