@@ -34,6 +34,7 @@ loads into a TE model.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import torch
@@ -223,7 +224,13 @@ def decoder_block_spec(config, use_te: bool):
     """This pipeline stage's layer specs (dense or MoE per ``moe_layer_freq``)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm")
+    spec_config = config
+    if config.experimental_attention_variant == "gated_delta_net":
+        # megatron-core 0.19 refuses the variant here (its own hybrid spec is TE-only): the block is built with
+        # full attention everywhere, and gated_deltanet.hybrid_spec puts the DeltaNet into its layers
+        spec_config = copy.copy(config)
+        spec_config.experimental_attention_variant = None
+    block = get_gpt_decoder_block_spec(spec_config, use_transformer_engine=use_te, normalization="RMSNorm")
     if not use_te:
         block = dataclasses.replace(block, layer_specs=[_moe_norm_keeps_its_name(s) for s in block.layer_specs])
     if config.multi_latent_attention:
