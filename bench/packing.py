@@ -164,7 +164,7 @@ def main() -> int:
         args.cap, args.prompts, args.steps = 128, 2, 1
 
     from gspo_megatron.parallel.launch import run_on_ranks
-    from gspo_megatron.rollout.synthetic import save_tiny_model
+    from gspo_megatron.rewards.synthetic import save_tiny_model
 
     rows = args.prompts * args.group
     batches = [long_tailed_rollout(rows, args.cap, MODEL["vocab_size"], seed) for seed in range(args.steps + 1)]

@@ -83,7 +83,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
-    from gspo_megatron.rollout.synthetic import save_tiny_model
+    from gspo_megatron.rewards.synthetic import save_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="plan_memory_") as tmp:
         hf_dir = save_tiny_model(Path(tmp) / "model", seed=0, **MODEL)

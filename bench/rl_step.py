@@ -51,7 +51,7 @@ STEPS = 4  # the first is warm-up
 
 
 def build_model(size: str, directory: Path) -> Path:
-    from gspo_megatron.rollout.synthetic import save_tiny_model
+    from gspo_megatron.rewards.synthetic import save_tiny_model
 
     path = directory / f"model-{size}"
     if not (path / "config.json").is_file():
@@ -119,8 +119,8 @@ def run_trl(size: str, model_dir: Path, out: Path, stops: list[int] = ()) -> dic
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from gspo_megatron.rollout.rewards import synthetic_reward
-    from gspo_megatron.rollout.synthetic import make_problems
+    from gspo_megatron.rewards.rewards import synthetic_reward
+    from gspo_megatron.rewards.synthetic import make_problems
 
     s = SIZES[size]
     samples = s["prompts"] * s["group"]

@@ -61,8 +61,8 @@ def main() -> None:
     args = parser.parse_args()
     from gspo_megatron.parallel.groups import Layout
     from gspo_megatron.parallel.launch import run_on_ranks
+    from gspo_megatron.rewards.synthetic import save_tiny_model
     from gspo_megatron.rollout import SamplingParams, SGLangConfig, SGLangEngine, flatten
-    from gspo_megatron.rollout.synthetic import save_tiny_model
 
     work = Path(tempfile.mkdtemp(prefix="bench_r3_"))
     model_dir = str(save_tiny_model(work / "model", seed=0, **MODEL))

@@ -23,7 +23,8 @@ from pathlib import Path
 import psutil
 import requests
 
-from gspo_megatron.rollout import SGLangConfig, synthetic
+from gspo_megatron.rewards import synthetic
+from gspo_megatron.rollout import SGLangConfig
 from gspo_megatron.rollout.server import start_servers
 
 ENV = "GSPO_SGLANG_START_METHOD"  # patches/sglang_cpu/site/_gspo_fork_children.py

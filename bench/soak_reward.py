@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 import zlib
 
-from gspo_megatron.rollout.rewards import synthetic_reward
+from gspo_megatron.rewards.rewards import synthetic_reward
 
 HANG_PER_MILLE = 2
 RAISE_PER_MILLE = 3

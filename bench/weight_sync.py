@@ -45,7 +45,8 @@ from pathlib import Path
 
 import torch
 
-from gspo_megatron.rollout import SGLangConfig, SGLangEngine, WeightSyncConfig, hf_weights, synthetic
+from gspo_megatron.rewards import synthetic
+from gspo_megatron.rollout import SGLangConfig, SGLangEngine, WeightSyncConfig, hf_weights
 
 BENCH = dict(vocab_size=32000, hidden_size=1024, num_layers=5, num_heads=16, num_kv_heads=4, head_dim=64,
              num_experts=16, top_k=4, moe_intermediate_size=512, initializer_range=0.02)

@@ -196,10 +196,22 @@ def score_with_transformers(hf_dir: str | Path, records: list[Record], dtype: st
 
 
 def _score_with_transformers(hf_dir, records, dtype):
+    import tempfile
+
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=getattr(torch, dtype) if dtype else "auto")
+    from gspo_megatron.model import fp8
+    from gspo_megatron.model.hf_config import load_config_json
+    from gspo_megatron.model.hf_files import plain_copy
+
+    torch_dtype = getattr(torch, dtype) if dtype else "auto"
+    if fp8.block_size(load_config_json(Path(hf_dir) / "config.json")):  # the weights load_policy reads, dequantized
+        with tempfile.TemporaryDirectory(prefix="gspo_score_") as scratch:
+            model = AutoModelForCausalLM.from_pretrained(str(plain_copy(hf_dir, Path(scratch) / "model")),
+                                                         dtype=torch_dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch_dtype)
     model.eval()
     results = []
     for record in records:
@@ -258,9 +270,9 @@ def run(args) -> int:
         spec, padded = _model_spec(model_dir)
         if not checkpoint.is_megatron_checkpoint(model_dir):  # names and shapes of the HF tensors (headers only)
             from gspo_megatron.model.bridge import Bridge
-            from gspo_megatron.model.hf_files import SafetensorsDir
+            from gspo_megatron.model.hf_files import open_hf_dir
 
-            Bridge(spec).check_hf_tensors(SafetensorsDir(model_dir).shapes())
+            Bridge(spec).check_hf_tensors(open_hf_dir(model_dir).shapes())  # as load_policy reads it
         records = read_records(args.input, spec.vocab_size)
         if args.backend == "transformers":
             if (args.tp, args.pp, args.ep) != (1, 1, 1):

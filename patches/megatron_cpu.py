@@ -43,6 +43,11 @@ What it changes, from broad to narrow:
    - Optimizer constructors and ``clip_grad_by_total_norm_fp32`` (0.16.1, 0.19.2), which test
      ``param.type()`` against ``"torch.cuda.*Tensor"`` strings, are recompiled from their source with the CPU
      type names.
+
+One module although long: it is one patch, megatron-core on CPU, made by one ``apply()`` behind one version check,
+and the list above is the map of everything it changes; the code below follows its numbering.
+The seam a split would take is part 1, the device remap (``_TorchOnCpu`` and its import hook), which ``apply()``
+reaches only through ``_remap_on_import`` and ``_remap_megatron_modules``.
 """
 
 from __future__ import annotations

@@ -26,9 +26,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from gspo_megatron.rewards import synthetic
 from gspo_megatron.rollout import SGLangConfig, SGLangEngine
 from gspo_megatron.rollout import server as server_mod
-from gspo_megatron.rollout import synthetic
 from tests.rollout.helpers import require_sglang
 
 

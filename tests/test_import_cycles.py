@@ -96,3 +96,26 @@ def test_no_import_cycles():
     assert "gspo_megatron.train.loop" in graph and graph["gspo_megatron.train.loop"]
     found = cycles(graph)
     assert not found, "import cycles (move the shared piece down a layer):\n" + "\n".join(" <-> ".join(c) for c in found)
+
+
+def imports_between(graph: dict[str, set[str]], source: str, target: str) -> list[str]:
+    """The edges from package ``source``'s modules (itself included) to package ``target``'s, as "a -> b"."""
+    def inside(module: str, package: str) -> bool:
+        return module == package or module.startswith(package + ".")
+    return sorted(f"{a} -> {b}" for a in graph if inside(a, source) for b in graph[a] if inside(b, target))
+
+
+def test_the_direction_checker_finds_an_edge():
+    graph = {"p.rollout": {"p.rollout.types"}, "p.rollout.types": set(), "p.rewards.x": {"p.rollout.types"}}
+    assert imports_between(graph, "p.rewards", "p.rollout") == ["p.rewards.x -> p.rollout.types"]
+    assert imports_between(graph, "p.rollout", "p.rewards") == []
+
+
+def test_rewards_import_rollout_never_the_reverse():
+    """The engines (``rollout``) know nothing of what they are rewarded for (``rewards``: reward functions, the
+    sandbox, multi-turn environments, synthetic tasks); ``rewards`` uses the engines' types and errors (issue 36)."""
+    graph = import_graph()
+    assert "gspo_megatron.rewards.rewards" in graph and "gspo_megatron.rollout.sglang_engine" in graph
+    reverse = imports_between(graph, "gspo_megatron.rollout", "gspo_megatron.rewards")
+    assert not reverse, "rollout imports rewards (move the shared piece into rollout):\n" + "\n".join(reverse)
+    assert imports_between(graph, "gspo_megatron.rewards", "gspo_megatron.rollout")  # the allowed direction is used

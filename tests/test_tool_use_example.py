@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from gspo_megatron.rollout.multiturn import _CALC, format_number, safe_eval
-from gspo_megatron.rollout.tool_calls import calculator_observation
-from gspo_megatron.rollout.synthetic import char_tokenizer
+from gspo_megatron.rewards.multiturn import _CALC, format_number, safe_eval
+from gspo_megatron.rewards.synthetic import char_tokenizer
+from gspo_megatron.rewards.tool_calls import calculator_observation
 from tests import warm_cli
 from tests.rollout.helpers import require_sglang
 

@@ -34,7 +34,7 @@ def group_advantages(
     """Advantages of G responses per prompt relative to their own group.
 
     rewards: [B], B = num_groups * group_size, groups contiguous (group g is rows g*G .. g*G+G-1).
-    valid: optional bool [B]; False marks a sample whose reward failed (``rollout.rewards.score`` with
+    valid: optional bool [B]; False marks a sample whose reward failed (``rewards.rewards.score`` with
     on_error="mask"): it takes no part in its group's mean and std and gets advantage 0.
     Returns [B] float: (r - group mean) / (group std + eps), or r - group mean when normalize_std=False.
 

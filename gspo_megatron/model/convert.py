@@ -149,7 +149,7 @@ def megatron_to_hf(megatron_dir: str | Path, out: str | Path, hf_config_dir: str
                                       max_shard_bytes=max_shard_bytes)
         writes = _is_stage_writer()
         default_dtype = checkpoint.torch_dtype(info.dtype)
-        mtp = hf_files.SafetensorsDir(megatron_dir / MTP_DIR) if (megatron_dir / MTP_DIR).is_dir() else None
+        mtp = hf_files.open_hf_dir(megatron_dir / MTP_DIR) if (megatron_dir / MTP_DIR).is_dir() else None
         if mtp is not None and _rank() == 0:  # rank 0 writes stage 0's shards
             for name in mtp.shapes():
                 writer.add(name, mtp.read(name))

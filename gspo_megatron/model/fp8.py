@@ -6,7 +6,8 @@ scale per ``weight_block_size`` block (``quantization_config``: ``quant_method: 
 ``fp8.float() * scale_inv`` broadcast over each block (DeepSeek's ``weight_dequant``), here cast to the checkpoint's
 ``torch_dtype`` (bf16). ``BlockFp8Source`` does that on every read of a quantized tensor, one tensor at a time (a
 rank reads only the tensors it loads; nothing holds the whole model in a wider dtype), and hides the scales: the
-bridge, the converter, the policy build and ``score`` see an ordinary bf16 checkpoint. Exports are bf16 (FP8
+bridge, the converter, the policy build, ``score`` and the pre-flight checks (all through ``hf_files.open_hf_dir``) see
+an ordinary bf16 checkpoint; what loads a directory by itself gets ``hf_files.plain_copy``. Exports are bf16 (FP8
 export for FP8 rollouts is not done): ``dequantized_config`` is the config.json that goes with them.
 """
 

@@ -3,6 +3,11 @@
 ``open_hf_tensors(source)`` gives a ``TensorSource`` (names, shapes, dtypes, ``read(name, index)``) over an
 HF directory (``model.safetensors`` or shards with ``model.safetensors.index.json``) or an in-memory dict.
 Reads take an index so a rank loads only its shard's rows or columns (safetensors slices the file).
+
+``open_hf_dir`` is the one way to open an HF directory: the load, the converters, ``score`` and every pre-flight
+check read a checkpoint through it, so they see the same tensors (a block-scaled FP8 checkpoint's scales hidden,
+its weights dequantized). ``SafetensorsDir`` is the raw file reader beneath it. What loads an HF directory by
+itself (transformers, an SGLang server) gets ``plain_copy`` of an FP8 one: the same tensors, written out.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Iterable, Mapping
 
@@ -98,6 +104,32 @@ def open_hf_dir(directory: str | Path) -> TensorSource:
     config_file = Path(directory) / "config.json"
     config = json.loads(config_file.read_text()) if config_file.is_file() else {}
     return fp8.BlockFp8Source(source, config) if fp8.block_size(config) else source
+
+
+def plain_copy(directory: str | Path, out: str | Path) -> Path:
+    """``directory`` as ``open_hf_dir`` reads it, written to ``out``: a block-scaled FP8 checkpoint's weights
+    dequantized to its dtype and its scales dropped, config.json without ``quantization_config``, the tokenizer and
+    other files copied. For what loads a directory by itself and would build FP8 layers from it (transformers needs
+    a GPU and accelerate for them; an SGLang server would serve FP8 while the trainer syncs the dequantized weights).
+    Tensor by tensor (shards of at most 5 GB); ``out`` appears complete or not at all, and a complete copy already
+    there is kept (a restarted run reuses it). One process writes it."""
+    directory, out = Path(directory), Path(out).absolute()
+    if (out / "config.json").is_file():
+        return out
+    source = open_hf_dir(directory)
+    config = json.loads((directory / "config.json").read_text())
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        copy_hf_metadata(directory, tmp)
+        write_safetensors(((name, source.read(name)) for name in source.shapes()), tmp)
+        plain = fp8.dequantized_config(config) if fp8.block_size(config) else config
+        (tmp / "config.json").write_text(json.dumps(plain, indent=2) + "\n")
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
 
 
 def open_hf_tensors(source) -> TensorSource:

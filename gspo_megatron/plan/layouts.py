@@ -36,7 +36,7 @@ def read_hf_config(cfg: Config) -> dict:
     if cfg.model.hf_dir and (Path(cfg.model.hf_dir) / "config.json").is_file():
         return json.loads((Path(cfg.model.hf_dir) / "config.json").read_text())
     if cfg.model.tiny:
-        from gspo_megatron.rollout.synthetic import tiny_config
+        from gspo_megatron.rewards.synthetic import tiny_config
 
         return tiny_config(**cfg.model.tiny).to_dict()
     raise ConfigError(

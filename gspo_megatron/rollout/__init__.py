@@ -1,5 +1,6 @@
 """Rollouts: groups of G sampled responses per prompt with token ids and log-probs, from SGLang (or in-process
-transformers), weight sync into the servers after each update, rewards.
+transformers), and weight sync into the servers after each update: the engines. What a response is rewarded for
+and how a multi-turn episode unfolds is ``rewards``' (that package imports this one, never the other way round).
 
 - ``types``: ``SamplingParams``, ``Sample``, ``Group``, ``SyncStats``, the ``RolloutEngine`` interface
   (``generate(prompts, n, sampling) -> list[Group]``, ``update_weights(named_tensors, version)``).
@@ -11,9 +12,6 @@ transformers), weight sync into the servers after each update, rewards.
 - ``colocate``: servers on the trainer's GPUs: memory released / resumed around the update, weights as tensor
   handles through ``update_weights_from_tensor`` (``weight_sync.method="tensor"``).
 - ``local_engine.LocalEngine``: the same interface on a transformers model in this process.
-- ``rewards``: math verifier, exact match, the synthetic tasks (``synthetic``), ``module:function``; ``score``.
-- ``multiturn``: multi-turn, tool-using rollouts: an environment (``reset(prompt)``, ``step(text, token_ids) ->
-  Step``) answering each turn; token-exact trajectories with the observations masked; the calculator tool.
 - ``batch.samples_to_batch``: samples -> token-aligned trainer tensors; ``mismatch.logprob_mismatch``: the
   train/inference log-prob gap, a metric for every step.
 - ``hf_weights``: a transformers model's weights as checkpoint-named tensors (and back).
@@ -28,13 +26,12 @@ from .errors import (BadResponse, RequestFailed, RewardError, RolloutError, Serv
                      ServerUnresponsive, StaleWeights, TooManyRestarts, WeightSyncError)
 from .local_engine import LocalEngine
 from .mismatch import logprob_mismatch
-from .rewards import Rewards, load_reward_fn, score
 from .sglang_engine import SGLangEngine
 from .types import Group, RolloutEngine, Sample, SamplingParams, SyncStats, flatten
 
 __all__ = [
-    "BadResponse", "Group", "LocalEngine", "RequestFailed", "RewardError", "Rewards", "RolloutEngine",
+    "BadResponse", "Group", "LocalEngine", "RequestFailed", "RewardError", "RolloutEngine",
     "RolloutError", "SGLangConfig", "SGLangEngine", "Sample", "SamplingParams", "ServerDied", "ServerStartError",
     "ServerUnresponsive", "StaleWeights", "SyncStats", "TooManyRestarts", "WeightSyncConfig", "WeightSyncError",
-    "flatten", "load_reward_fn", "logprob_mismatch", "samples_to_batch", "score",
+    "flatten", "logprob_mismatch", "samples_to_batch",
 ]

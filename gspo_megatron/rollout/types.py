@@ -79,7 +79,7 @@ class Sample:
     # [P + R - 1, layers, top-k] int16, row t for the token at position t of prompt + response (the last token is
     # never forwarded: it has no row). The trainer's batch key of the same name stacks them (``rollout.batch``).
     rollout_routing: torch.Tensor | None = None
-    # Multi-turn trajectories (``rollout.multiturn``): response_ids holds the model's turns and the environment's
+    # Multi-turn trajectories (``rewards.multiturn``): response_ids holds the model's turns and the environment's
     # observations in order; response_mask[j] is True where the model sampled response_ids[j] (only those carry a
     # log-prob, a loss and an advantage; observation positions have logprobs 0). None: every token is the model's.
     response_mask: list[bool] | None = None

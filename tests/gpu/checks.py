@@ -37,7 +37,7 @@ TINY = "--tiny" in sys.argv
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are imported
 
-# (HF sizes for rollout.synthetic.save_tiny_model, padded sequence length). GPU: a 204M-parameter Qwen3-MoE
+# (HF sizes for rewards.synthetic.save_tiny_model, padded sequence length). GPU: a 204M-parameter Qwen3-MoE
 # (bench/weight_sync.py's), 8 sequences of 1024 tokens per step; tiny: the test model, 8 of 32.
 SIZES = {
     "gpu": (dict(vocab_size=32000, hidden_size=1024, num_layers=5, num_heads=16, num_kv_heads=4, head_dim=64,
@@ -213,7 +213,7 @@ def weight_export(policy) -> dict:
 def main(out: str) -> None:
     from gspo_megatron import environment
     from gspo_megatron.parallel import groups
-    from gspo_megatron.rollout.synthetic import save_tiny_model
+    from gspo_megatron.rewards.synthetic import save_tiny_model
 
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 in the bf16-fp32 comparison
     torch.backends.cudnn.allow_tf32 = False

@@ -118,7 +118,7 @@ SEQ = 256
 
 def tiny_model(name: str, directory) -> str:
     """A tiny model directory: the CPU example's Qwen3-MoE, or a family variant of tests/model/hf_tiny.py."""
-    from gspo_megatron.rollout.synthetic import save_tiny_model
+    from gspo_megatron.rewards.synthetic import save_tiny_model
     from tests.model import hf_tiny
 
     if name == "qwen3_moe":

@@ -32,11 +32,12 @@ def _generate(engine, multiturn: bool) -> list:
     """Single-turn samples, or 3-turn trajectories of ``ScriptedEnv`` (text and token-id observations)."""
     from types import SimpleNamespace
 
-    from gspo_megatron.rollout import SamplingParams, flatten, synthetic
-    from gspo_megatron.rollout.multiturn import TurnLimits, generate_trajectories
+    from gspo_megatron.rewards import synthetic
+    from gspo_megatron.rewards.multiturn import TurnLimits, generate_trajectories
+    from gspo_megatron.rollout import SamplingParams, flatten
+    from tests.rewards.user_envs import ScriptedEnv
 
     from .helpers import prompts
-    from .user_envs import ScriptedEnv
 
     if not multiturn:
         return flatten(engine.generate(prompts(N_PROMPTS, seed=30), n=GROUP,

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gspo_megatron.rewards import synthetic
 from gspo_megatron.rollout import LocalEngine, SamplingParams, flatten, logprob_mismatch, samples_to_batch
-from gspo_megatron.rollout import hf_weights, synthetic
+from gspo_megatron.rollout import hf_weights
 from gspo_megatron.rollout.local_engine import _filter
 
 from .helpers import fused_logprobs, prompts

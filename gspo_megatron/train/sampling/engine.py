@@ -19,6 +19,9 @@ from gspo_megatron.train.startup.config import Config, ConfigError
 def make_engine(cfg: Config, hf_dir: str | Path, tokenizer):
     """The configured engine on global rank 0, None elsewhere (collective: the others wait until it is up)."""
     from gspo_megatron.train.sampling import colocate
+    from gspo_megatron.train.startup.bootstrap import engine_model_dir
+
+    hf_dir = engine_model_dir(cfg, Path(hf_dir))  # an FP8 checkpoint's dequantized copy: the weights we train
 
     if colocate.on_several_nodes(cfg):  # rollout.colocate: each node's leader launches its servers (colocate.py)
         return colocate.engine_on_each_node(cfg, sglang_config(cfg, hf_dir))

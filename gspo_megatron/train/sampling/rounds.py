@@ -18,9 +18,10 @@ from typing import Any, Callable
 
 import torch
 
-from gspo_megatron.rollout import LocalEngine, SamplingParams, score
-from gspo_megatron.rollout.multiturn import TurnLimits, generate_trajectories, load_env, turn_metrics
-from gspo_megatron.rollout.rewards import score_segments
+from gspo_megatron.rewards import score
+from gspo_megatron.rewards.multiturn import TurnLimits, generate_trajectories, load_env, turn_metrics
+from gspo_megatron.rewards.rewards import score_segments
+from gspo_megatron.rollout import LocalEngine, SamplingParams
 from gspo_megatron.train.resilience import fault_injection
 from gspo_megatron.train.startup.bootstrap import reward_function
 from gspo_megatron.train.startup.config import Config
@@ -110,7 +111,7 @@ def _score_samples(sampler: Sampler, samples, prompts: list[Prompt]) -> tuple:
 
 
 def _trajectories(sampler: Sampler, prompts: list[Prompt], step: int, n: int, sampling_round: int = 0):
-    """n multi-turn trajectories per prompt with rollout.env (``rollout.multiturn``); same results as above."""
+    """n multi-turn trajectories per prompt with rollout.env (``rewards.multiturn``); same results as above."""
     cfg, engine, tokenizer = sampler.cfg, sampler.engine, sampler.tokenizer
     r = cfg.rollout
     concurrency = 1 if isinstance(engine, LocalEngine) else r.env_concurrency  # the local engine: one at a time

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import torch
@@ -9,13 +10,15 @@ import torch.distributed as dist
 
 from gspo_megatron.model.bridge import Bridge
 from gspo_megatron.model.hf_config import load_config_json, read_hf_config
-from gspo_megatron.model.hf_files import SafetensorsDir
+from gspo_megatron.model import fp8
+from gspo_megatron.model.hf_files import open_hf_dir, plain_copy
 from gspo_megatron.parallel import control
-from gspo_megatron.rollout import rewards
-from gspo_megatron.rollout.reward_pool import RewardPool
-from gspo_megatron.rollout.synthetic import demonstration, make_problems, save_tiny_model, tiny_config
-from gspo_megatron.rollout.user_code import load_named
+from gspo_megatron.rewards import rewards
+from gspo_megatron.rewards.reward_pool import RewardPool
+from gspo_megatron.rewards.synthetic import demonstration, make_problems, save_tiny_model, tiny_config
+from gspo_megatron.rewards.user_code import load_named
 from gspo_megatron.train.startup.config import Config, ConfigError
+from gspo_megatron.train.startup.run_dirs import ENGINE_MODEL
 from gspo_megatron.train.startup.data import PromptFormat, PromptStream, check_prompt_lengths, load_jsonl, task_prompts
 from gspo_megatron.train.update.loss import LossConfig
 
@@ -95,7 +98,7 @@ def preflight(cfg: Config, rank: int = 0) -> None:
         return
     if not cfg.model.megatron_checkpoint:  # the safetensors' names and shapes against the config (headers only)
         try:
-            Bridge(read_hf_config(hf_dir)).check_hf_tensors(SafetensorsDir(hf_dir).shapes())
+            Bridge(read_hf_config(hf_dir)).check_hf_tensors(open_hf_dir(hf_dir).shapes())  # as the load reads it
         except (ValueError, FileNotFoundError) as e:
             raise ConfigError(f"model.hf_dir={cfg.model.hf_dir!r}: {e}") from None
     if cfg.data.prompts:
@@ -133,6 +136,32 @@ def prepare_model_dir(cfg: Config) -> Path:
             build_tiny_model(cfg, hf_dir)
         control.barrier()  # the others wait for rank 0's build and warm start where no NCCL watchdog fires
     return hf_dir
+
+
+def engine_model_dir(cfg: Config, hf_dir: Path) -> Path:
+    """The HF directory the rollout engine loads: ``hf_dir`` itself, or for a block-scaled FP8 checkpoint its
+    dequantized copy in ``logging.dir`` (written once by rank 0; collective). The trainer holds the dequantized
+    weights and the weight sync sends them in that dtype, so the engine must start from them too: an SGLang server
+    given the FP8 directory would build FP8 layers, and transformers cannot load one without a GPU."""
+    config = load_config_json(hf_dir / "config.json")
+    if not fp8.block_size(config):
+        return hf_dir
+    if cfg.rollout.engine == "sglang" and cfg.rollout.urls:  # the user's servers: they loaded what they loaded
+        if dist.get_rank() == 0:
+            print("gspo-megatron train: model.hf_dir is a block-scaled FP8 checkpoint; the servers of rollout.urls "
+                  "must serve its dequantized weights (docs/models.md), as the trainer syncs those", flush=True)
+        return hf_dir
+    out = Path(cfg.logging.dir).absolute() / ENGINE_MODEL
+    if dist.get_rank() == 0:
+        kept = out / "config.json"
+        if kept.is_file() and load_config_json(kept) != fp8.dequantized_config(config):  # another model's copy
+            shutil.rmtree(out)
+        if not kept.is_file():
+            print(f"gspo-megatron train: model.hf_dir is a block-scaled FP8 checkpoint; writing its dequantized copy "
+                  f"for the rollout engine to {out}", flush=True)
+        plain_copy(hf_dir, out)
+    control.barrier()  # the others wait where no NCCL watchdog fires
+    return out
 
 
 def build_tiny_model(cfg: Config, hf_dir: Path) -> None:

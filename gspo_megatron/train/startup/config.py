@@ -36,7 +36,7 @@ class ModelConfig:
     tiny: dict = field(default_factory=dict)
     """If set and ``hf_dir`` does not exist yet: build a random model there of these sizes (vocab_size, hidden_size,
     num_layers, num_heads, num_kv_heads, head_dim, num_experts, top_k, moe_intermediate_size) and ``family``:
-    qwen3_moe (the default), glm4_moe or deepseek_v3 (rollout/synthetic.py)."""
+    qwen3_moe (the default), glm4_moe or deepseek_v3 (rewards/synthetic.py)."""
     warm_start_steps: int = 0
     """With ``tiny`` and ``data.task``: this many supervised steps of 32 task demonstrations before RL (the CPU
     example's brief warm start, so the random model has seen the answer format; the tool-use example's, so it has
@@ -245,7 +245,7 @@ class RolloutConfig:
     with its reward) or mask (out of the loss and of its group's mean and std, like a failed reward: DAPO's
     overlong filtering)."""
     env: str = ""
-    """Multi-turn rollouts (``rollout.multiturn``): an environment class, ``module:Class`` or a built-in
+    """Multi-turn rollouts (``rewards.multiturn``): an environment class, ``module:Class`` or a built-in
     (calculator, python), with reset(prompt) and step(text, token_ids) -> Step(observation, reward, done). The
     trajectory's reward is the sum of its turn rewards (``data.reward`` is not used). Empty: single-turn responses."""
     env_args: dict = field(default_factory=dict)
@@ -367,7 +367,7 @@ class DataConfig:
     chat_template_kwargs: dict = field(default_factory=dict)
     """Passed to the chat template, e.g. {enable_thinking: false} for Qwen3."""
     task: str = ""
-    """A synthetic task shipped in the repo instead of a file (gspo_megatron.rollout.synthetic: reverse, copy, add,
+    """A synthetic task shipped in the repo instead of a file (gspo_megatron.rewards.synthetic: reverse, copy, add,
     count, mul)."""
     eval_prompts: str = ""
     """Held-out prompts for train.eval_every (the formats of ``prompts``); with ``task``: 64 of the task's problems
@@ -379,7 +379,7 @@ class DataConfig:
     count it; the count is printed at start). A built-in task's prompts must always fit."""
     reward: str = "math"
     """math, exact_match, synthetic (the built-in tasks' partial-credit score), code_tests (the fraction of the
-    prompt's tests, its "tests" field, that the response's program passes in a sandbox: rollout/code_tests.py), or
+    prompt's tests, its "tests" field, that the response's program passes in a sandbox: rewards/code_tests.py), or
     module:function."""
     reward_workers: int = 2
     """Reward calls run in this many worker processes (rank 0's), each call limited to ``reward_timeout_s``: a reward

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gspo_megatron.rollout.synthetic import make_problems
+from gspo_megatron.rewards.synthetic import make_problems
 
 
 class DataError(ValueError):

@@ -18,8 +18,9 @@ from gspo_megatron.train.records.checkpoint import check_resumable
 from gspo_megatron.train.startup.config import Config, ConfigError
 
 METRICS = "metrics.jsonl"
+ENGINE_MODEL = "engine_model"  # the dequantized copy an FP8 model.hf_dir is served from (bootstrap.engine_model_dir)
 # What a run leaves in logging.dir beside metrics.jsonl (removed with it by --overwrite)
-LOGGING_FILES = (METRICS, "metrics.png", "tensorboard", "elastic_run.json")
+LOGGING_FILES = (METRICS, "metrics.png", "tensorboard", "elastic_run.json", ENGINE_MODEL)
 
 
 def used_by(cfg: Config) -> list[str]:

@@ -184,7 +184,7 @@ def validate_env(cfg: Config) -> None:
         raise ConfigError(f"algo.gamma={a.gamma} applies to algo.token_advantages='turns' only")
     if not r.env:
         return
-    from gspo_megatron.rollout.multiturn import BUILTIN_ENVS, load_env
+    from gspo_megatron.rewards.multiturn import BUILTIN_ENVS, load_env
 
     try:
         env_class = load_env(r.env)

@@ -78,7 +78,7 @@ def _slow_rollout_and_eval(model_dir: str) -> dict:
 
 
 def test_rank0_rollout_longer_than_the_collective_timeout(tmp_path):
-    from gspo_megatron.rollout.synthetic import save_tiny_model
+    from gspo_megatron.rewards.synthetic import save_tiny_model
 
     model_dir = save_tiny_model(tmp_path / "model", seed=0, vocab_size=128, hidden_size=32, num_layers=1, num_heads=2,
                                 num_kv_heads=1, head_dim=16, num_experts=2, top_k=1, moe_intermediate_size=16)

@@ -15,12 +15,12 @@ from gspo_megatron.train.startup.validate import validate
 from tests import warm_cli
 
 ROOT = Path(__file__).resolve().parents[3]
-ENV = "tests.rollout.user_envs:ScriptedEnv"
+ENV = "tests.rewards.user_envs:ScriptedEnv"
 
 
 @pytest.mark.parametrize("overrides, message", [
     (["rollout.env=no_such_module_xyz:Env"], r"rollout.env='no_such_module_xyz:Env': cannot import"),
-    (["rollout.env=tests.rollout.user_envs:Missing"], r"rollout.env=.*no class 'Missing'"),
+    (["rollout.env=tests.rewards.user_envs:Missing"], r"rollout.env=.*no class 'Missing'"),
     (["rollout.env=calculatorr"], r"rollout.env='calculatorr' is neither a built-in"),
     ([f"rollout.env={ENV}", "rollout.max_turns=0"], r"rollout.max_turns=0 must be > 0"),
     (["algo.token_advantages=turns", "algo.name=gspo_token"], r"algo.token_advantages='turns' needs rollout.env"),
@@ -79,7 +79,7 @@ def test_loop_runs_multiturn_rollouts(tmp_path):
 def test_warm_start_trains_the_model_turns_only():
     """demonstration_batch: labels are the ids on the model's turns (EOS included) and -100 on the prompt, the
     calculator's observations and the padding; a single-turn task's rows are prompt + answer + EOS as before."""
-    from gspo_megatron.rollout.synthetic import EOS, Problem, char_tokenizer, make_problems
+    from gspo_megatron.rewards.synthetic import EOS, Problem, char_tokenizer, make_problems
     from gspo_megatron.train.startup.bootstrap import demonstration_batch
 
     tokenizer = char_tokenizer(128)

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from gspo_megatron.rollout.synthetic import char_tokenizer
+from gspo_megatron.rewards.synthetic import char_tokenizer
 from gspo_megatron.train.startup.data import (
     DataError, PromptFormat, PromptStream, check_prompt_lengths, load_jsonl, task_prompts,
 )

@@ -18,7 +18,7 @@ EXAMPLE = str(ROOT / "examples/tiny_moe_cpu.yaml")
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    from gspo_megatron.rollout.synthetic import save_tiny_model
+    from gspo_megatron.rewards.synthetic import save_tiny_model
 
     return save_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
 

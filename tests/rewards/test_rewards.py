@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gspo_megatron.rollout import RewardError, Sample, load_reward_fn, score
-from gspo_megatron.rollout.rewards import extract_answer, math_reward, normalize_answer
-from gspo_megatron.rollout.synthetic import TASKS, make_problems, position_credit
+from gspo_megatron.rewards import load_reward_fn, score
+from gspo_megatron.rewards.rewards import extract_answer, math_reward, normalize_answer
+from gspo_megatron.rewards.synthetic import TASKS, make_problems, position_credit
+from gspo_megatron.rollout import RewardError, Sample
 
 
 @pytest.mark.parametrize("response, label, expected", [
@@ -58,16 +59,16 @@ def _samples(count):
 
 
 def test_user_function_by_module_path():
-    fn = load_reward_fn("tests.rollout.user_rewards:length_reward")
+    fn = load_reward_fn("tests.rewards.user_rewards:length_reward")
     out = score(fn, _samples(2), [None, None], ["p", "p"], ["abcde", "ab"])
     assert out.values.tolist() == pytest.approx([0.5, 0.2]) and out.valid.all()
 
 
 @pytest.mark.parametrize("spec, match", [
     ("nope", "neither a built-in"),
-    ("tests.rollout.no_such_module:f", "cannot import"),
-    ("tests.rollout.user_rewards:missing", "no callable"),
-    ("tests.rollout.user_rewards:not_callable", "no callable"),
+    ("tests.rewards.no_such_module:f", "cannot import"),
+    ("tests.rewards.user_rewards:missing", "no callable"),
+    ("tests.rewards.user_rewards:not_callable", "no callable"),
 ])
 def test_bad_reward_specs(spec, match):
     with pytest.raises(ValueError, match=match):
@@ -80,13 +81,13 @@ def test_bad_reward_specs(spec, match):
     ("returns_text", ["a", "b"], r"returned '1.0' \(str\), not a number for sample prompt 0, sample 0"),
 ])
 def test_bad_rewards_raise_naming_the_sample(name, responses, match):
-    fn = load_reward_fn(f"tests.rollout.user_rewards:{name}")
+    fn = load_reward_fn(f"tests.rewards.user_rewards:{name}")
     with pytest.raises(RewardError, match=match):
         score(fn, _samples(2), ["l", "l"], ["p", "p"], responses)
 
 
 def test_bad_rewards_are_masked_when_configured():
-    fn = load_reward_fn("tests.rollout.user_rewards:nan_for_b")
+    fn = load_reward_fn("tests.rewards.user_rewards:nan_for_b")
     out = score(fn, _samples(3), ["l"] * 3, ["p"] * 3, ["a", "b", "c"], on_error="mask")
     assert out.values.tolist() == [0.5, 0.0, 0.5] and out.valid.tolist() == [True, False, True]
     assert torch.isfinite(out.values).all() and len(out.errors) == 1 and "prompt 1" in out.errors[0]
@@ -105,7 +106,7 @@ def test_score_checks_lengths():
     ([], "ab"),
 ])
 def test_synthetic_segments_sum_to_the_sequence_reward(tokens, answer):
-    from gspo_megatron.rollout.synthetic import position_credit_segments
+    from gspo_megatron.rewards.synthetic import position_credit_segments
 
     segments = position_credit_segments(tokens, answer)
     assert [end for end, _ in segments] == list(range(1, len(tokens) + 1))
@@ -116,7 +117,7 @@ def test_synthetic_segments_sum_to_the_sequence_reward(tokens, answer):
 
 
 def test_segment_rewards_are_checked_and_masked():
-    from gspo_megatron.rollout.rewards import BUILTIN_SEGMENTS, score_segments
+    from gspo_megatron.rewards.rewards import BUILTIN_SEGMENTS, score_segments
 
     samples = [Sample([1], [2, 3], [-0.1, -0.2], "stop", "v", i, 0) for i in range(4)]
     answers = {0: [(1, 0.5), (2, 1.0)], 1: [(2, 0.1), (1, 0.2)], 2: [(3, 1.0)], 3: [(2, float("nan"))]}

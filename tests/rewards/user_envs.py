@@ -1,8 +1,8 @@
-"""Environments for the multi-turn tests (loaded by name: ``tests.rollout.user_envs:ScriptedEnv``)."""
+"""Environments for the multi-turn tests (loaded by name: ``tests.rewards.user_envs:ScriptedEnv``)."""
 
 from __future__ import annotations
 
-from gspo_megatron.rollout.multiturn import Step
+from gspo_megatron.rewards.multiturn import Step
 
 OBSERVATION_IDS = [7, 8, 9]
 

@@ -1,8 +1,8 @@
 """Rewards that misbehave, and the code-execution reward's sandbox.
 
-The reward pool (``rollout.reward_pool``): a reward that hangs is killed at its time limit, one that kills its own
+The reward pool (``rewards.reward_pool``): a reward that hangs is killed at its time limit, one that kills its own
 process is noticed, both masked and counted whatever ``on_error`` says, the other samples of the batch scored, and
-the pool goes on with fresh workers. ``code_tests`` (``rollout.code_tests``, ``rollout.sandbox``): right 1.0, wrong
+the pool goes on with fresh workers. ``code_tests`` (``rewards.code_tests``, ``rewards.sandbox``): right 1.0, wrong
 0.0, partly right the fraction; an infinite loop, a memory bomb and endless output are stopped by their limits.
 """
 
@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from gspo_megatron.rollout import RewardError, Sample, score
-from gspo_megatron.rollout.code_tests import code_tests_reward, extract_program
-from gspo_megatron.rollout.reward_pool import RewardPool
-from gspo_megatron.rollout.sandbox import Limits, network_isolation, run_python
+from gspo_megatron.rewards import score
+from gspo_megatron.rewards.code_tests import code_tests_reward, extract_program
+from gspo_megatron.rewards.reward_pool import RewardPool
+from gspo_megatron.rewards.sandbox import Limits, network_isolation, run_python
+from gspo_megatron.rollout import RewardError, Sample
 
 TIMEOUT_S = 1.5
 
@@ -26,7 +27,7 @@ def _samples(count):
 
 
 def test_hanging_and_crashing_rewards_are_masked_counted_and_never_stall():
-    pool = RewardPool("tests.rollout.user_rewards:misbehaves", workers=2, timeout_s=TIMEOUT_S)
+    pool = RewardPool("tests.rewards.user_rewards:misbehaves", workers=2, timeout_s=TIMEOUT_S)
     try:
         assert pool.map([("p", "ab", None)]) == [(0.2, None)]  # workers up (their start does not count)
         responses = ["abc", "hang", "crash", "raise", "abcd", "hang", "a"]
@@ -57,9 +58,9 @@ def test_hanging_and_crashing_rewards_are_masked_counted_and_never_stall():
 
 
 def test_segment_rewards_in_the_pool_are_masked_the_same_way():
-    from gspo_megatron.rollout.rewards import BUILTIN_SEGMENTS, score_segments
+    from gspo_megatron.rewards.rewards import BUILTIN_SEGMENTS, score_segments
 
-    pool = RewardPool("tests.rollout.user_rewards:segments_misbehave", workers=2, timeout_s=TIMEOUT_S,
+    pool = RewardPool("tests.rewards.user_rewards:segments_misbehave", workers=2, timeout_s=TIMEOUT_S,
                       builtin="BUILTIN_SEGMENTS")
     try:
         samples = _samples(3)
@@ -77,7 +78,7 @@ def test_segment_rewards_in_the_pool_are_masked_the_same_way():
 
 
 def test_a_reward_the_workers_cannot_load_is_an_error():
-    pool = RewardPool("tests.rollout.user_rewards:missing", workers=1, timeout_s=5)
+    pool = RewardPool("tests.rewards.user_rewards:missing", workers=1, timeout_s=5)
     with pytest.raises(ValueError, match="could not load it: ValueError: .* no callable 'missing'"):
         pool.map([("p", "r", None)])
     pool.close()
@@ -141,8 +142,8 @@ def test_a_trainer_that_fails_still_exits():
     import subprocess
     import sys
 
-    code = ("from gspo_megatron.rollout.reward_pool import RewardPool\n"
-            "pool = RewardPool('tests.rollout.user_rewards:misbehaves', workers=2, timeout_s=5)\n"
+    code = ("from gspo_megatron.rewards.reward_pool import RewardPool\n"
+            "pool = RewardPool('tests.rewards.user_rewards:misbehaves', workers=2, timeout_s=5)\n"
             "assert pool.map([('p', 'ab', None)]) == [(0.2, None)]\n"
             "raise RuntimeError('the trainer fails')\n")
     root = Path(__file__).resolve().parents[2]

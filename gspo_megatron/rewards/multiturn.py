@@ -19,10 +19,10 @@ for another model token ("length"). ``concurrency`` trajectories are in flight a
 batches their requests). With rollout routing replay the engine's routes of every call are assembled into the
 trajectory's (each position's from the call that first routed it).
 
-Built in: ``calculator`` (``CalculatorEnv``), ``python`` (``PythonEnv``: code run in ``rollout.sandbox``).
+Built in: ``calculator`` (``CalculatorEnv``), ``python`` (``PythonEnv``: code run in ``rewards.sandbox``).
 
 One module although over 350 lines: the built-in environments are the worked examples of the ``Env`` / ``Step``
-protocol the trajectory loop defines, read beside it (their sandbox, the heavy part, is ``rollout.sandbox``).
+protocol the trajectory loop defines, read beside it (their sandbox, the heavy part, is ``rewards.sandbox``).
 """
 
 from __future__ import annotations
@@ -39,11 +39,11 @@ from typing import Any, Protocol, Sequence
 
 import torch
 
-from .errors import RewardError
+from ..rollout.errors import RewardError
+from ..rollout.types import Group, Sample, SamplingParams
 from .rewards import Rewards, math_reward
 from .sandbox import Limits, run_python
 from .tool_calls import calculator_observation
-from .types import Group, Sample, SamplingParams
 from .user_code import load_named
 
 
@@ -327,7 +327,7 @@ TRUNCATED = "[output truncated]"
 
 class PythonEnv:
     """A Python tool. A turn holding ``<python>print(6*7)</python>`` is a call: the last block of the turn runs as a
-    script in the sandbox (``rollout.sandbox.run_python``: its own process, CPU, memory, output and wall-time
+    script in the sandbox (``rewards.sandbox.run_python``: its own process, CPU, memory, output and wall-time
     limits, a scratch directory, no network where ``unshare`` works) and the observation is
     ``<output>42\\n</output>``: its stdout (at most ``output_bytes``: a program printing more is stopped there and
     ``[output truncated]`` follows), then, if it failed, ``error: `` and the last line of its traceback

@@ -32,9 +32,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .errors import RewardError
+from ..rollout.errors import RewardError
+from ..rollout.types import Sample
 from .synthetic import position_credit, position_credit_segments
-from .types import Sample
 from .user_code import load_named
 
 RewardFn = Callable[[str, str, Any], float]

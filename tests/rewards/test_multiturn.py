@@ -1,4 +1,4 @@
-"""Multi-turn rollouts (``rollout.multiturn``): token-exact trajectories from the local engine and a real SGLang
+"""Multi-turn rollouts (``rewards.multiturn``): token-exact trajectories from the local engine and a real SGLang
 server, environment loading and errors, the calculator tool."""
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ from typing import Any
 import pytest
 import torch
 
+from gspo_megatron.rewards import synthetic
+from gspo_megatron.rewards.multiturn import (CalculatorEnv, TurnLimits, generate_trajectories, load_env, safe_eval,
+                                             turn_metrics)
 from gspo_megatron.rollout import (LocalEngine, RewardError, SamplingParams, ServerDied, flatten, logprob_mismatch,
                                    samples_to_batch)
-from gspo_megatron.rollout import synthetic
-from gspo_megatron.rollout.multiturn import (CalculatorEnv, TurnLimits, generate_trajectories, load_env, safe_eval,
-                                             turn_metrics)
+from tests.rollout.helpers import fused_logprobs, prompts
 
-from .helpers import fused_logprobs, prompts
 from .user_envs import OBSERVATION_IDS, BadRewardEnv, FailingEnv, ScriptedEnv
 
 
@@ -150,10 +150,10 @@ def test_limits_and_env_errors(local):
 
 def test_load_env():
     assert load_env("calculator") is CalculatorEnv
-    assert load_env("tests.rollout.user_envs:ScriptedEnv") is ScriptedEnv
+    assert load_env("tests.rewards.user_envs:ScriptedEnv") is ScriptedEnv
     for spec, match in [("nope", "neither a built-in"), ("no_such_module_xyz:Env", "cannot import"),
-                        ("tests.rollout.user_envs:Missing", "no class"),
-                        ("tests.rollout.user_envs:NotAnEnv", "no class")]:
+                        ("tests.rewards.user_envs:Missing", "no class"),
+                        ("tests.rewards.user_envs:NotAnEnv", "no class")]:
         with pytest.raises(ValueError, match=match):
             load_env(spec)
 

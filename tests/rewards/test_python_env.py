@@ -10,9 +10,10 @@ from typing import Any
 
 import pytest
 
-from gspo_megatron.rollout import SamplingParams, flatten, synthetic
-from gspo_megatron.rollout.multiturn import (TRUNCATED, PythonEnv, Step, TurnLimits, generate_trajectories,
+from gspo_megatron.rewards import synthetic
+from gspo_megatron.rewards.multiturn import (TRUNCATED, PythonEnv, Step, TurnLimits, generate_trajectories,
                                              load_env)
+from gspo_megatron.rollout import SamplingParams, flatten
 from gspo_megatron.rollout.types import Group, Sample
 
 

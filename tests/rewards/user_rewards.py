@@ -1,4 +1,4 @@
-"""User reward functions for test_rewards (loaded as ``tests.rollout.user_rewards:NAME``)."""
+"""User reward functions for test_rewards (loaded as ``tests.rewards.user_rewards:NAME``)."""
 
 
 def length_reward(prompt, response, label):

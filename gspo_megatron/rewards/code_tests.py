@@ -1,5 +1,5 @@
 """The code-execution reward (``data.reward=code_tests``): the response's program against the prompt's tests, in the
-sandbox (``rollout.sandbox``). Reward = the fraction of tests passed.
+sandbox (``rewards.sandbox``). Reward = the fraction of tests passed.
 
 The program is the last fenced code block of the response (```python ... ``` or ``` ... ```), else the whole
 response. The prompt record carries the tests as its label (``"tests"``, or ``"answer"``/``"label"``), a list of
