@@ -205,7 +205,7 @@ class Bridge:
                 if part.sections:
                     index = sharding.in_section(index, part.row_offset(self._dims), shape[0])
                 parts.append(sharding.pad_rows(source.read(name, index), pad))
-            local = sharding.join(rule.join, parts, self._heads_per_group, self.spec.head_dim)
+            local = sharding.join(rule.join, parts, self._heads_per_group, self.spec.head_dim, self._per_head(rule))
             if tuple(local.shape) != tuple(placement.param.shape):
                 raise MappingError(f"{', '.join(placement.hf_names)} give a {list(local.shape)} shard for Megatron "
                                    f"{placement.megatron_name} of shape {list(placement.param.shape)}")
@@ -218,7 +218,10 @@ class Bridge:
         shards = tp_size if sharding.split_dim(split) == 0 else 1
         rows = tuple(self._dims[part.dims[0]] // shards for part in placement.rule.hf)
         return sharding.unjoin(placement.rule.join, placement.param.detach(), self._heads_per_group,
-                               self.spec.head_dim, rows)
+                               self.spec.head_dim, rows, self._per_head(placement.rule))
+
+    def _per_head(self, rule: mapping.Rule) -> tuple[tuple[int, ...], ...]:
+        return tuple(tuple(self._dims[d] for d in part.per_head) for part in rule.hf)
 
     @torch.no_grad()
     def export_hf_weights(self, model, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:

@@ -198,6 +198,9 @@ class ModelSpec:
     def padded_vocab_size(self, multiple: int = VOCAB_MULTIPLE) -> int:
         return int(math.ceil(self.vocab_size / multiple) * multiple)
 
+    def _value_heads_per_key_head(self) -> int:
+        return self.linear_num_value_heads // max(self.linear_num_key_heads, 1)
+
     def dims(self) -> dict[str, int]:
         """Symbolic tensor dimensions the mapping tables use (see ``mapping``)."""
         return {
@@ -224,6 +227,13 @@ class ModelSpec:
             "lin_qkv": 2 * self.linear_num_key_heads * self.linear_key_head_dim
             + self.linear_num_value_heads * self.linear_value_head_dim,
             "lin_heads": self.linear_num_value_heads,
+            # Qwen3-Next's per-key-head layout of in_proj_qkvz ([q; k; v; z] per key head) and in_proj_ba ([b; a])
+            "lin_qkvz": 2 * self.linear_num_key_heads * self.linear_key_head_dim
+            + 2 * self.linear_num_value_heads * self.linear_value_head_dim,
+            "lin_ba": 2 * self.linear_num_value_heads,
+            "lin_k_head": self.linear_key_head_dim,
+            "lin_heads_per_k": self._value_heads_per_key_head(),
+            "lin_v_per_k": self._value_heads_per_key_head() * self.linear_value_head_dim,
             "lin_v_head": self.linear_value_head_dim,
             "lin_kernel": self.linear_conv_kernel_dim,
             "one": 1,

@@ -9,6 +9,9 @@ it (``join``), and how the joined tensor is split over tensor-parallel ranks (``
           "glu"   gate and up projections concatenated: [gate; up] (Megatron's fc1 for a gated MLP)
           "cat"   the parts' rows stacked in order, of any sizes: [q_a_proj; kv_a_proj_with_mqa] (MLA's fused down
                   projection); under "column" each part is split first, so a rank holds [q_r; kv_r]
+          "per_head"  each part holds, per key head, its ``Part.per_head`` sections (Qwen3-Next's in_proj_qkvz:
+                  [q_h; k_h; v_h; z_h], in_proj_ba: [b_h; a_h]); the Megatron tensor holds each section for all of
+                  the rank's key heads in turn: [q; k; v; z; b; a] (the GatedDeltaNet's in_proj)
     split "none"    replicated on every TP rank (norms, router)
           "column"  dim 0 over TP (ColumnParallelLinear); every HF part is split, then the parts are joined,
                     so a rank holds [q_r|k_r|v_r per local group] or [gate_r; up_r], as megatron-core does
@@ -46,7 +49,7 @@ import torch
 from .errors import UnsupportedModel
 from .hf_config import ModelSpec
 
-COPY, QKV, GLU, CAT, GATED_QKV = "copy", "qkv", "glu", "cat", "gated_qkv"
+COPY, QKV, GLU, CAT, GATED_QKV, PER_HEAD = "copy", "qkv", "glu", "cat", "gated_qkv", "per_head"
 NONE, COLUMN, ROW, VOCAB, DOWN = "none", "column", "row", "vocab", "down"
 MODEL, LAYER, DENSE, MOE, EXPERT = "model", "layer", "dense", "moe", "expert"
 FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"  # the gated-DeltaNet hybrids' two layer kinds
@@ -65,6 +68,7 @@ class Part:
     dims: tuple[str, ...]
     sections: tuple[str, ...] = ()
     section: int = 0
+    per_head: tuple[str, ...] = ()  # the "per_head" join: the dims of the sections each key head's rows hold
 
     def full_rows(self, dims: dict[str, int]) -> int:
         return sum(dims[d] for d in self.sections) if self.sections else dims[self.dims[0]]
@@ -230,6 +234,15 @@ GATED_DELTANET = (
     Rule(f"{_LA}.out_proj.weight", (P(f"{_HLA}.out_proj.weight", "hidden", "lin_v"),), split=ROW,
          scope=LINEAR_ATTENTION),
 )
+# Qwen3-Next's DeltaNet: the same but for in_proj, whose q, k, v, z rows come per key head in in_proj_qkvz and the b, a
+# rows per key head in in_proj_ba (transformers' fix_query_key_value_ordering undoes it); TP splits whole key heads.
+QWEN3_NEXT_DELTANET = tuple(
+    Rule(rule.megatron, (Part(f"{_HLA}.in_proj_qkvz.weight", ("lin_qkvz", "hidden"),
+                              per_head=("lin_k_head", "lin_k_head", "lin_v_per_k", "lin_v_per_k")),
+                         Part(f"{_HLA}.in_proj_ba.weight", ("lin_ba", "hidden"),
+                              per_head=("lin_heads_per_k", "lin_heads_per_k"))),
+         join=PER_HEAD, split=COLUMN, scope=LINEAR_ATTENTION)
+    if rule.megatron == f"{_LA}.in_proj.weight" else rule for rule in GATED_DELTANET)
 # Qwen3.5 / Qwen3-Next MoE layers: one shared expert (split over TP like a dense MLP) whose output is scaled by
 # sigmoid(x . shared_expert_gate): megatron's moe_shared_expert_gate, a [1, hidden] gate_weight.
 _HSE = f"{_L}.mlp.shared_expert"
@@ -258,6 +271,7 @@ ARCHITECTURES: dict[str, tuple[Rule, ...]] = {
     "deepseek_v3": EMBEDDING + MLA_ATTENTION + DENSE_MLP + SIGMOID_MOE_MLP + OUTPUT,
     "qwen3_5_text": EMBEDDING + GATED_ATTENTION + GATED_DELTANET + DENSE_MLP + OUTPUT,
     "qwen3_5_moe_text": EMBEDDING + GATED_ATTENTION + GATED_DELTANET + DENSE_MLP + GATED_SHARED_MOE_MLP + OUTPUT,
+    "qwen3_next": EMBEDDING + GATED_ATTENTION + QWEN3_NEXT_DELTANET + DENSE_MLP + GATED_SHARED_MOE_MLP + OUTPUT,
 }
 
 # HF tensors SGLang's ``load_weights`` joins into one parameter only when both arrive in the same call, each a pair

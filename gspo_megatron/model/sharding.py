@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .mapping import CAT, COLUMN, COPY, DOWN, GATED_QKV, GLU, NONE, QKV, ROW, VOCAB
+from .mapping import CAT, COLUMN, COPY, DOWN, GATED_QKV, GLU, NONE, PER_HEAD, QKV, ROW, VOCAB
 
 
 def resolve(split: str, param: torch.Tensor) -> str:
@@ -61,8 +61,10 @@ def pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([tensor, tensor.new_zeros((rows,) + tuple(tensor.shape[1:]))])
 
 
-def join(kind: str, parts: list[torch.Tensor], heads_per_group: int, head_dim: int) -> torch.Tensor:
-    """HF parts (already this rank's shards) -> this rank's Megatron tensor."""
+def join(kind: str, parts: list[torch.Tensor], heads_per_group: int, head_dim: int,
+         per_head: tuple[tuple[int, ...], ...] = ()) -> torch.Tensor:
+    """HF parts (already this rank's shards) -> this rank's Megatron tensor. ``per_head``: for ``per_head``, each
+    part's section sizes per key head."""
     if kind == COPY:
         (tensor,) = parts
         return tensor
@@ -86,13 +88,20 @@ def join(kind: str, parts: list[torch.Tensor], heads_per_group: int, head_dim: i
         gate = q_gate[:, :, 1].reshape((groups, heads_per_group * head_dim) + rest)
         return torch.cat([q, gate, k.reshape((groups, head_dim) + rest), v.reshape((groups, head_dim) + rest)],
                          dim=1).reshape((-1,) + rest)
+    if kind == PER_HEAD:
+        sections = []
+        for part, sizes in zip(parts, per_head):
+            rest = tuple(part.shape[1:])
+            by_head = part.reshape((part.shape[0] // sum(sizes), sum(sizes)) + rest)
+            sections += [s.reshape((-1,) + rest) for s in by_head.split(list(sizes), dim=1)]
+        return torch.cat(sections, dim=0)
     raise ValueError(f"unknown join {kind!r}")
 
 
 def unjoin(kind: str, tensor: torch.Tensor, heads_per_group: int, head_dim: int,
-           rows: tuple[int, ...] = ()) -> list[torch.Tensor]:
-    """This rank's Megatron tensor -> its HF parts (views where possible). ``rows``: for ``cat``, each part's rows
-    on this rank."""
+           rows: tuple[int, ...] = (), per_head: tuple[tuple[int, ...], ...] = ()) -> list[torch.Tensor]:
+    """This rank's Megatron tensor -> its HF parts (views where possible). ``rows``: for ``cat`` and ``per_head``,
+    each part's rows on this rank; ``per_head`` as for ``join``."""
     if kind == COPY:
         return [tensor]
     if kind == GLU:
@@ -115,6 +124,12 @@ def unjoin(kind: str, tensor: torch.Tensor, heads_per_group: int, head_dim: int,
         shape = (q.shape[0], heads_per_group, 1, head_dim) + rest
         q_gate = torch.cat([q.reshape(shape), gate.reshape(shape)], dim=2)
         return [q_gate.reshape((-1,) + rest), k.reshape((-1,) + rest), v.reshape((-1,) + rest)]
+    if kind == PER_HEAD:
+        rest = tuple(tensor.shape[1:])
+        heads = [r // sum(sizes) for r, sizes in zip(rows, per_head)]
+        sections = iter(tensor.split([h * size for h, sizes in zip(heads, per_head) for size in sizes], dim=0))
+        return [torch.cat([next(sections).reshape((h, size) + rest) for size in sizes], dim=1).reshape((-1,) + rest)
+                for h, sizes in zip(heads, per_head)]
     raise ValueError(f"unknown join {kind!r}")
 
 

@@ -85,6 +85,9 @@ HYBRID_VARIANTS: dict[str, tuple[str, dict]] = {
                                              vision_config=_VISION)),
     "qwen3_5": ("Qwen3_5Config", dict(text_config=dict(_HYBRID_TEXT, vocab_size=128, rope_parameters=_MROPE),
                                       vision_config=_VISION)),
+    # a causal LM (no vision tower), plain 1-D RoPE, in_proj_qkvz / in_proj_ba per key head
+    "qwen3_next": ("Qwen3NextConfig", dict(_HYBRID_TEXT, **_MOE, rope_parameters={
+        "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})),
 }
 # vision-language configs: the class that holds the text model and the vision tower
 WRAPPER_MODELS = {"Qwen3_5MoeConfig": "Qwen3_5MoeForConditionalGeneration",
@@ -135,6 +138,15 @@ def build_hf_model(variant: str, seed: int = 0):
     return model.eval()
 
 
+def load_hf_model(model_dir: Path):
+    """A saved tiny model as transformers loads it (the vision-language wrappers by their class), fp32, eager."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    cls = getattr(transformers, WRAPPER_MODELS.get(type(config).__name__, "AutoModelForCausalLM"))
+    return cls.from_pretrained(model_dir, attn_implementation="eager", dtype=torch.float32).eval()
+
+
 def input_tokens(vocab_size: int, seed: int = 5) -> torch.Tensor:
     return torch.randint(0, vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
 
@@ -180,18 +192,20 @@ def add_mtp_tensors(model_dir: Path, config, seed: int) -> None:
     save_file(tensors, model_dir / "model.safetensors", metadata={"format": "pt"})
 
 
-WITH_QWEN_MTP_TENSORS = ("qwen3_5_moe",)
+WITH_QWEN_MTP_TENSORS = ("qwen3_5_moe", "qwen3_next")
 
 
 def add_qwen_mtp_tensors(model_dir: Path, seed: int) -> None:
-    """A few of the mtp.* tensors Qwen3.5's releases store (transformers builds none; the config declares
-    mtp_num_hidden_layers), at their own prefix beside model.language_model.* and model.visual.*."""
+    """A few of the mtp.* tensors Qwen3.5's and Qwen3-Next's releases store (transformers builds none; the config
+    declares mtp_num_hidden_layers), at their own prefix beside model.language_model.* and model.visual.*
+    (Qwen3-Next: model.*)."""
     import json
 
     from safetensors.torch import load_file, save_file
 
     config = json.loads((model_dir / "config.json").read_text())
-    hidden = config["text_config"]["hidden_size"]
+    text = config.get("text_config", config)  # Qwen3-Next: a causal LM's config
+    hidden = text["hidden_size"]
     g = torch.Generator().manual_seed(2000 + seed)
     tensors = load_file(model_dir / "model.safetensors")
     tensors.update({"mtp.fc.weight": torch.randn(hidden, 2 * hidden, generator=g),
@@ -199,7 +213,7 @@ def add_qwen_mtp_tensors(model_dir: Path, seed: int) -> None:
                     "mtp.norm.weight": torch.randn(hidden, generator=g),
                     "mtp.layers.0.self_attn.q_proj.weight": torch.randn(64, hidden, generator=g).to(torch.bfloat16)})
     save_file(tensors, model_dir / "model.safetensors", metadata={"format": "pt"})
-    config["text_config"]["mtp_num_hidden_layers"] = 1
+    text["mtp_num_hidden_layers"] = 1
     (model_dir / "config.json").write_text(json.dumps(config, indent=2))
 
 

@@ -108,6 +108,8 @@ def test_rule_tables_are_well_formed():
         for rule in rules:
             if rule.join == mapping.CAT:  # any number of parts, of any sizes
                 assert len(rule.hf) >= 2, (family, rule.megatron)
+            elif rule.join == mapping.PER_HEAD:  # each part says its sections per key head
+                assert len(rule.hf) >= 1 and all(p.per_head for p in rule.hf), (family, rule.megatron)
             else:
                 assert len(rule.hf) == arity[rule.join], (family, rule.megatron)
             # a tensor's row sections come in order, all of them, one after the other (the export stacks them)
