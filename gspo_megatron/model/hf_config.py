@@ -478,7 +478,7 @@ def read_hf_config(config: dict | str | Path) -> ModelSpec:
         num_layers=num_layers,
         num_attention_heads=heads,
         num_key_value_heads=int(config.get("num_key_value_heads") or heads),
-        ffn_hidden_size=_int(config, "intermediate_size"),
+        ffn_hidden_size=_ffn_hidden_size(config, num_layers, num_experts),
         norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         **_rope_fields(config, family),
         **attention,
@@ -488,7 +488,6 @@ def read_hf_config(config: dict | str | Path) -> ModelSpec:
         qk_norm=_flag(config, family.qk_norm),
         qkv_bias=_flag(config, family.qkv_bias),
         rotary_percent=_rotary_percent(config, family),
-        # hub configs say num_nextn_predict_layers, transformers' DeepseekV3Config num_mtp_layers
         # hub configs say num_nextn_predict_layers (Qwen3-Next / 3.5: mtp_num_hidden_layers), transformers'
         # DeepseekV3Config num_mtp_layers
         mtp_layers=int(config.get("num_nextn_predict_layers") or config.get("num_mtp_layers")
@@ -498,6 +497,14 @@ def read_hf_config(config: dict | str | Path) -> ModelSpec:
         **moe,
         **hybrid,
     )
+
+
+def _ffn_hidden_size(config: dict, num_layers: int, num_experts: int) -> int:
+    """The dense MLP width; a model whose every layer is MoE may leave it out (Qwen3.5-MoE's text configs do), and
+    then megatron is given the experts' width, which builds nothing (no dense MLP)."""
+    if "intermediate_size" in config or not all(_moe_layers(config, num_layers, num_experts)):
+        return _int(config, "intermediate_size")
+    return _int(config, "moe_intermediate_size")
 
 
 def _gated_deltanet_fields(config: dict, num_layers: int) -> dict:
