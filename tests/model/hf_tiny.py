@@ -75,13 +75,15 @@ VARIANTS: dict[str, tuple[str, dict]] = {
 _HYBRID_TEXT = dict(_COMMON, num_hidden_layers=4, head_dim=16, vocab_size=100, linear_conv_kernel_dim=4,
                     linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
                     tie_word_embeddings=False)
+_NO_DENSE_MLP = {k: v for k, v in _HYBRID_TEXT.items() if k != "intermediate_size"}
 _MROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 0],
           "mrope_interleaved": True}
 _VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=4,
                num_position_embeddings=16)
 _MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24)
 HYBRID_VARIANTS: dict[str, tuple[str, dict]] = {
-    "qwen3_5_moe": ("Qwen3_5MoeConfig", dict(text_config=dict(_HYBRID_TEXT, **_MOE, rope_parameters=_MROPE),
+    # as Qwen3.5-MoE's releases: no intermediate_size (no dense MLP)
+    "qwen3_5_moe": ("Qwen3_5MoeConfig", dict(text_config=dict(_NO_DENSE_MLP, **_MOE, rope_parameters=_MROPE),
                                              vision_config=_VISION)),
     "qwen3_5": ("Qwen3_5Config", dict(text_config=dict(_HYBRID_TEXT, vocab_size=128, rope_parameters=_MROPE),
                                       vision_config=_VISION)),
