@@ -136,7 +136,7 @@ class Bridge:
                 raise MappingError(f"the Megatron model has no parameter {candidates[0]}{others} "
                                    f"for HF {rule.hf[0].name.format(**hf_where)}")
             param = params[name]
-            hf_names = tuple(self.spec.weights_prefix + p.name.format(**hf_where) for p in rule.hf)
+            hf_names = tuple(self.spec.checkpoint_name(p.name.format(**hf_where)) for p in rule.hf)
             out.append(Placement(rule, name, param, hf_names, **extra))
 
         def model_rules(stage):
@@ -152,9 +152,12 @@ class Bridge:
             if is_moe != hasattr(layer.mlp, "router"):
                 raise MappingError(f"decoder layer {global_layer}: the config says {'MoE' if is_moe else 'dense'}, "
                                    "the Megatron model disagrees")
+            is_linear = self.spec.is_linear_attention_layer(global_layer)
             for rule in rules:
                 if rule.scope == mapping.MODEL or (rule.scope == mapping.DENSE and is_moe) or (
-                        rule.scope in (mapping.MOE, mapping.EXPERT) and not is_moe):
+                        rule.scope in (mapping.MOE, mapping.EXPERT) and not is_moe) or (
+                        rule.scope == mapping.FULL_ATTENTION and is_linear) or (
+                        rule.scope == mapping.LINEAR_ATTENTION and not is_linear):
                     continue
                 if rule.scope != mapping.EXPERT:
                     add(rule, {"layer": local}, {"layer": global_layer}, layer=global_layer)
@@ -175,7 +178,7 @@ class Bridge:
         return out
 
     def _hf_name(self, part: mapping.Part, layer: int, expert: int) -> str:
-        return self.spec.weights_prefix + part.name.format(layer=layer, expert=expert)
+        return self.spec.checkpoint_name(part.name.format(layer=layer, expert=expert))
 
     def _tp(self, placement: Placement, groups) -> _Group:
         return groups["etp"] if placement.rule.scope == mapping.EXPERT else groups["tp"]
@@ -193,11 +196,16 @@ class Bridge:
             tp = self._tp(placement, groups)
             rule = placement.rule
             parts = []
-            for name in placement.hf_names:
+            for name, part in zip(placement.hf_names, rule.hf):
                 split = sharding.resolve(rule.split, placement.param)
-                index, pad = sharding.local_index(split, shapes[name], tp.size, tp.rank, self.padded_vocab_size)
+                shape = shapes[name]
+                if part.sections:  # one section of the tensor's rows, split over TP on its own
+                    shape = (self._dims[part.dims[0]],) + tuple(shape[1:])
+                index, pad = sharding.local_index(split, shape, tp.size, tp.rank, self.padded_vocab_size)
+                if part.sections:
+                    index = sharding.in_section(index, part.row_offset(self._dims), shape[0])
                 parts.append(sharding.pad_rows(source.read(name, index), pad))
-            local = sharding.join(rule.join, parts, self._heads_per_group, self.spec.head_dim)
+            local = sharding.join(rule.join, parts, self._heads_per_group, self.spec.head_dim, self._per_head(rule))
             if tuple(local.shape) != tuple(placement.param.shape):
                 raise MappingError(f"{', '.join(placement.hf_names)} give a {list(local.shape)} shard for Megatron "
                                    f"{placement.megatron_name} of shape {list(placement.param.shape)}")
@@ -210,7 +218,10 @@ class Bridge:
         shards = tp_size if sharding.split_dim(split) == 0 else 1
         rows = tuple(self._dims[part.dims[0]] // shards for part in placement.rule.hf)
         return sharding.unjoin(placement.rule.join, placement.param.detach(), self._heads_per_group,
-                               self.spec.head_dim, rows)
+                               self.spec.head_dim, rows, self._per_head(placement.rule))
+
+    def _per_head(self, rule: mapping.Rule) -> tuple[tuple[int, ...], ...]:
+        return tuple(tuple(self._dims[d] for d in part.per_head) for part in rule.hf)
 
     @torch.no_grad()
     def export_hf_weights(self, model, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -234,7 +245,7 @@ class Bridge:
                         name = self._hf_name(hf, placement.layer, expert)
                         yield name, _cast(name, tensor, dtype)
                 continue
-            for name, part in zip(placement.hf_names, parts):
+            for name, part in _whole_tensors(placement.hf_names, parts):
                 yield name, _cast(name, part, dtype)
 
     @torch.no_grad()
@@ -266,7 +277,7 @@ class Bridge:
                         name = self._hf_name(hf, placement.layer, expert)
                         yield name, _cast(name, tensor, dtype)
                 continue
-            for name, part in zip(placement.hf_names, parts):
+            for name, part in _whole_tensors(placement.hf_names, parts):
                 yield name, _cast(name, part, dtype)
 
     def export_names(self, model) -> list[str]:
@@ -310,6 +321,18 @@ def is_stage_sender() -> bool:
     dense, experts = _sender_replica()
     return (dense and experts and ps.get_tensor_model_parallel_rank() == 0
             and ps.get_expert_model_parallel_rank() == 0 and ps.get_expert_tensor_parallel_rank() == 0)
+
+
+def _whole_tensors(names: tuple[str, ...], parts: list[torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) per HF tensor: the row sections of one tensor (``mapping.Part.sections``, consecutive parts
+    of one name) stacked again."""
+    start = 0
+    while start < len(names):
+        end = start + 1
+        while end < len(names) and names[end] == names[start]:
+            end += 1
+        yield names[start], parts[start] if end == start + 1 else torch.cat(parts[start:end])
+        start = end
 
 
 def _cast(name: str, tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:

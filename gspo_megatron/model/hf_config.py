@@ -51,6 +51,14 @@ class Family:
     # drops them (SGLang's DeepseekV2 then fails to build: "no attribute 'moe_layer_freq'"): with the value every
     # release of the family holds, written where an exported config lacks them (``serving_config``).
     serving_fields: dict[str, Any] = field(default_factory=dict)
+    # Values a config field takes where the family's configs leave it out (Qwen3.5-MoE always renormalises its
+    # top-k and has no norm_topk_prob field).
+    defaults: dict[str, Any] = field(default_factory=dict)
+    # The gated-DeltaNet hybrids (Qwen3-Next, Qwen3.5): layer_types mixes "linear_attention" (megatron's
+    # GatedDeltaNet) with "full_attention" layers whose q_proj also emits an output gate; every RMSNorm but the
+    # DeltaNet's own is zero-centred (the checkpoint stores w, the norm applies 1 + w); the shared expert has a
+    # sigmoid gate; MTP layers are stored as mtp.* (carried, not trained).
+    gated_deltanet: bool = False
 
 
 _COMMON_REQUIRES = {"hidden_act": "silu", "use_sliding_window": False}
@@ -72,6 +80,14 @@ FAMILIES: dict[str, Family] = {
                attention="mla", requires={"attention_bias": False, "topk_method": "noaux_tc", "moe_layer_freq": 1,
                                           "scoring_func": "sigmoid", "rope_interleave": True},
                serving_fields={"topk_method": "noaux_tc", "moe_layer_freq": 1, "scoring_func": "sigmoid"}),
+        Family("qwen3_next", "Qwen3NextForCausalLM", qk_norm=True, qkv_bias=False, moe=True, partial_rotary=True,
+               gated_deltanet=True, requires={"attention_bias": False}),
+        # Qwen3.5's text models (their checkpoints are the vision-language wrappers in WRAPPERS)
+        Family("qwen3_5_text", "Qwen3_5ForCausalLM", qk_norm=True, qkv_bias=False, moe=False, partial_rotary=True,
+               gated_deltanet=True, requires={"attention_bias": False}),
+        Family("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", qk_norm=True, qkv_bias=False, moe=True,
+               partial_rotary=True, gated_deltanet=True, requires={"attention_bias": False, "norm_topk_prob": True},
+               defaults={"norm_topk_prob": True}),
     )
 }
 # model types read as another family: Kimi-K2 is the DeepSeek-V3 architecture (transformers has no config class for it)
@@ -80,6 +96,11 @@ ALIASES = {"kimi_k2": "deepseek_v3"}
 # KimiK25ForConditionalGeneration) holds a kimi_k2 text model as language_model.model.* / language_model.lm_head.*
 # beside vision_tower.* and mm_projector.*.
 WRAPPERS = {"kimi_k25": ("text_config", "language_model.")}
+# Wrappers whose text model's tensors sit under the wrapper's own ``model.`` (Qwen3.5's
+# Qwen3_5(Moe)ForConditionalGeneration: model.language_model.* beside model.visual.*, the head at lm_head.*, MTP
+# layers at mtp.*): the causal LM's ``model.`` becomes this prefix; everything else keeps its name.
+TEXT_MODEL_WRAPPERS = {"qwen3_5": ("text_config", "model.language_model."),
+                       "qwen3_5_moe": ("text_config", "model.language_model.")}
 
 # Llama-3.1 style frequency scaling as megatron-core implements it (its constants are fixed).
 _LLAMA3_ROPE_CONSTANTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -133,6 +154,20 @@ class ModelSpec:
     # Where the language model's tensors sit in a multimodal checkpoint (Kimi-K2.5: "language_model."): every
     # mapped HF name carries it; tensors outside it (the vision tower) are not trained (mapping.is_carried).
     weights_prefix: str = ""
+    # Where the causal LM's ``model.`` sits in a multimodal checkpoint whose head stays at ``lm_head.`` (Qwen3.5:
+    # "model.language_model."); tensors outside both (the vision tower, mtp.*) are carried.
+    text_model_prefix: str = ""
+    # Gated-DeltaNet hybrids (Family.gated_deltanet): per layer, True where it is a linear-attention layer
+    linear_attention_layers: tuple[bool, ...] = ()
+    linear_conv_kernel_dim: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    attention_output_gate: bool = False  # q_proj emits [query; gate] per head; out = attn * sigmoid(gate)
+    zero_centered_norm: bool = False  # RMSNorms apply (1 + w): megatron's layernorm_zero_centered_gamma
+    moe_shared_expert_gate: bool = False  # shared expert output * sigmoid(x @ shared_expert_gate)
+    mtp_prefix: str = ""  # MTP tensors stored apart from the decoder layers (Qwen3-Next / 3.5: "mtp.")
 
     @property
     def is_moe(self) -> bool:
@@ -145,8 +180,26 @@ class ModelSpec:
     def is_moe_layer(self, layer: int) -> bool:
         return bool(self.moe_layers) and self.moe_layers[layer]
 
+    def is_linear_attention_layer(self, layer: int) -> bool:
+        return bool(self.linear_attention_layers) and self.linear_attention_layers[layer]
+
+    def checkpoint_name(self, name: str) -> str:
+        """A causal LM's tensor name (``model.layers.0...``, ``lm_head.weight``) as this checkpoint stores it."""
+        if self.text_model_prefix and name.startswith("model."):
+            return self.text_model_prefix + name.removeprefix("model.")
+        return self.weights_prefix + name
+
+    def is_outside_text_model(self, name: str) -> bool:
+        """A checkpoint tensor that is not the language model's (a multimodal checkpoint's vision tower)."""
+        if self.text_model_prefix:
+            return not name.startswith((self.text_model_prefix, "lm_head."))
+        return bool(self.weights_prefix) and not name.startswith(self.weights_prefix)
+
     def padded_vocab_size(self, multiple: int = VOCAB_MULTIPLE) -> int:
         return int(math.ceil(self.vocab_size / multiple) * multiple)
+
+    def _value_heads_per_key_head(self) -> int:
+        return self.linear_num_value_heads // max(self.linear_num_key_heads, 1)
 
     def dims(self) -> dict[str, int]:
         """Symbolic tensor dimensions the mapping tables use (see ``mapping``)."""
@@ -166,17 +219,37 @@ class ModelSpec:
             "kv_down": self.kv_lora_rank + self.qk_rope_head_dim,  # the kv latent and the shared rope key
             "kv_up": self.num_attention_heads * (self.head_dim - self.qk_rope_head_dim + self.v_head_dim),
             "o_in": self.num_attention_heads * self.v_head_dim,
+            # gated attention: q_proj holds [query; gate] per head
+            "q_gate": 2 * self.num_attention_heads * self.head_dim,
+            # gated DeltaNet (linear attention)
+            "lin_qk": self.linear_num_key_heads * self.linear_key_head_dim,
+            "lin_v": self.linear_num_value_heads * self.linear_value_head_dim,
+            "lin_qkv": 2 * self.linear_num_key_heads * self.linear_key_head_dim
+            + self.linear_num_value_heads * self.linear_value_head_dim,
+            "lin_heads": self.linear_num_value_heads,
+            # Qwen3-Next's per-key-head layout of in_proj_qkvz ([q; k; v; z] per key head) and in_proj_ba ([b; a])
+            "lin_qkvz": 2 * self.linear_num_key_heads * self.linear_key_head_dim
+            + 2 * self.linear_num_value_heads * self.linear_value_head_dim,
+            "lin_ba": 2 * self.linear_num_value_heads,
+            "lin_k_head": self.linear_key_head_dim,
+            "lin_heads_per_k": self._value_heads_per_key_head(),
+            "lin_v_per_k": self._value_heads_per_key_head() * self.linear_value_head_dim,
+            "lin_v_head": self.linear_value_head_dim,
+            "lin_kernel": self.linear_conv_kernel_dim,
+            "one": 1,
         }
 
     def to_dict(self) -> dict:
         out = asdict(self)
         out["moe_layers"] = list(self.moe_layers)
+        out["linear_attention_layers"] = list(self.linear_attention_layers)
         return out
 
     @classmethod
     def from_dict(cls, data: dict) -> "ModelSpec":
         data = dict(data)
         data["moe_layers"] = tuple(data.get("moe_layers", ()))
+        data["linear_attention_layers"] = tuple(data.get("linear_attention_layers", ()))
         return cls(**data)
 
 
@@ -201,7 +274,7 @@ def family_of(config: dict) -> Family:
     if family is None:
         raise UnsupportedModel(
             f"model_type={model_type!r} (architectures={config.get('architectures')}) is not supported; "
-            f"supported model types: {', '.join(sorted([*FAMILIES, *ALIASES, *WRAPPERS]))}"
+            f"supported model types: {', '.join(sorted([*FAMILIES, *ALIASES, *WRAPPERS, *TEXT_MODEL_WRAPPERS]))}"
         )
     architectures = config.get("architectures") or [family.architecture]
     if family.architecture not in architectures:
@@ -215,9 +288,9 @@ def family_of(config: dict) -> Family:
 def serving_config(config: dict) -> dict:
     """``config`` with its family's ``serving_fields`` added where it lacks them (what an export writes); in a
     multimodal wrapper (``WRAPPERS``), to its text model's config, which is what SGLang's language model reads."""
-    if config.get("model_type") in WRAPPERS:
-        key = WRAPPERS[config["model_type"]][0]
-        return {**config, key: serving_config(text_config(config))}
+    wrapper = _wrapper(config)
+    if wrapper:
+        return {**config, wrapper[0]: serving_config(text_config(config))}
     return {**family_of(config).serving_fields, **config}
 
 
@@ -229,9 +302,10 @@ def _check_requires(config: dict, family: Family) -> None:
         raise UnsupportedModel(f"{key}={value!r} in config.json is not supported for {family.model_type} "
                                f"(only {wanted!r}): the Megatron policy does not map it")
     layer_types = config.get("layer_types") or []
-    if any(t != "full_attention" for t in layer_types):
-        raise UnsupportedModel(f"layer_types={layer_types} in config.json: only full attention is supported "
-                               "(sliding-window layers are not mapped)")
+    allowed = {"full_attention", "linear_attention"} if family.gated_deltanet else {"full_attention"}
+    if any(t not in allowed for t in layer_types):
+        raise UnsupportedModel(f"layer_types={layer_types} in config.json: only {' and '.join(sorted(allowed))} "
+                               f"layers are supported for {family.model_type} (sliding-window layers are not mapped)")
 
 
 _YARN_FIELDS = {"factor": "yarn_factor", "original_max_position_embeddings": "yarn_original_max_position_embeddings",
@@ -343,11 +417,18 @@ def _int(config: dict, key: str, default=None) -> int:
     return int(value)
 
 
+def _wrapper(config: dict) -> tuple[str, str] | None:
+    model_type = config.get("model_type")
+    return WRAPPERS.get(model_type) or TEXT_MODEL_WRAPPERS.get(model_type)
+
+
 def text_config(config: dict) -> dict:
-    """The config of the model the policy trains: a multimodal wrapper's text model (``WRAPPERS``), else ``config``."""
-    if config.get("model_type") not in WRAPPERS:
+    """The config of the model the policy trains: a multimodal wrapper's text model (``WRAPPERS``,
+    ``TEXT_MODEL_WRAPPERS``), else ``config``."""
+    wrapper = _wrapper(config)
+    if wrapper is None:
         return config
-    key = WRAPPERS[config["model_type"]][0]
+    key = wrapper[0]
     text = config.get(key)
     if not isinstance(text, dict):
         raise UnsupportedModel(f"model_type={config['model_type']!r} without a {key} object: its text model is what "
@@ -361,7 +442,11 @@ def read_hf_config(config: dict | str | Path) -> ModelSpec:
         config = load_config_json(config)
     if config.get("model_type") in WRAPPERS:
         return replace(read_hf_config(text_config(config)), weights_prefix=WRAPPERS[config["model_type"]][1])
+    if config.get("model_type") in TEXT_MODEL_WRAPPERS:
+        return replace(read_hf_config(text_config(config)),
+                       text_model_prefix=TEXT_MODEL_WRAPPERS[config["model_type"]][1])
     family = family_of(config)
+    config = {**family.defaults, **config}
     _check_requires(config, family)
     heads = _int(config, "num_attention_heads")
     hidden = _int(config, "hidden_size")
@@ -382,6 +467,10 @@ def read_hf_config(config: dict | str | Path) -> ModelSpec:
                                    "needs a softmax before top-1 selection, which does not renormalise to 1")
         moe.update(num_experts=num_experts, moe_ffn_hidden_size=_int(config, "moe_intermediate_size"),
                    moe_topk=topk, norm_topk_prob=norm_topk)
+        if family.gated_deltanet:
+            moe.update(moe_shared_ffn_hidden_size=_int(config, "shared_expert_intermediate_size"),
+                       moe_shared_expert_gate=True)
+    hybrid = _gated_deltanet_fields(config, num_layers) if family.gated_deltanet else {}
     return ModelSpec(
         family=family.model_type,
         vocab_size=_int(config, "vocab_size"),
@@ -389,7 +478,7 @@ def read_hf_config(config: dict | str | Path) -> ModelSpec:
         num_layers=num_layers,
         num_attention_heads=heads,
         num_key_value_heads=int(config.get("num_key_value_heads") or heads),
-        ffn_hidden_size=_int(config, "intermediate_size"),
+        ffn_hidden_size=_ffn_hidden_size(config, num_layers, num_experts),
         norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         **_rope_fields(config, family),
         **attention,
@@ -399,12 +488,43 @@ def read_hf_config(config: dict | str | Path) -> ModelSpec:
         qk_norm=_flag(config, family.qk_norm),
         qkv_bias=_flag(config, family.qkv_bias),
         rotary_percent=_rotary_percent(config, family),
-        # hub configs say num_nextn_predict_layers, transformers' DeepseekV3Config num_mtp_layers
-        mtp_layers=int(config.get("num_nextn_predict_layers") or config.get("num_mtp_layers") or 0),
+        # hub configs say num_nextn_predict_layers (Qwen3-Next / 3.5: mtp_num_hidden_layers), transformers'
+        # DeepseekV3Config num_mtp_layers
+        mtp_layers=int(config.get("num_nextn_predict_layers") or config.get("num_mtp_layers")
+                       or config.get("mtp_num_hidden_layers") or 0),
         moe_layers=_moe_layers(config, num_layers, num_experts),
         dtype=str(config.get("dtype") or config.get("torch_dtype") or "float32"),
         **moe,
+        **hybrid,
     )
+
+
+def _ffn_hidden_size(config: dict, num_layers: int, num_experts: int) -> int:
+    """The dense MLP width; a model whose every layer is MoE may leave it out (Qwen3.5-MoE's text configs do), and
+    then megatron is given the experts' width, which builds nothing (no dense MLP)."""
+    if "intermediate_size" in config or not all(_moe_layers(config, num_layers, num_experts)):
+        return _int(config, "intermediate_size")
+    return _int(config, "moe_intermediate_size")
+
+
+def _gated_deltanet_fields(config: dict, num_layers: int) -> dict:
+    """Qwen3-Next / Qwen3.5: which layers are linear attention (``layer_types``, else every
+    ``full_attention_interval``-th layer is full attention, as transformers derives it) and the DeltaNet's dims."""
+    layer_types = config.get("layer_types")
+    if not layer_types:
+        interval = int(config.get("full_attention_interval") or 4)
+        layer_types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(num_layers)]
+    if len(layer_types) != num_layers:
+        raise UnsupportedModel(f"layer_types has {len(layer_types)} entries for num_hidden_layers={num_layers}")
+    fields = dict(linear_attention_layers=tuple(t == "linear_attention" for t in layer_types),
+                  attention_output_gate=True, zero_centered_norm=True, mtp_prefix="mtp.")
+    for key in ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
+                "linear_num_value_heads"):
+        fields[key] = _int(config, key)
+    if fields["linear_num_value_heads"] % fields["linear_num_key_heads"]:
+        raise UnsupportedModel(f"linear_num_value_heads={fields['linear_num_value_heads']} is not a multiple of "
+                               f"linear_num_key_heads={fields['linear_num_key_heads']}")
+    return fields
 
 
 def spec_differences(a: ModelSpec, b: ModelSpec) -> list[str]:

@@ -65,6 +65,8 @@ def check_layout(spec: ModelSpec, layout: Layout, world_size: int | None = None,
             _divides(problems, "q_lora_rank", spec.q_lora_rank, "tensor_model_parallel_size", tp)
         _divides(problems, "kv_lora_rank + qk_rope_head_dim", spec.kv_lora_rank + spec.qk_rope_head_dim,
                  "tensor_model_parallel_size", tp)
+    if spec.linear_attention_layers:  # megatron's GatedDeltaNet splits whole key heads (with their value heads)
+        _divides(problems, "linear_num_key_heads", spec.linear_num_key_heads, "tensor_model_parallel_size", tp)
     if spec.has_dense_layers:
         _divides(problems, "intermediate_size", spec.ffn_hidden_size, "tensor_model_parallel_size", tp)
     vocab = padded_vocab_size or spec.padded_vocab_size()

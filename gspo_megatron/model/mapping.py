@@ -9,6 +9,9 @@ it (``join``), and how the joined tensor is split over tensor-parallel ranks (``
           "glu"   gate and up projections concatenated: [gate; up] (Megatron's fc1 for a gated MLP)
           "cat"   the parts' rows stacked in order, of any sizes: [q_a_proj; kv_a_proj_with_mqa] (MLA's fused down
                   projection); under "column" each part is split first, so a rank holds [q_r; kv_r]
+          "per_head"  each part holds, per key head, its ``Part.per_head`` sections (Qwen3-Next's in_proj_qkvz:
+                  [q_h; k_h; v_h; z_h], in_proj_ba: [b_h; a_h]); the Megatron tensor holds each section for all of
+                  the rank's key heads in turn: [q; k; v; z; b; a] (the GatedDeltaNet's in_proj)
     split "none"    replicated on every TP rank (norms, router)
           "column"  dim 0 over TP (ColumnParallelLinear); every HF part is split, then the parts are joined,
                     so a rank holds [q_r|k_r|v_r per local group] or [gate_r; up_r], as megatron-core does
@@ -46,18 +49,32 @@ import torch
 from .errors import UnsupportedModel
 from .hf_config import ModelSpec
 
-COPY, QKV, GLU, CAT = "copy", "qkv", "glu", "cat"
+COPY, QKV, GLU, CAT, GATED_QKV, PER_HEAD = "copy", "qkv", "glu", "cat", "gated_qkv", "per_head"
 NONE, COLUMN, ROW, VOCAB, DOWN = "none", "column", "row", "vocab", "down"
 MODEL, LAYER, DENSE, MOE, EXPERT = "model", "layer", "dense", "moe", "expert"
+FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"  # the gated-DeltaNet hybrids' two layer kinds
 FIRST, LAST = "first", "last"
 
 
 @dataclass(frozen=True)
 class Part:
-    """One HF tensor: its name pattern and its shape as ModelSpec dims."""
+    """One HF tensor, or one section of its rows: its name pattern and its (section's) shape as ModelSpec dims.
+
+    ``sections``: the HF tensor's rows are these dims' sizes stacked, and this part is section ``section`` of them
+    (the gated DeltaNet's in_proj_qkv and conv1d hold [q; k; v]: each is split over TP on its own, as megatron's
+    in_proj holds [q_r; k_r; v_r; ...] on rank r). Parts of one tensor come in order; the export stacks them again."""
 
     name: str
     dims: tuple[str, ...]
+    sections: tuple[str, ...] = ()
+    section: int = 0
+    per_head: tuple[str, ...] = ()  # the "per_head" join: the dims of the sections each key head's rows hold
+
+    def full_rows(self, dims: dict[str, int]) -> int:
+        return sum(dims[d] for d in self.sections) if self.sections else dims[self.dims[0]]
+
+    def row_offset(self, dims: dict[str, int]) -> int:
+        return sum(dims[d] for d in self.sections[: self.section])
 
 
 @dataclass(frozen=True)
@@ -81,6 +98,11 @@ class Rule:
 
 def P(name: str, *dims: str) -> Part:
     return Part(name, dims)
+
+
+def sections(name: str, rows: tuple[str, ...], *rest: str) -> tuple[Part, ...]:
+    """The row sections of one HF tensor as parts (``Part.sections``)."""
+    return tuple(Part(name, (row,) + rest, rows, i) for i, row in enumerate(rows))
 
 
 _L = "model.layers.{layer}"
@@ -176,6 +198,65 @@ SIGMOID_MOE_MLP = MOE_MLP + (
 )
 
 
+# Qwen3.5 / Qwen3-Next full-attention layers (every 4th): q_proj emits each head's query and output gate, [q_h; g_h],
+# which megatron's attention_output_gate holds per query group as [q heads; gate heads; k; v] ("gated_qkv"); q/k norm.
+GATED_ATTENTION = (
+    Rule(f"{_M}.input_layernorm.weight", (P(f"{_L}.input_layernorm.weight", "hidden"),), scope=FULL_ATTENTION,
+         te_name=f"{_M}.self_attention.linear_qkv.layer_norm_weight"),
+    Rule(f"{_M}.self_attention.linear_qkv.weight",
+         (P(f"{_L}.self_attn.q_proj.weight", "q_gate", "hidden"), P(f"{_L}.self_attn.k_proj.weight", "kv", "hidden"),
+          P(f"{_L}.self_attn.v_proj.weight", "kv", "hidden")), join=GATED_QKV, split=COLUMN, scope=FULL_ATTENTION),
+    Rule(f"{_M}.self_attention.linear_proj.weight", (P(f"{_L}.self_attn.o_proj.weight", "hidden", "q"),), split=ROW,
+         scope=FULL_ATTENTION),
+    Rule(f"{_M}.self_attention.q_layernorm.weight", (P(f"{_L}.self_attn.q_norm.weight", "head_dim"),),
+         scope=FULL_ATTENTION),
+    Rule(f"{_M}.self_attention.k_layernorm.weight", (P(f"{_L}.self_attn.k_norm.weight", "head_dim"),),
+         scope=FULL_ATTENTION),
+)
+# Their linear-attention layers: megatron's GatedDeltaNet (self_attention.*). Its in_proj holds, on TP rank r,
+# [q_r; k_r; v_r; z_r; b_r; a_r] (each of HF's q, k, v sections of in_proj_qkv, in_proj_z, in_proj_b and in_proj_a
+# split over TP on its own: whole key heads and their value heads on each rank), its conv1d [q_r; k_r; v_r] of
+# HF's conv1d channels; A_log and dt_bias per value head; the gated output norm (plain, not zero-centred) per head.
+_LA, _HLA = f"{_M}.self_attention", f"{_L}.linear_attn"
+_QKV_ROWS = ("lin_qk", "lin_qk", "lin_v")
+GATED_DELTANET = (
+    Rule(f"{_M}.input_layernorm.weight", (P(f"{_L}.input_layernorm.weight", "hidden"),), scope=LINEAR_ATTENTION,
+         te_name=f"{_LA}.in_proj.layer_norm_weight"),
+    Rule(f"{_LA}.in_proj.weight",
+         sections(f"{_HLA}.in_proj_qkv.weight", _QKV_ROWS, "hidden") + (
+             P(f"{_HLA}.in_proj_z.weight", "lin_v", "hidden"), P(f"{_HLA}.in_proj_b.weight", "lin_heads", "hidden"),
+             P(f"{_HLA}.in_proj_a.weight", "lin_heads", "hidden")), join=CAT, split=COLUMN, scope=LINEAR_ATTENTION),
+    Rule(f"{_LA}.conv1d.weight", sections(f"{_HLA}.conv1d.weight", _QKV_ROWS, "one", "lin_kernel"), join=CAT,
+         split=COLUMN, scope=LINEAR_ATTENTION),
+    Rule(f"{_LA}.A_log", (P(f"{_HLA}.A_log", "lin_heads"),), split=COLUMN, scope=LINEAR_ATTENTION),
+    Rule(f"{_LA}.dt_bias", (P(f"{_HLA}.dt_bias", "lin_heads"),), split=COLUMN, scope=LINEAR_ATTENTION),
+    Rule(f"{_LA}.out_norm.weight", (P(f"{_HLA}.norm.weight", "lin_v_head"),), scope=LINEAR_ATTENTION),
+    Rule(f"{_LA}.out_proj.weight", (P(f"{_HLA}.out_proj.weight", "hidden", "lin_v"),), split=ROW,
+         scope=LINEAR_ATTENTION),
+)
+# Qwen3-Next's DeltaNet: the same but for in_proj, whose q, k, v, z rows come per key head in in_proj_qkvz and the b, a
+# rows per key head in in_proj_ba (transformers' fix_query_key_value_ordering undoes it); TP splits whole key heads.
+QWEN3_NEXT_DELTANET = tuple(
+    Rule(rule.megatron, (Part(f"{_HLA}.in_proj_qkvz.weight", ("lin_qkvz", "hidden"),
+                              per_head=("lin_k_head", "lin_k_head", "lin_v_per_k", "lin_v_per_k")),
+                         Part(f"{_HLA}.in_proj_ba.weight", ("lin_ba", "hidden"),
+                              per_head=("lin_heads_per_k", "lin_heads_per_k"))),
+         join=PER_HEAD, split=COLUMN, scope=LINEAR_ATTENTION)
+    if rule.megatron == f"{_LA}.in_proj.weight" else rule for rule in GATED_DELTANET)
+# Qwen3.5 / Qwen3-Next MoE layers: one shared expert (split over TP like a dense MLP) whose output is scaled by
+# sigmoid(x . shared_expert_gate): megatron's moe_shared_expert_gate, a [1, hidden] gate_weight.
+_HSE = f"{_L}.mlp.shared_expert"
+GATED_SHARED_MOE_MLP = MOE_MLP + (
+    Rule(f"{_M}.mlp.shared_experts.linear_fc1.weight",
+         (P(f"{_HSE}.gate_proj.weight", "shared_ffn", "hidden"), P(f"{_HSE}.up_proj.weight", "shared_ffn", "hidden")),
+         join=GLU, split=COLUMN, scope=MOE),
+    Rule(f"{_M}.mlp.shared_experts.linear_fc2.weight", (P(f"{_HSE}.down_proj.weight", "hidden", "shared_ffn"),),
+         split=ROW, scope=MOE),
+    Rule(f"{_M}.mlp.shared_experts.gate_weight", (P(f"{_L}.mlp.shared_expert_gate.weight", "one", "hidden"),),
+         scope=MOE),
+)
+
+
 def _when(condition: str, rules: tuple[Rule, ...]) -> tuple[Rule, ...]:
     return tuple(dataclasses.replace(rule, when=condition) for rule in rules)
 
@@ -188,6 +269,9 @@ ARCHITECTURES: dict[str, tuple[Rule, ...]] = {
     "glm4_moe": (EMBEDDING + ATTENTION + _when("qkv_bias", QKV_BIAS) + _when("qk_norm", QK_NORM) + DENSE_MLP
                  + SIGMOID_MOE_MLP + OUTPUT),
     "deepseek_v3": EMBEDDING + MLA_ATTENTION + DENSE_MLP + SIGMOID_MOE_MLP + OUTPUT,
+    "qwen3_5_text": EMBEDDING + GATED_ATTENTION + GATED_DELTANET + DENSE_MLP + OUTPUT,
+    "qwen3_5_moe_text": EMBEDDING + GATED_ATTENTION + GATED_DELTANET + DENSE_MLP + GATED_SHARED_MOE_MLP + OUTPUT,
+    "qwen3_next": EMBEDDING + GATED_ATTENTION + QWEN3_NEXT_DELTANET + DENSE_MLP + GATED_SHARED_MOE_MLP + OUTPUT,
 }
 
 # HF tensors SGLang's ``load_weights`` joins into one parameter only when both arrive in the same call, each a pair
@@ -253,6 +337,8 @@ def layers_in_scope(spec: ModelSpec, scope: str) -> list[int]:
         return [i for i in range(spec.num_layers) if not spec.is_moe_layer(i)]
     if scope in (MOE, EXPERT):
         return [i for i in range(spec.num_layers) if spec.is_moe_layer(i)]
+    if scope in (FULL_ATTENTION, LINEAR_ATTENTION):
+        return [i for i in range(spec.num_layers) if spec.is_linear_attention_layer(i) == (scope == LINEAR_ATTENTION)]
     raise ValueError(f"scope {scope!r} is not per layer")
 
 
@@ -272,7 +358,8 @@ def hf_tensor_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
             instances = [dict(layer=i) for i in layers_in_scope(spec, rule.scope)]
         for where in instances:
             for part in rule.hf:
-                shapes[spec.weights_prefix + part.name.format(**where)] = tuple(dims[d] for d in part.dims)
+                shape = (part.full_rows(dims),) + tuple(dims[d] for d in part.dims[1:])
+                shapes[spec.checkpoint_name(part.name.format(**where))] = shape
     return shapes
 
 
@@ -281,14 +368,19 @@ def is_ignored(name: str) -> bool:
 
 
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
+_MTP_LAYER_NAME = re.compile(r"^mtp\.(?:layers\.(\d+)\.)?")  # the one prefix (ModelSpec.mtp_prefix) in use
 
 
 def mtp_layer_of(spec: ModelSpec, name: str) -> int | None:
     """The MTP layer an HF tensor belongs to (0-based), else None.
 
     DeepSeek-V3 and GLM-4.5 store their ``num_nextn_predict_layers`` multi-token-prediction layers as decoder layers
-    after the last one (``model.layers.{num_hidden_layers + i}.*``). The policy does not build them: they are
+    after the last one (``model.layers.{num_hidden_layers + i}.*``); Qwen3-Next and Qwen3.5 under ``mtp.`` (its
+    layers ``mtp.layers.{i}.*``, its fc / norms ``mtp.*``: layer 0). The policy does not build them: they are
     carried through conversion unchanged (never trained), and a checkpoint may lack them (transformers re-saves)."""
+    if spec.mtp_prefix:
+        match = _MTP_LAYER_NAME.match(name)
+        return int(match.group(1) or 0) if match else None
     match = _LAYER_NAME.match(name.removeprefix(spec.weights_prefix))
     if not match or not spec.mtp_layers:
         return None
@@ -300,5 +392,4 @@ def is_carried(spec: ModelSpec, name: str) -> bool:
     """An HF tensor the policy does not hold, carried through conversion unchanged: an MTP layer's, or in a
     multimodal checkpoint one outside the language model's ``weights_prefix`` (Kimi-K2.5's vision tower and
     projector: not trained)."""
-    outside = bool(spec.weights_prefix) and not name.startswith(spec.weights_prefix)
-    return outside or mtp_layer_of(spec, name) is not None
+    return spec.is_outside_text_model(name) or mtp_layer_of(spec, name) is not None

@@ -34,6 +34,7 @@ loads into a TE model.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import torch
@@ -135,6 +136,12 @@ def transformer_config(spec: ModelSpec, layout: Layout, dtype: torch.dtype = tor
         calculate_per_token_loss=True,
         **moe,
     )
+    if spec.linear_attention_layers:
+        from .gated_deltanet import transformer_config_fields
+
+        kwargs.update(transformer_config_fields(spec))
+    if spec.moe_shared_expert_gate:
+        kwargs.update(moe_shared_expert_intermediate_size=spec.moe_shared_ffn_hidden_size, moe_shared_expert_gate=True)
     config_class = TransformerConfig
     if spec.attention == "mla":
         config_class = MLATransformerConfig
@@ -217,7 +224,13 @@ def decoder_block_spec(config, use_te: bool):
     """This pipeline stage's layer specs (dense or MoE per ``moe_layer_freq``)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm")
+    spec_config = config
+    if config.experimental_attention_variant == "gated_delta_net":
+        # megatron-core 0.19 refuses the variant here (its own hybrid spec is TE-only): the block is built with
+        # full attention everywhere, and gated_deltanet.hybrid_spec puts the DeltaNet into its layers
+        spec_config = copy.copy(config)
+        spec_config.experimental_attention_variant = None
+    block = get_gpt_decoder_block_spec(spec_config, use_transformer_engine=use_te, normalization="RMSNorm")
     if not use_te:
         block = dataclasses.replace(block, layer_specs=[_moe_norm_keeps_its_name(s) for s in block.layer_specs])
     if config.multi_latent_attention:
@@ -225,6 +238,12 @@ def decoder_block_spec(config, use_te: bool):
 
         block = mla_spec(block, local=not use_te, q_lora=config.q_lora_rank is not None,
                          down_proj_fusion=getattr(config, "mla_down_proj_fusion", False))
+    if config.experimental_attention_variant == "gated_delta_net" or config.layernorm_zero_centered_gamma:
+        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+        from .gated_deltanet import hybrid_spec
+
+        block = hybrid_spec(block, config, use_te, first_layer=get_transformer_layer_offset(config))
     if config.moe_grouped_gemm:
         _check_grouped_experts(block)
     return block
@@ -262,13 +281,15 @@ def _check_groups_match(layout: Layout) -> None:
                          "call parallel.groups.init_model_parallel(layout) with the same layout first")
 
 
-def megatron_patches(use_te: bool, cuda: bool) -> list:
+def megatron_patches(use_te: bool, cuda: bool, gated_deltanet: bool = False) -> list:
     """The named patches (modules with ``apply()``) a model build needs: ``megatron_cpu`` without CUDA, and
     ``megatron_no_te`` whenever TransformerEngine is not used, on a GPU too (megatron-core 0.16.1's router reads an
-    undefined ``te_general_gemm`` without TE)."""
-    from patches import megatron_cpu, megatron_no_te
+    undefined ``te_general_gemm`` without TE); for a gated-DeltaNet hybrid without CUDA, ``megatron_gated_deltanet``
+    (the DeltaNet's torch kernels in place of fla's Triton ones)."""
+    from patches import megatron_cpu, megatron_gated_deltanet, megatron_no_te
 
-    return ([] if cuda else [megatron_cpu]) + ([] if use_te else [megatron_no_te])
+    return (([] if cuda else [megatron_cpu]) + ([] if use_te else [megatron_no_te])
+            + ([megatron_gated_deltanet] if gated_deltanet and not cuda else []))
 
 
 def build_gpt_model(spec: ModelSpec, layout: Layout = Layout(), dtype: torch.dtype = torch.float32,
@@ -293,7 +314,8 @@ def build_gpt_model(spec: ModelSpec, layout: Layout = Layout(), dtype: torch.dty
     use_te = environment.transformer_engine_available() if use_te is None else use_te
     if not use_te:
         environment.note_fallbacks()
-    for patch in megatron_patches(use_te, cuda=torch.cuda.is_available()):
+    for patch in megatron_patches(use_te, cuda=torch.cuda.is_available(),
+                                  gated_deltanet=bool(spec.linear_attention_layers)):
         patch.apply()
     check_layout(spec, layout, dist.get_world_size(), padded_vocab_size=vocab, transformer_engine=use_te)
     _check_groups_match(layout)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .mapping import CAT, COLUMN, COPY, DOWN, GLU, NONE, QKV, ROW, VOCAB
+from .mapping import CAT, COLUMN, COPY, DOWN, GATED_QKV, GLU, NONE, PER_HEAD, QKV, ROW, VOCAB
 
 
 def resolve(split: str, param: torch.Tensor) -> str:
@@ -46,14 +46,25 @@ def local_index(split: str, shape: tuple[int, ...], size: int, rank: int,
     return tuple(index), (end - start) - (real_end - real_start)
 
 
+def in_section(index: tuple[slice, ...], offset: int, rows: int) -> tuple[slice, ...]:
+    """``index`` into a section of ``rows`` rows starting at row ``offset`` of the whole tensor, as an index into
+    the whole tensor (``mapping.Part.sections``)."""
+    first = index[0]
+    start = offset + (first.start or 0)
+    stop = offset + (rows if first.stop is None else first.stop)
+    return (slice(start, stop),) + tuple(index[1:])
+
+
 def pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
     if rows == 0:
         return tensor
     return torch.cat([tensor, tensor.new_zeros((rows,) + tuple(tensor.shape[1:]))])
 
 
-def join(kind: str, parts: list[torch.Tensor], heads_per_group: int, head_dim: int) -> torch.Tensor:
-    """HF parts (already this rank's shards) -> this rank's Megatron tensor."""
+def join(kind: str, parts: list[torch.Tensor], heads_per_group: int, head_dim: int,
+         per_head: tuple[tuple[int, ...], ...] = ()) -> torch.Tensor:
+    """HF parts (already this rank's shards) -> this rank's Megatron tensor. ``per_head``: for ``per_head``, each
+    part's section sizes per key head."""
     if kind == COPY:
         (tensor,) = parts
         return tensor
@@ -67,13 +78,30 @@ def join(kind: str, parts: list[torch.Tensor], heads_per_group: int, head_dim: i
         k = k.reshape((groups, head_dim) + rest)
         v = v.reshape((groups, head_dim) + rest)
         return torch.cat([q, k, v], dim=1).reshape((-1,) + rest)
+    if kind == GATED_QKV:
+        # q_proj holds [q_h; gate_h] per head; megatron's group g: [its heads' queries; their gates; k_g; v_g]
+        q_gate, k, v = parts
+        groups = k.shape[0] // head_dim
+        rest = tuple(q_gate.shape[1:])
+        q_gate = q_gate.reshape((groups, heads_per_group, 2, head_dim) + rest)
+        q = q_gate[:, :, 0].reshape((groups, heads_per_group * head_dim) + rest)
+        gate = q_gate[:, :, 1].reshape((groups, heads_per_group * head_dim) + rest)
+        return torch.cat([q, gate, k.reshape((groups, head_dim) + rest), v.reshape((groups, head_dim) + rest)],
+                         dim=1).reshape((-1,) + rest)
+    if kind == PER_HEAD:
+        sections = []
+        for part, sizes in zip(parts, per_head):
+            rest = tuple(part.shape[1:])
+            by_head = part.reshape((part.shape[0] // sum(sizes), sum(sizes)) + rest)
+            sections += [s.reshape((-1,) + rest) for s in by_head.split(list(sizes), dim=1)]
+        return torch.cat(sections, dim=0)
     raise ValueError(f"unknown join {kind!r}")
 
 
 def unjoin(kind: str, tensor: torch.Tensor, heads_per_group: int, head_dim: int,
-           rows: tuple[int, ...] = ()) -> list[torch.Tensor]:
-    """This rank's Megatron tensor -> its HF parts (views where possible). ``rows``: for ``cat``, each part's rows
-    on this rank."""
+           rows: tuple[int, ...] = (), per_head: tuple[tuple[int, ...], ...] = ()) -> list[torch.Tensor]:
+    """This rank's Megatron tensor -> its HF parts (views where possible). ``rows``: for ``cat`` and ``per_head``,
+    each part's rows on this rank; ``per_head`` as for ``join``."""
     if kind == COPY:
         return [tensor]
     if kind == GLU:
@@ -88,6 +116,20 @@ def unjoin(kind: str, tensor: torch.Tensor, heads_per_group: int, head_dim: int,
         grouped = tensor.reshape((tensor.shape[0] // per_group, per_group) + rest)
         q, k, v = grouped.split([heads_per_group * head_dim, head_dim, head_dim], dim=1)
         return [p.reshape((-1,) + rest) for p in (q, k, v)]
+    if kind == GATED_QKV:
+        rest = tuple(tensor.shape[1:])
+        per_group = (2 * heads_per_group + 2) * head_dim
+        grouped = tensor.reshape((tensor.shape[0] // per_group, per_group) + rest)
+        q, gate, k, v = grouped.split([heads_per_group * head_dim] * 2 + [head_dim, head_dim], dim=1)
+        shape = (q.shape[0], heads_per_group, 1, head_dim) + rest
+        q_gate = torch.cat([q.reshape(shape), gate.reshape(shape)], dim=2)
+        return [q_gate.reshape((-1,) + rest), k.reshape((-1,) + rest), v.reshape((-1,) + rest)]
+    if kind == PER_HEAD:
+        rest = tuple(tensor.shape[1:])
+        heads = [r // sum(sizes) for r, sizes in zip(rows, per_head)]
+        sections = iter(tensor.split([h * size for h, sizes in zip(heads, per_head) for size in sizes], dim=0))
+        return [torch.cat([next(sections).reshape((h, size) + rest) for size in sizes], dim=1).reshape((-1,) + rest)
+                for h, sizes in zip(heads, per_head)]
     raise ValueError(f"unknown join {kind!r}")
 
 

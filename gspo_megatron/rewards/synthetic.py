@@ -113,9 +113,31 @@ def tiny_deepseek_v3_config(vocab_size: int = 128, hidden_size: int = 64, num_la
     )
 
 
+def tiny_qwen3_5_moe_config(vocab_size: int = 128, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
+                            num_kv_heads: int = 2, head_dim: int = 16, num_experts: int = 4, top_k: int = 2,
+                            moe_intermediate_size: int = 32, max_position_embeddings: int = 512,
+                            initializer_range: float = 0.1):
+    """Qwen3.5-MoE's text model (the policy a Qwen3.5 checkpoint trains) at the CPU example's sizes: gated-DeltaNet
+    layers (``num_kv_heads`` key and ``num_heads`` value heads of ``head_dim``) with a gated full-attention layer every
+    4th and last, a gated shared expert, partial rotary (a quarter of the head), zero-centred norms."""
+    from transformers import Qwen3_5MoeTextConfig
+
+    layer_types = ["full_attention" if (i + 1) % 4 == 0 or i == num_layers - 1 else "linear_attention"
+                   for i in range(num_layers)]
+    return Qwen3_5MoeTextConfig(
+        vocab_size=vocab_size, hidden_size=hidden_size, moe_intermediate_size=moe_intermediate_size,
+        shared_expert_intermediate_size=moe_intermediate_size, num_hidden_layers=num_layers,
+        num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, head_dim=head_dim, num_experts=num_experts,
+        num_experts_per_tok=top_k, layer_types=layer_types, linear_num_key_heads=num_kv_heads,
+        linear_num_value_heads=num_heads, linear_key_head_dim=head_dim, linear_value_head_dim=head_dim,
+        linear_conv_kernel_dim=4, tie_word_embeddings=False, max_position_embeddings=max_position_embeddings,
+        initializer_range=initializer_range, eos_token_id=0, pad_token_id=0, bos_token_id=None, dtype="float32",
+    )
+
+
 # model.tiny's ``family``: the architectures a tiny random model can be built in, from the same size fields.
 TINY_FAMILIES = {"qwen3_moe": tiny_qwen3_moe_config, "glm4_moe": tiny_glm4_moe_config,
-                 "deepseek_v3": tiny_deepseek_v3_config}
+                 "deepseek_v3": tiny_deepseek_v3_config, "qwen3_5_moe": tiny_qwen3_5_moe_config}
 
 
 def tiny_config(family: str = "qwen3_moe", **sizes):

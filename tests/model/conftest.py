@@ -12,6 +12,13 @@ def hf_models(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def hybrid_models(tmp_path_factory):
+    """{variant: HF model directory} for the gated-DeltaNet hybrids (``hf_tiny.HYBRID_VARIANTS``), references beside."""
+    directory = tmp_path_factory.getbasetemp() / "hybrid_models"
+    return {v: hf_tiny.save_variant(v, directory, seed=20 + i) for i, v in enumerate(hf_tiny.HYBRID_VARIANTS)}
+
+
+@pytest.fixture(scope="session")
 def rank_work(tmp_path_factory):
     """Where the shared launch writes its checkpoints (megatron/, hf_back/, ...)."""
     return tmp_path_factory.getbasetemp() / "rank_checks"

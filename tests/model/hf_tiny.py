@@ -67,6 +67,33 @@ VARIANTS: dict[str, tuple[str, dict]] = {
                                            qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
                                            tie_word_embeddings=False)),
 }
+# The gated-DeltaNet hybrids (Qwen3.5 dense and MoE as their vision-language checkpoints, Qwen3-Next as a causal LM):
+# four layers, three linear-attention (DeltaNet) and one gated full-attention layer (layer_types' default); 2 key /
+# 4 value heads in the DeltaNet (each key head serves two value heads, and TP=2 splits both), partial rotary 0.25 on
+# a head of 16 (Qwen3.5's interleaved mrope sections over the 2 rotary frequencies), a shared expert with a gate.
+# Separate from VARIANTS: their own launch (tests/model/test_gated_deltanet.py).
+_HYBRID_TEXT = dict(_COMMON, num_hidden_layers=4, head_dim=16, vocab_size=100, linear_conv_kernel_dim=4,
+                    linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+                    tie_word_embeddings=False)
+_NO_DENSE_MLP = {k: v for k, v in _HYBRID_TEXT.items() if k != "intermediate_size"}
+_MROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 0],
+          "mrope_interleaved": True}
+_VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=4,
+               num_position_embeddings=16)
+_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24)
+HYBRID_VARIANTS: dict[str, tuple[str, dict]] = {
+    # as Qwen3.5-MoE's releases: no intermediate_size (no dense MLP)
+    "qwen3_5_moe": ("Qwen3_5MoeConfig", dict(text_config=dict(_NO_DENSE_MLP, **_MOE, rope_parameters=_MROPE),
+                                             vision_config=_VISION)),
+    "qwen3_5": ("Qwen3_5Config", dict(text_config=dict(_HYBRID_TEXT, vocab_size=128, rope_parameters=_MROPE),
+                                      vision_config=_VISION)),
+    # a causal LM (no vision tower), plain 1-D RoPE, in_proj_qkvz / in_proj_ba per key head
+    "qwen3_next": ("Qwen3NextConfig", dict(_HYBRID_TEXT, **_MOE, rope_parameters={
+        "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})),
+}
+# vision-language configs: the class that holds the text model and the vision tower
+WRAPPER_MODELS = {"Qwen3_5MoeConfig": "Qwen3_5MoeForConditionalGeneration",
+                  "Qwen3_5Config": "Qwen3_5ForConditionalGeneration"}
 MOE_VARIANTS = [name for name, (cls, _) in VARIANTS.items() if "Moe" in cls or cls.startswith("DeepseekV3")]
 MLA_VARIANTS = [name for name, (cls, _) in VARIANTS.items() if cls.startswith("DeepseekV3")]  # no fused q/k/v
 UNPADDED_VARIANTS = [name for name, (_, kw) in VARIANTS.items() if kw["vocab_size"] % 128 == 0]
@@ -102,11 +129,24 @@ def build_tokenizer(vocab_size: int):
 def build_hf_model(variant: str, seed: int = 0):
     import transformers
 
-    cls_name, kwargs = VARIANTS[variant]
+    cls_name, kwargs = {**VARIANTS, **HYBRID_VARIANTS}[variant]
     config = getattr(transformers, cls_name)(**kwargs)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    if cls_name in WRAPPER_MODELS:
+        config._attn_implementation = "eager"
+        model = getattr(transformers, WRAPPER_MODELS[cls_name])(config).to(torch.float32)
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
     randomize(model, seed)
     return model.eval()
+
+
+def load_hf_model(model_dir: Path):
+    """A saved tiny model as transformers loads it (the vision-language wrappers by their class), fp32, eager."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    cls = getattr(transformers, WRAPPER_MODELS.get(type(config).__name__, "AutoModelForCausalLM"))
+    return cls.from_pretrained(model_dir, attn_implementation="eager", dtype=torch.float32).eval()
 
 
 def input_tokens(vocab_size: int, seed: int = 5) -> torch.Tensor:
@@ -123,8 +163,11 @@ def save_variant(variant: str, directory: Path, seed: int = 0) -> Path:
     model.save_pretrained(model_dir)
     if variant in WITH_MTP_TENSORS:
         add_mtp_tensors(model_dir, model.config, seed)
-    build_tokenizer(model.config.vocab_size).save_pretrained(model_dir)
-    tokens = input_tokens(model.config.vocab_size)
+    if variant in WITH_QWEN_MTP_TENSORS:
+        add_qwen_mtp_tensors(model_dir, seed)
+    vocab_size = model.config.get_text_config().vocab_size
+    build_tokenizer(vocab_size).save_pretrained(model_dir)
+    tokens = input_tokens(vocab_size)
     with torch.no_grad():
         logits = model(tokens).logits
     torch.save({"tokens": tokens, "logits": logits}, directory / f"{variant}.reference.pt")
@@ -149,6 +192,31 @@ def add_mtp_tensors(model_dir: Path, config, seed: int) -> None:
                     f"{layer}.shared_head.norm.weight": torch.randn(hidden, generator=g),
                     f"{layer}.mlp.gate.e_score_correction_bias": torch.randn(config.n_routed_experts, generator=g)})
     save_file(tensors, model_dir / "model.safetensors", metadata={"format": "pt"})
+
+
+WITH_QWEN_MTP_TENSORS = ("qwen3_5_moe", "qwen3_next")
+
+
+def add_qwen_mtp_tensors(model_dir: Path, seed: int) -> None:
+    """A few of the mtp.* tensors Qwen3.5's and Qwen3-Next's releases store (transformers builds none; the config
+    declares mtp_num_hidden_layers), at their own prefix beside model.language_model.* and model.visual.*
+    (Qwen3-Next: model.*)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((model_dir / "config.json").read_text())
+    text = config.get("text_config", config)  # Qwen3-Next: a causal LM's config
+    hidden = text["hidden_size"]
+    g = torch.Generator().manual_seed(2000 + seed)
+    tensors = load_file(model_dir / "model.safetensors")
+    tensors.update({"mtp.fc.weight": torch.randn(hidden, 2 * hidden, generator=g),
+                    "mtp.pre_fc_norm_embedding.weight": torch.randn(hidden, generator=g),
+                    "mtp.norm.weight": torch.randn(hidden, generator=g),
+                    "mtp.layers.0.self_attn.q_proj.weight": torch.randn(64, hidden, generator=g).to(torch.bfloat16)})
+    save_file(tensors, model_dir / "model.safetensors", metadata={"format": "pt"})
+    text["mtp_num_hidden_layers"] = 1
+    (model_dir / "config.json").write_text(json.dumps(config, indent=2))
 
 
 def save_bf16_copy(source: Path, target: Path) -> Path:

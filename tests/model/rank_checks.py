@@ -83,8 +83,8 @@ def bridge_case(hf_dir: str, layout: Layout, source: str = "dir", control: bool 
     if control:
         grouped_join = sharding.join
 
-        def plain_qkv_join(kind, parts, heads_per_group, head_dim):
-            return torch.cat(parts) if kind == mapping.QKV else grouped_join(kind, parts, heads_per_group, head_dim)
+        def plain_qkv_join(kind, parts, *sizes):
+            return torch.cat(parts) if kind == mapping.QKV else grouped_join(kind, parts, *sizes)
 
         with mock.patch.object(sharding, "join", plain_qkv_join):
             bridge.load_hf_weights(model, weights)

@@ -102,11 +102,23 @@ def test_vocab_rows_are_padded_with_zero_rows_beyond_the_real_vocabulary():
 
 
 def test_rule_tables_are_well_formed():
-    arity = {mapping.COPY: 1, mapping.QKV: 3, mapping.GLU: 2, mapping.CAT: 2}
+    arity = {mapping.COPY: 1, mapping.QKV: 3, mapping.GATED_QKV: 3, mapping.GLU: 2}
     for family, rules in mapping.ARCHITECTURES.items():
         megatron_names = set()
         for rule in rules:
-            assert len(rule.hf) == arity[rule.join], (family, rule.megatron)
+            if rule.join == mapping.CAT:  # any number of parts, of any sizes
+                assert len(rule.hf) >= 2, (family, rule.megatron)
+            elif rule.join == mapping.PER_HEAD:  # each part says its sections per key head
+                assert len(rule.hf) >= 1 and all(p.per_head for p in rule.hf), (family, rule.megatron)
+            else:
+                assert len(rule.hf) == arity[rule.join], (family, rule.megatron)
+            # a tensor's row sections come in order, all of them, one after the other (the export stacks them)
+            names = [p.name for p in rule.hf]
+            for part in rule.hf:
+                if part.sections:
+                    first = names.index(part.name)
+                    assert [p.section for p in rule.hf[first:first + len(part.sections)]] == list(
+                        range(len(part.sections))), (family, rule.megatron)
             assert (rule.scope == mapping.MODEL) == (rule.stage is not None), (family, rule.megatron)
             assert ("{expert}" in rule.megatron) == (rule.scope == mapping.EXPERT), (family, rule.megatron)
             # Every expert weight has its TEGroupedMLP name (tests/model/test_grouped_experts.py builds that layout).

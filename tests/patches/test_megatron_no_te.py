@@ -76,7 +76,7 @@ def _build_and_route(hf_dir: str) -> dict:
 
     decisions = []
     real = provider.megatron_patches
-    provider.megatron_patches = lambda use_te, cuda: decisions.append((use_te, cuda)) or real(use_te, cuda)
+    provider.megatron_patches = lambda use_te, cuda, **kw: decisions.append((use_te, cuda)) or real(use_te, cuda, **kw)
     model = provider.build_gpt_model(read_hf_config(f"{hf_dir}/config.json"), Layout(), use_te=False, init=True)
     ids = torch.randint(0, 128, (1, 6))
     logits = model(ids, torch.arange(6)[None], attention_mask=None)

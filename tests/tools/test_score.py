@@ -28,9 +28,9 @@ ATOL = 1e-4
 
 @torch.no_grad()
 def transformers_loglik(hf_dir: Path, records: list[Record]) -> list[tuple[float, int]]:
-    from transformers import AutoModelForCausalLM
+    from tests.model.hf_tiny import load_hf_model
 
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager").eval()
+    model = load_hf_model(hf_dir)
     out = []
     for record in records:
         tokens = torch.tensor([record.prompt_ids + record.response_ids])

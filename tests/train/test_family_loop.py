@@ -52,3 +52,32 @@ def test_the_loop_runs_each_family_with_the_engine_in_step(family, tmp_path):
         assert s["weight_sync/tensors"] == len(names), "the sync sends every tensor of the checkpoint"
     # The second minibatch routes some tokens otherwise than the old-policy pass (the volatility measure works).
     assert sum(s["expert_volatility"] for s in steps) > 0
+
+
+@pytest.mark.megatron  # trains the Megatron policy through the CLI
+def test_the_loop_runs_the_gated_deltanet_hybrid_with_the_engine_in_step(tmp_path):
+    """``model.tiny.family=qwen3_5_moe``: Qwen3.5-MoE's text model (a DeltaNet layer, then a gated full-attention
+    layer; gated shared expert, zero-centred norms), the local engine (SGLang's CPU server has no DeltaNet kernels:
+    docs/models.md). The engine's log-probs of every step's samples equal the trainer's, so each sync carried every
+    tensor the DeltaNet, the gated attention and the shared expert's gate compute with."""
+    run = tmp_path / "run"
+    command = [sys.executable, "-m", "gspo_megatron.cli", "train", str(ROOT / "examples/tiny_moe_cpu.yaml"),
+               "model.tiny.family=qwen3_5_moe", "rollout.engine=local", f"train.steps={STEPS}", "train.eval_every=0",
+               "model.warm_start_steps=2", f"model.hf_dir={tmp_path / 'model'}", f"logging.dir={run}",
+               f"checkpoint.dir={run / 'ck'}", "logging.plot_every=0", "rollout.prompts_per_step=4",
+               "parallel.micro_batch_size=8", "data.reward_workers=0", "optimizer.lr=3e-3"]
+    out = warm_cli.run(command, capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, WORLD_SIZE="1"),
+                       timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    config = json.loads((tmp_path / "model" / "config.json").read_text())
+    assert config["model_type"] == "qwen3_5_moe_text"
+    assert config["layer_types"] == ["linear_attention", "full_attention"]
+    with safe_open(tmp_path / "model" / "model.safetensors", "pt") as f:
+        names = list(f.keys())
+    assert any(".linear_attn.in_proj_qkv." in n for n in names) and any("shared_expert_gate" in n for n in names)
+    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
+    for s in steps:
+        assert s["logprob_diff_max"] <= LOGPROB_TOL, (s["step"], s["logprob_diff_max"])
+        assert math.isfinite(s["loss"]) and math.isfinite(s["grad_norm"]) and s["grad_norm"] > 0
+        assert s["weight_sync/tensors"] == len(names), "the sync sends every tensor of the checkpoint"
