@@ -21,7 +21,7 @@ from typing import Iterable, Mapping
 
 import torch
 
-from . import fp8
+from . import fp8, gpt_oss
 from .tensor_source import TensorSource
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -99,11 +99,27 @@ class SafetensorsDir(TensorSource):
 
 
 def open_hf_dir(directory: str | Path) -> TensorSource:
-    """An HF directory's tensors as the model uses them: block-scaled FP8 weights dequantized on read (``fp8``)."""
+    """An HF directory's tensors as the model uses them: block-scaled FP8 weights (``fp8``) and gpt-oss's MXFP4
+    experts (``gpt_oss``) dequantized on read."""
     source = SafetensorsDir(directory)
     config_file = Path(directory) / "config.json"
     config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    if gpt_oss.is_mxfp4(config):
+        return gpt_oss.Mxfp4Source(source, config)
     return fp8.BlockFp8Source(source, config) if fp8.block_size(config) else source
+
+
+def is_quantized(config: dict) -> bool:
+    """The checkpoint's weights are read dequantized (block-scaled FP8, gpt-oss's MXFP4): what loads the directory by
+    itself needs ``plain_copy``."""
+    return gpt_oss.is_mxfp4(config) or bool(fp8.block_size(config))
+
+
+def dequantized_config(config: dict) -> dict:
+    """config.json for the weights as ``open_hf_dir`` reads them."""
+    if gpt_oss.is_mxfp4(config):
+        return gpt_oss.dequantized_config(config)
+    return fp8.dequantized_config(config) if fp8.block_size(config) else config
 
 
 def plain_copy(directory: str | Path, out: str | Path) -> Path:
@@ -123,8 +139,7 @@ def plain_copy(directory: str | Path, out: str | Path) -> Path:
     try:
         copy_hf_metadata(directory, tmp)
         write_safetensors(((name, source.read(name)) for name in source.shapes()), tmp)
-        plain = fp8.dequantized_config(config) if fp8.block_size(config) else config
-        (tmp / "config.json").write_text(json.dumps(plain, indent=2) + "\n")
+        (tmp / "config.json").write_text(json.dumps(dequantized_config(config), indent=2) + "\n")
         os.replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

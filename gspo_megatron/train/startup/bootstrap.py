@@ -10,8 +10,7 @@ import torch.distributed as dist
 
 from gspo_megatron.model.bridge import Bridge
 from gspo_megatron.model.hf_config import load_config_json, read_hf_config
-from gspo_megatron.model import fp8
-from gspo_megatron.model.hf_files import open_hf_dir, plain_copy
+from gspo_megatron.model.hf_files import dequantized_config, is_quantized, open_hf_dir, plain_copy
 from gspo_megatron.parallel import control
 from gspo_megatron.rewards import rewards
 from gspo_megatron.rewards.reward_pool import RewardPool
@@ -139,26 +138,26 @@ def prepare_model_dir(cfg: Config) -> Path:
 
 
 def engine_model_dir(cfg: Config, hf_dir: Path) -> Path:
-    """The HF directory the rollout engine loads: ``hf_dir`` itself, or for a block-scaled FP8 checkpoint its
+    """The HF directory the rollout engine loads: ``hf_dir`` itself, or for a quantized checkpoint (FP8, MXFP4) its
     dequantized copy in ``logging.dir`` (written once by rank 0; collective). The trainer holds the dequantized
     weights and the weight sync sends them in that dtype, so the engine must start from them too: an SGLang server
     given the FP8 directory would build FP8 layers, and transformers cannot load one without a GPU."""
     config = load_config_json(hf_dir / "config.json")
-    if not fp8.block_size(config):
+    if not is_quantized(config):
         return hf_dir
     if cfg.rollout.engine == "sglang" and cfg.rollout.urls:  # the user's servers: they loaded what they loaded
         if dist.get_rank() == 0:
-            print("gspo-megatron train: model.hf_dir is a block-scaled FP8 checkpoint; the servers of rollout.urls "
-                  "must serve its dequantized weights (docs/models.md), as the trainer syncs those", flush=True)
+            print("gspo-megatron train: model.hf_dir is a quantized (FP8 or MXFP4) checkpoint; the servers of "
+                  "rollout.urls must serve its dequantized weights (docs/models.md), as the trainer syncs those", flush=True)
         return hf_dir
     out = Path(cfg.logging.dir).absolute() / ENGINE_MODEL
     if dist.get_rank() == 0:
         kept = out / "config.json"
-        if kept.is_file() and load_config_json(kept) != fp8.dequantized_config(config):  # another model's copy
+        if kept.is_file() and load_config_json(kept) != dequantized_config(config):  # another model's copy
             shutil.rmtree(out)
         if not kept.is_file():
-            print(f"gspo-megatron train: model.hf_dir is a block-scaled FP8 checkpoint; writing its dequantized copy "
-                  f"for the rollout engine to {out}", flush=True)
+            print(f"gspo-megatron train: model.hf_dir is a quantized (FP8 or MXFP4) checkpoint; writing its dequantized "
+                  f"copy for the rollout engine to {out}", flush=True)
         plain_copy(hf_dir, out)
     control.barrier()  # the others wait where no NCCL watchdog fires
     return out
