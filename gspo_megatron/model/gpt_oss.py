@@ -74,6 +74,27 @@ def megatron_fields(spec) -> dict:
     return fields
 
 
+def copy_expert_outputs(model) -> None:
+    """megatron's expert MLP adds its ``linear_fc2`` bias in place (``output += bias * prob``, mlp.py) to what
+    ``linear_fc2`` returns, which under expert-TP 1 is the identity reduce's input returned as is: autograd refuses
+    that in-place add on the view ("Output 0 of _ReduceFromModelParallelRegion is a view and is being modified
+    inplace"), so a backward through a biased ``SequentialMLP`` fails (0.16.1 and 0.19.2; inference does not see it).
+    Each local expert's ``linear_fc2`` returns a copy instead."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    def copying(forward):
+        def wrapper(*args, **kwargs):
+            output, bias = forward(*args, **kwargs)
+            return output.clone(), bias
+
+        return wrapper
+
+    for module in model.modules():
+        if isinstance(module, SequentialMLP):
+            for expert in module.local_experts:
+                expert.linear_fc2.forward = copying(expert.linear_fc2.forward)
+
+
 # ---- stacked experts <-> per-expert tensors ----------------------------------------------------------------------
 
 _STACKED = re.compile(r"^(?P<prefix>.*model\.layers\.(?P<layer>\d+)\.mlp\.experts)\.(?P<name>gate_up_proj|"

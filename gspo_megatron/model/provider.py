@@ -330,6 +330,10 @@ def build_gpt_model(spec: ModelSpec, layout: Layout = Layout(), dtype: torch.dty
     model.to(environment.device())
     if not update_expert_bias:
         freeze_expert_bias(model)
+    if spec.linear_bias:
+        from .gpt_oss import copy_expert_outputs
+
+        copy_expert_outputs(model)
     # The real vocabulary: log-probs (hidden_output / the fused op) must leave the padding rows out.
     model.unpadded_vocab_size = spec.vocab_size
     return model

@@ -186,3 +186,47 @@ def test_mxfp4_checkpoint_converts_and_scores_as_its_dequantized_twin(mxfp4_mode
     for got, want in zip(scores, reference, strict=True):
         assert got["num_tokens"] == want["num_tokens"]
         assert abs(got["logprob_sum"] - want["logprob_sum"]) <= ATOL, (got, want)
+
+
+# ---- gradients ------------------------------------------------------------------------------------------------------
+
+def _megatron_gradients(hf_dir: str, tokens: torch.Tensor) -> dict:
+    """World 1: the gradient of the mean log-sum-exp of the logits (every weight gets one) as HF-named tensors, read
+    through the bridge's export with each parameter's data swapped for its gradient."""
+    from gspo_megatron.model.bridge import Bridge
+    from gspo_megatron.model.process_groups import ensure_model_parallel
+    from gspo_megatron.model.provider import build_gpt_model
+
+    ensure_model_parallel(Layout())
+    spec = read_hf_config(hf_dir)
+    bridge = Bridge(spec)
+    model = build_gpt_model(spec, Layout())
+    bridge.load_hf_weights(model, hf_dir)
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    logits = model(tokens, positions, attention_mask=None)[..., : spec.vocab_size]
+    logits.logsumexp(-1).mean().backward()
+    for param in model.parameters():
+        param.data = param.grad
+    return dict(bridge.export_hf_weights(model))
+
+
+@pytest.mark.megatron
+def test_gradients_equal_transformers(hf_models):
+    """Training goes through the biased experts' backward (megatron's in-place bias add, ``copy_expert_outputs``), the
+    sinks, the window and the clamp: every gradient equals transformers' (fp32, 1e-5 relative to the largest)."""
+    import transformers
+
+    from gspo_megatron.parallel.launch import run_on_ranks
+
+    hf_dir = hf_models["gpt_oss"]
+    tokens = hf_tiny.input_tokens(read_hf_config(hf_dir).vocab_size)
+    (ours,) = run_on_ranks(_megatron_gradients, 1, Layout(), str(hf_dir), tokens, timeout=300)
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32,
+                                                              attn_implementation="eager")
+    model(tokens).logits.logsumexp(-1).mean().backward()
+    theirs = {name: p.grad for name, p in model.named_parameters()}
+    assert set(ours) == set(theirs)
+    for name, grad in theirs.items():
+        scale = grad.abs().max().item()
+        assert scale > 0, f"{name}: transformers gives it no gradient"
+        assert (ours[name] - grad).abs().max().item() <= 1e-5 * max(scale, 1e-2), name

@@ -1,6 +1,6 @@
 """SGLang's own model class built in-process on CPU, and its real ``load_weights`` fed our tensors; run as a script
 in a process of its own, with the CPU stand-ins on PYTHONPATH (``patches.sglang_cpu``), by
-``tests/rollout/test_deepseek_sglang_names.py``:
+``tests/rollout/test_deepseek_sglang_names.py`` and ``test_gpt_oss_sglang_names.py``:
 
     python -m tests.rollout.sglang_load MODEL_DIR LOADS.pt OUT.pt [MODEL_DIR LOADS.pt OUT.pt ...]
 
@@ -29,6 +29,11 @@ import torch
 from gspo_megatron.parallel.groups import free_port
 
 
+# SGLang refuses to build gpt-oss with the CPU's torch_native attention (it has neither sliding windows nor sinks);
+# no attention runs here, so the build names one it accepts.
+BUILD_ATTENTION = {"GptOssForCausalLM": "triton"}
+
+
 def build_model(model_dir: str):
     from sglang.srt.configs.device_config import DeviceConfig
     from sglang.srt.configs.load_config import LoadConfig
@@ -39,8 +44,12 @@ def build_model(model_dir: str):
     from sglang.srt.runtime_context import SpawnRanks, publish
     from sglang.srt.server_args import ServerArgs
 
+    import json
+    from pathlib import Path
+
+    architecture = json.loads((Path(model_dir) / "config.json").read_text())["architectures"][0]
     args = ServerArgs(model_path=model_dir, device="cpu", dtype="float32", load_format="dummy",
-                      attention_backend="torch_native", skip_tokenizer_init=True)
+                      attention_backend=BUILD_ATTENTION.get(architecture, "torch_native"), skip_tokenizer_init=True)
     publish(args, role="scheduler", ranks=SpawnRanks(world_rank=0, dp_rank=None, gpu_id=0))  # the last one wins
     if not torch.distributed.is_initialized():
         init_distributed_environment(backend="gloo", world_size=1, rank=0, local_rank=0,
@@ -90,10 +99,11 @@ def run_load(model, model_dir: str, calls: list) -> dict:
            "w_kc": {}, "w_vc": {}, "warnings": captured.messages}
     for i, layer in enumerate(model.model.layers):
         topk = getattr(layer.mlp, "topk", None)
-        if topk is not None:
+        if topk is not None and topk.topk_config.correction_bias is not None:  # sigmoid routers
             out["routing_bias"][i] = topk.topk_config.correction_bias.detach().clone()
         for key in ("w_kc", "w_vc"):
-            out[key][i] = getattr(layer.self_attn, key).detach().clone()
+            if hasattr(layer.self_attn, key):  # MLA only
+                out[key][i] = getattr(layer.self_attn, key).detach().clone()
     return out
 
 
