@@ -74,12 +74,24 @@ def megatron_fields(spec) -> dict:
     return fields
 
 
-def copy_expert_outputs(model) -> None:
-    """megatron's expert MLP adds its ``linear_fc2`` bias in place (``output += bias * prob``, mlp.py) to what
-    ``linear_fc2`` returns, which under expert-TP 1 is the identity reduce's input returned as is: autograd refuses
-    that in-place add on the view ("Output 0 of _ReduceFromModelParallelRegion is a view and is being modified
-    inplace"), so a backward through a biased ``SequentialMLP`` fails (0.16.1 and 0.19.2; inference does not see it).
-    Each local expert's ``linear_fc2`` returns a copy instead."""
+def fix_megatron_parameters(model) -> None:
+    """Three megatron-core bugs of gpt-oss's parameters (0.16.1 and 0.19.2), fixed on the built model.
+
+    The sinks (``core_attention.softmax_offset``) are split over TP with the heads, but not tagged
+    ``tensor_model_parallel``: the gradient norm counted them as TP duplicates, on TP rank 0 only (a TP2 step's norm
+    was 0.1% below world 1's). They are tagged (dist checkpoints already shard them by head). And biased experts
+    (``SequentialMLP``), on each local expert:
+
+    - its MLP adds the ``linear_fc2`` bias in place (``output += bias * prob``, mlp.py) to what ``linear_fc2``
+      returns, which under expert-TP 1 is the identity reduce's input returned as is: autograd refuses that in-place
+      add on the view ("Output 0 of _ReduceFromModelParallelRegion is a view and is being modified inplace"), so a
+      backward fails (inference does not see it). ``linear_fc2`` returns a copy instead.
+    - ``RowParallelLinear`` tags its bias ``sequence_parallel`` under sequence parallelism, so ``finalize_model_grads``
+      sums the expert bias's gradient over the TP ranks on top of the expert-data-parallel reduction that already
+      covers them: a TP2 step's gradient of it was twice world 1's. The tag is removed (expert weights carry none).
+      And it is not tagged ``tensor_model_parallel`` (the weight is): under TP2 x EP2 the gradient norm skipped the
+      biases of TP rank 1's experts as duplicates of rank 0's (0.1% below world 1's). It is tagged."""
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
     from megatron.core.transformer.moe.experts import SequentialMLP
 
     def copying(forward):
@@ -90,9 +102,15 @@ def copy_expert_outputs(model) -> None:
         return wrapper
 
     for module in model.modules():
+        if isinstance(getattr(module, "softmax_offset", None), torch.nn.Parameter):
+            set_tensor_model_parallel_attributes(module.softmax_offset, True, 0, 1)
         if isinstance(module, SequentialMLP):
             for expert in module.local_experts:
                 expert.linear_fc2.forward = copying(expert.linear_fc2.forward)
+                if expert.linear_fc2.bias is not None:
+                    expert.linear_fc2.bias.sequence_parallel = False
+                    # each EP rank's experts are its own: not a TP duplicate the norm may skip on TP rank > 0
+                    set_tensor_model_parallel_attributes(expert.linear_fc2.bias, True, 0, 1)
 
 
 # ---- stacked experts <-> per-expert tensors ----------------------------------------------------------------------

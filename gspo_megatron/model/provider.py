@@ -331,9 +331,9 @@ def build_gpt_model(spec: ModelSpec, layout: Layout = Layout(), dtype: torch.dty
     if not update_expert_bias:
         freeze_expert_bias(model)
     if spec.linear_bias:
-        from .gpt_oss import copy_expert_outputs
+        from .gpt_oss import fix_megatron_parameters
 
-        copy_expert_outputs(model)
+        fix_megatron_parameters(model)
     # The real vocabulary: log-probs (hidden_output / the fused op) must leave the padding rows out.
     model.unpadded_vocab_size = spec.vocab_size
     return model

@@ -212,7 +212,7 @@ def _megatron_gradients(hf_dir: str, tokens: torch.Tensor) -> dict:
 
 @pytest.mark.megatron
 def test_gradients_equal_transformers(hf_models):
-    """Training goes through the biased experts' backward (megatron's in-place bias add, ``copy_expert_outputs``), the
+    """Training goes through the biased experts' backward (megatron's in-place bias add, ``fix_megatron_parameters``), the
     sinks, the window and the clamp: every gradient equals transformers' (fp32, 1e-5 relative to the largest)."""
     import transformers
 

