@@ -236,12 +236,11 @@ def _score_with_transformers(hf_dir, records, dtype):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from gspo_megatron.model import fp8
     from gspo_megatron.model.hf_config import load_config_json
-    from gspo_megatron.model.hf_files import plain_copy
+    from gspo_megatron.model.hf_files import is_quantized, plain_copy
 
     torch_dtype = getattr(torch, dtype) if dtype else "auto"
-    if fp8.block_size(load_config_json(Path(hf_dir) / "config.json")):  # the weights load_policy reads, dequantized
+    if is_quantized(load_config_json(Path(hf_dir) / "config.json")):  # the weights load_policy reads, dequantized
         with tempfile.TemporaryDirectory(prefix="gspo_score_") as scratch:
             model = AutoModelForCausalLM.from_pretrained(str(plain_copy(hf_dir, Path(scratch) / "model")),
                                                          dtype=torch_dtype)

@@ -33,12 +33,13 @@ Conversion (``convert``), SGLang weight sync (``rollout``) and the local engine 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 
-from . import mapping, sharding
+from . import gpt_oss, mapping, sharding
 from .errors import MappingError, listing
 from .hf_config import ModelSpec
 from .hf_files import TensorSource, open_hf_tensors
@@ -78,12 +79,25 @@ def _groups():
     }
 
 
+def _restacked(export):
+    """An export whose per-expert tensors are stacked back where the family's checkpoints stack them
+    (``mapping.STACKED_EXPERTS``: gpt-oss)."""
+
+    @functools.wraps(export)
+    def wrapper(self, model, dtype=None):
+        stream = export(self, model, dtype)
+        return gpt_oss.fuse_experts(stream, self.spec.num_experts) if self._stacked else stream
+
+    return wrapper
+
+
 class Bridge:
     def __init__(self, spec: ModelSpec, padded_vocab_size: int | None = None):
         self.spec = spec
         self.padded_vocab_size = padded_vocab_size or spec.padded_vocab_size()
         self._dims = spec.dims()
         self._heads_per_group = spec.num_attention_heads // spec.num_key_value_heads
+        self._stacked = spec.family in mapping.STACKED_EXPERTS
 
     # ---- names and shapes -------------------------------------------------------------------------
 
@@ -190,6 +204,8 @@ class Bridge:
         """Fill this rank's parameters from HF tensors (a directory, a dict or a TensorSource)."""
         source: TensorSource = open_hf_tensors(source)
         self.check_hf_tensors(source.shapes())
+        if self._stacked:
+            source = gpt_oss.ExpertsView(source)  # the rules name each expert's tensors
         shapes = source.shapes()
         groups = _groups()
         for placement in self.placements(model):
@@ -223,6 +239,7 @@ class Bridge:
     def _per_head(self, rule: mapping.Rule) -> tuple[tuple[int, ...], ...]:
         return tuple(tuple(self._dims[d] for d in part.per_head) for part in rule.hf)
 
+    @_restacked
     @torch.no_grad()
     def export_hf_weights(self, model, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Full HF tensors of this rank's pipeline stage; see the module docstring (call on every rank)."""
@@ -248,6 +265,7 @@ class Bridge:
             for name, part in _whole_tensors(placement.hf_names, parts):
                 yield name, _cast(name, part, dtype)
 
+    @_restacked
     @torch.no_grad()
     def export_to_sender(self, model, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """``export_hf_weights``'s tensors on this pipeline stage's sender only; see the module docstring."""
@@ -300,7 +318,8 @@ class Bridge:
                 names = [self._hf_name(hf, placement.layer, e) for hf in rule.hf for e in experts]
             else:
                 names = placement.hf_names
-            dtypes.update((name, placement.param.dtype) for name in names)
+            dtypes.update((gpt_oss.stacked_name(name) if self._stacked else name, placement.param.dtype)
+                          for name in names)
         return dtypes
 
 

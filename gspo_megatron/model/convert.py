@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from gspo_megatron.parallel.groups import Layout
 
-from . import checkpoint, fp8, hf_files
+from . import checkpoint, hf_files
 from .atomic import atomic_output_dir, check_output_dir
 from .bridge import Bridge
 from .errors import MappingError, listing
@@ -192,7 +192,7 @@ def megatron_to_hf(megatron_dir: str | Path, out: str | Path, hf_config_dir: str
             hf_files.finalize_shards(tmp, shards)
             hf_files.copy_hf_metadata(config_dir, tmp)
             config = load_config_json(tmp)
-            exported = fp8.dequantized_config(config) if fp8.block_size(config) else config  # bf16 weights now
+            exported = hf_files.dequantized_config(config)  # bf16 weights now
             exported = serving_config(exported)  # what SGLang reads, as the family's releases hold it
             if fp8_scheme is not None:
                 exported = fp8_scheme.config(exported)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import UnsupportedModel
+from .gpt_oss import gpt_oss_fields
 
 # Megatron pads the vocabulary so every TP rank holds the same number of rows. The multiple is fixed (not
 # 128 * tp as in Megatron-LM) so that one checkpoint reshards to any TP that divides it; real vocabularies
@@ -51,9 +52,14 @@ class Family:
     # drops them (SGLang's DeepseekV2 then fails to build: "no attribute 'moe_layer_freq'"): with the value every
     # release of the family holds, written where an exported config lacks them (``serving_config``).
     serving_fields: dict[str, Any] = field(default_factory=dict)
-    # Values a config field takes where the family's configs leave it out (Qwen3.5-MoE always renormalises its
-    # top-k and has no norm_topk_prob field).
-    defaults: dict[str, Any] = field(default_factory=dict)
+    # Config values the family's model class hard-codes rather than reads (gpt-oss renormalises its top-k and sizes
+    # its experts by intermediate_size; Qwen3.5-MoE always renormalises and has no norm_topk_prob field): read as if
+    # config.json said them, where it does not.
+    implied: dict[str, Any] = field(default_factory=dict)
+    implied_from: dict[str, str] = field(default_factory=dict)  # {key: the config key whose value it takes}
+    # gpt-oss: attention sinks, sliding-window layers (layer_types), biases on every linear (attention_bias), the
+    # clamped GLU (swiglu_limit), GQA under YaRN RoPE; the module that reads its fields is model/gpt_oss.py.
+    gpt_oss: bool = False
     # The gated-DeltaNet hybrids (Qwen3-Next, Qwen3.5): layer_types mixes "linear_attention" (megatron's
     # GatedDeltaNet) with "full_attention" layers whose q_proj also emits an output gate; every RMSNorm but the
     # DeltaNet's own is zero-centred (the checkpoint stores w, the norm applies 1 + w); the shared expert has a
@@ -87,7 +93,11 @@ FAMILIES: dict[str, Family] = {
                gated_deltanet=True, requires={"attention_bias": False}),
         Family("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", qk_norm=True, qkv_bias=False, moe=True,
                partial_rotary=True, gated_deltanet=True, requires={"attention_bias": False, "norm_topk_prob": True},
-               defaults={"norm_topk_prob": True}),
+               implied={"norm_topk_prob": True}),
+        # gpt-oss: softmax over the top-k router logits (renormalised top-k), a router bias, experts fused in the files
+        # (model/gpt_oss.py), every layer MoE.
+        Family("gpt_oss", "GptOssForCausalLM", qk_norm=False, qkv_bias="attention_bias", moe=True, gpt_oss=True,
+               implied={"norm_topk_prob": True}, implied_from={"moe_intermediate_size": "intermediate_size"}),
     )
 }
 # model types read as another family: Kimi-K2 is the DeepSeek-V3 architecture (transformers has no config class for it)
@@ -150,6 +160,15 @@ class ModelSpec:
     yarn_beta_slow: float = 1.0
     yarn_mscale: float = 1.0
     yarn_mscale_all_dim: float = 0.0
+    yarn_truncate: bool = True  # YaRN's correction range rounded to whole dims (gpt-oss: false)
+    # gpt-oss (model/gpt_oss.py): a learnt sink logit per head in every softmax; sliding-window attention over the
+    # last sliding_window keys (the query's own included) in the layers marked True; biases on every linear (attention,
+    # router, experts); the experts' GLU clamped at glu_clamp with (up + 1) * gate * sigmoid(1.702 gate).
+    attention_sinks: bool = False
+    sliding_window: int = 0
+    sliding_layers: tuple[bool, ...] = ()
+    linear_bias: bool = False
+    glu_clamp: float | None = None
     dtype: str = "float32"  # the config's weight dtype (informational: tensors carry their own)
     # Where the language model's tensors sit in a multimodal checkpoint (Kimi-K2.5: "language_model."): every
     # mapped HF name carries it; tensors outside it (the vision tower) are not trained (mapping.is_carried).
@@ -206,6 +225,7 @@ class ModelSpec:
         return {
             "hidden": self.hidden_size,
             "vocab": self.vocab_size,
+            "heads": self.num_attention_heads,
             "q": self.num_attention_heads * self.head_dim,
             "kv": self.num_key_value_heads * self.head_dim,
             "head_dim": self.head_dim,
@@ -243,6 +263,7 @@ class ModelSpec:
         out = asdict(self)
         out["moe_layers"] = list(self.moe_layers)
         out["linear_attention_layers"] = list(self.linear_attention_layers)
+        out["sliding_layers"] = list(self.sliding_layers)
         return out
 
     @classmethod
@@ -250,6 +271,7 @@ class ModelSpec:
         data = dict(data)
         data["moe_layers"] = tuple(data.get("moe_layers", ()))
         data["linear_attention_layers"] = tuple(data.get("linear_attention_layers", ()))
+        data["sliding_layers"] = tuple(data.get("sliding_layers", ()))
         return cls(**data)
 
 
@@ -303,7 +325,7 @@ def _check_requires(config: dict, family: Family) -> None:
                                f"(only {wanted!r}): the Megatron policy does not map it")
     layer_types = config.get("layer_types") or []
     allowed = {"full_attention", "linear_attention"} if family.gated_deltanet else {"full_attention"}
-    if any(t not in allowed for t in layer_types):
+    if not family.gpt_oss and any(t not in allowed for t in layer_types):  # (gpt_oss.py reads its sliding layers)
         raise UnsupportedModel(f"layer_types={layer_types} in config.json: only {' and '.join(sorted(allowed))} "
                                f"layers are supported for {family.model_type} (sliding-window layers are not mapped)")
 
@@ -316,14 +338,17 @@ _YARN_FIELDS = {"factor": "yarn_factor", "original_max_position_embeddings": "ya
 def _rope_fields(config: dict, family: Family) -> dict:
     """ModelSpec's RoPE fields: theta, Llama-3 scaling, or (multi-latent attention only) YaRN."""
     merged = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
-    if (merged.get("rope_type") or merged.get("type")) != "yarn" or family.attention != "mla":
+    if (merged.get("rope_type") or merged.get("type")) != "yarn" or not (family.attention == "mla" or family.gpt_oss):
         theta, scaling = _rope(config)
         return dict(rope_theta=theta, rope_scaling_factor=scaling)
     unknown = set(merged) - set(_YARN_FIELDS) - {"rope_type", "type", "rope_theta", "attention_factor", "truncate"}
-    if unknown or merged.get("attention_factor") is not None or merged.get("truncate", True) is not True:
+    # truncate=false (gpt-oss) is megatron's yarn_correction_range_round_to_int=False, which only its GQA YaRN reads
+    truncate_ok = merged.get("truncate", True) is True or family.attention == "gqa"
+    if unknown or merged.get("attention_factor") is not None or not truncate_ok:
         raise UnsupportedModel(f"rope_parameters={merged}: megatron-core's YaRN takes factor, "
                                "original_max_position_embeddings, beta_fast, beta_slow, mscale and mscale_all_dim only")
     fields = {ours: float(merged[theirs]) for theirs, ours in _YARN_FIELDS.items() if merged.get(theirs) is not None}
+    fields["yarn_truncate"] = bool(merged.get("truncate", True))
     fields["yarn_original_max_position_embeddings"] = int(merged.get("original_max_position_embeddings")
                                                           or config.get("max_position_embeddings") or 4096)
     theta = float(merged.get("rope_theta", config.get("rope_theta", 10000.0)))
@@ -446,7 +471,7 @@ def read_hf_config(config: dict | str | Path) -> ModelSpec:
         return replace(read_hf_config(text_config(config)),
                        text_model_prefix=TEXT_MODEL_WRAPPERS[config["model_type"]][1])
     family = family_of(config)
-    config = {**family.defaults, **config}
+    config = {**family.implied, **{k: config[v] for k, v in family.implied_from.items() if v in config}, **config}
     _check_requires(config, family)
     heads = _int(config, "num_attention_heads")
     hidden = _int(config, "hidden_size")
@@ -496,6 +521,7 @@ def read_hf_config(config: dict | str | Path) -> ModelSpec:
         dtype=str(config.get("dtype") or config.get("torch_dtype") or "float32"),
         **moe,
         **hybrid,
+        **(gpt_oss_fields(config, num_layers) if family.gpt_oss else {}),
     )
 
 

@@ -21,7 +21,7 @@ from typing import Iterable, Mapping
 
 import torch
 
-from . import fp8
+from . import fp8, gpt_oss
 from .tensor_source import TensorSource
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -99,11 +99,27 @@ class SafetensorsDir(TensorSource):
 
 
 def open_hf_dir(directory: str | Path) -> TensorSource:
-    """An HF directory's tensors as the model uses them: block-scaled FP8 weights dequantized on read (``fp8``)."""
+    """An HF directory's tensors as the model uses them: block-scaled FP8 weights (``fp8``) and gpt-oss's MXFP4
+    experts (``gpt_oss``) dequantized on read."""
     source = SafetensorsDir(directory)
     config_file = Path(directory) / "config.json"
     config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    if gpt_oss.is_mxfp4(config):
+        return gpt_oss.Mxfp4Source(source, config)
     return fp8.BlockFp8Source(source, config) if fp8.block_size(config) else source
+
+
+def is_quantized(config: dict) -> bool:
+    """The checkpoint's weights are read dequantized (block-scaled FP8, gpt-oss's MXFP4): what loads the directory by
+    itself needs ``plain_copy``."""
+    return gpt_oss.is_mxfp4(config) or bool(fp8.block_size(config))
+
+
+def dequantized_config(config: dict) -> dict:
+    """config.json for the weights as ``open_hf_dir`` reads them."""
+    if gpt_oss.is_mxfp4(config):
+        return gpt_oss.dequantized_config(config)
+    return fp8.dequantized_config(config) if fp8.block_size(config) else config
 
 
 def plain_copy(directory: str | Path, out: str | Path) -> Path:
@@ -114,8 +130,7 @@ def plain_copy(directory: str | Path, out: str | Path) -> Path:
     Tensor by tensor (shards of at most 5 GB); ``out`` appears complete or not at all, and a complete copy already
     there is kept (a restarted run reuses it; one with another config.json, another model's, is replaced). One
     process writes it."""
-    return _copy(directory, out, lambda tensors: tensors,
-                 lambda config: fp8.dequantized_config(config) if fp8.block_size(config) else config)
+    return _copy(directory, out, lambda tensors: tensors, dequantized_config)
 
 
 def quantized_copy(directory: str | Path, out: str | Path, scheme: fp8.Fp8Scheme) -> Path:
@@ -125,7 +140,7 @@ def quantized_copy(directory: str | Path, out: str | Path, scheme: fp8.Fp8Scheme
     then quantized by ``scheme``: the trainer's weights), quantized tensor by tensor (``fp8.quantized_stream``); as
     ``plain_copy``, ``out`` appears complete or not at all and a complete copy of the same config.json is kept."""
     return _copy(directory, out, lambda tensors: fp8.quantized_stream(tensors, scheme),
-                 lambda config: fp8.quantized_dir_config(config, scheme))
+                 lambda config: fp8.quantized_dir_config(dequantized_config(config), scheme))
 
 
 def _copy(directory: str | Path, out: str | Path, tensors, config_of) -> Path:

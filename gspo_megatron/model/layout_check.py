@@ -78,6 +78,9 @@ def check_layout(spec: ModelSpec, layout: Layout, world_size: int | None = None,
         _divides(problems, "moe_intermediate_size", spec.moe_ffn_hidden_size, "expert_tensor_parallel_size", etp)
         _divides(problems, "n_shared_experts * moe_intermediate_size", spec.moe_shared_ffn_hidden_size,
                  "tensor_model_parallel_size", tp)
+        if spec.linear_bias and etp > 1:  # megatron-core: "Bias in Moe is only supported when ETP==1"
+            problems.append(f"expert_tensor_parallel_size={etp}: {spec.family}'s experts have biases, which "
+                            "megatron-core splits only with expert_tensor_parallel_size=1 (parallel.expert_tensor=1)")
         if tp > 1 and not layout.sequence_parallel:
             problems.append(f"sequence_parallel=False with tensor_model_parallel_size={tp} on a MoE model: "
                             "megatron-core requires sequence parallelism for MoE under TP; set sequence_parallel=True")

@@ -255,6 +255,28 @@ GATED_SHARED_MOE_MLP = MOE_MLP + (
     Rule(f"{_M}.mlp.shared_experts.gate_weight", (P(f"{_L}.mlp.shared_expert_gate.weight", "one", "hidden"),),
          scope=MOE),
 )
+# gpt-oss (model/gpt_oss.py): biases on every linear, a sink logit per head (megatron's learnable softmax offset,
+# split over TP with the heads), the router ``mlp.router`` with a bias, experts with biases. The expert names are the
+# per-expert ones ``gpt_oss.ExpertsView`` shows (the files stack each layer's experts: ``STACKED_EXPERTS``).
+_GE_FC1, _GE_FC2 = f"{_GE}.linear_fc1", f"{_GE}.linear_fc2"
+GPT_OSS_ATTENTION = ATTENTION + QKV_BIAS + (
+    Rule(f"{_M}.self_attention.linear_proj.bias", (P(f"{_L}.self_attn.o_proj.bias", "hidden"),)),
+    Rule(f"{_M}.self_attention.core_attention.softmax_offset", (P(f"{_L}.self_attn.sinks", "heads"),), split=COLUMN),
+)
+GPT_OSS_MOE_MLP = (
+    Rule(f"{_M}.pre_mlp_layernorm.weight", (P(f"{_L}.post_attention_layernorm.weight", "hidden"),), scope=MOE),
+    Rule(f"{_M}.mlp.router.weight", (P(f"{_L}.mlp.router.weight", "experts", "hidden"),), scope=MOE),
+    Rule(f"{_M}.mlp.router.bias", (P(f"{_L}.mlp.router.bias", "experts"),), scope=MOE),
+    MOE_MLP[2],
+    Rule(f"{_E}.linear_fc1.bias", (P(f"{_HE}.gate_proj.bias", "moe_ffn"), P(f"{_HE}.up_proj.bias", "moe_ffn")),
+         join=GLU, split=COLUMN, scope=EXPERT, grouped=f"{_GE_FC1}.bias{{expert}}"),
+    MOE_MLP[3],
+    Rule(f"{_E}.linear_fc2.bias", (P(f"{_HE}.down_proj.bias", "hidden"),), scope=EXPERT,
+         grouped=f"{_GE_FC2}.bias{{expert}}"),
+)
+# Families whose checkpoints stack each layer's experts into one tensor per projection (gpt-oss): their rules name
+# per-expert tensors, and gpt_oss converts on read (``ExpertsView``) and on export (``fuse_experts``).
+STACKED_EXPERTS = ("gpt_oss",)
 
 
 def _when(condition: str, rules: tuple[Rule, ...]) -> tuple[Rule, ...]:
@@ -272,6 +294,7 @@ ARCHITECTURES: dict[str, tuple[Rule, ...]] = {
     "qwen3_5_text": EMBEDDING + GATED_ATTENTION + GATED_DELTANET + DENSE_MLP + OUTPUT,
     "qwen3_5_moe_text": EMBEDDING + GATED_ATTENTION + GATED_DELTANET + DENSE_MLP + GATED_SHARED_MOE_MLP + OUTPUT,
     "qwen3_next": EMBEDDING + GATED_ATTENTION + QWEN3_NEXT_DELTANET + DENSE_MLP + GATED_SHARED_MOE_MLP + OUTPUT,
+    "gpt_oss": EMBEDDING + GPT_OSS_ATTENTION + GPT_OSS_MOE_MLP + OUTPUT,
 }
 
 # HF tensors SGLang's ``load_weights`` joins into one parameter only when both arrive in the same call, each a pair
@@ -360,6 +383,10 @@ def hf_tensor_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
             for part in rule.hf:
                 shape = (part.full_rows(dims),) + tuple(dims[d] for d in part.dims[1:])
                 shapes[spec.checkpoint_name(part.name.format(**where))] = shape
+    if spec.family in STACKED_EXPERTS:
+        from .gpt_oss import stacked_shapes
+
+        shapes = stacked_shapes(shapes)
     return shapes
 
 

@@ -146,6 +146,10 @@ def transformer_config(spec: ModelSpec, layout: Layout, dtype: torch.dtype = tor
     if spec.attention == "mla":
         config_class = MLATransformerConfig
         kwargs.update(_mla_fields(spec))
+    if spec.attention_sinks:
+        from .gpt_oss import megatron_fields
+
+        kwargs.update(megatron_fields(spec))
     if mla_down_proj_fusion:
         from .mla import down_proj_fusion_problem
 
@@ -156,6 +160,13 @@ def transformer_config(spec: ModelSpec, layout: Layout, dtype: torch.dtype = tor
     kwargs.update(overrides)
     config = config_class(**kwargs)
     config.finalize_model_grads_func = finalize_model_grads
+    if spec.yarn_factor is not None and spec.attention == "gqa":
+        # GPTModel's YaRN (position_embedding_type "yarn") and its attention read these attributes, not fields
+        config.yarn_rotary_scaling_factor = spec.yarn_factor
+        config.yarn_original_max_position_embeddings = spec.yarn_original_max_position_embeddings
+        config.yarn_beta_fast, config.yarn_beta_slow = spec.yarn_beta_fast, spec.yarn_beta_slow
+        config.yarn_mscale, config.yarn_mscale_all_dim = spec.yarn_mscale, spec.yarn_mscale_all_dim
+        config.yarn_correction_range_round_to_int = spec.yarn_truncate
     return config
 
 
@@ -330,7 +341,7 @@ def build_gpt_model(spec: ModelSpec, layout: Layout = Layout(), dtype: torch.dty
         pre_process=ps.is_pipeline_first_stage(),
         post_process=ps.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=spec.tie_embeddings,
-        position_embedding_type="rope",
+        position_embedding_type="yarn" if spec.yarn_factor is not None and spec.attention == "gqa" else "rope",
         rotary_percent=spec.rotary_percent,
         rotary_base=spec.rope_theta,
         rope_scaling=spec.rope_scaling_factor is not None,
@@ -341,6 +352,10 @@ def build_gpt_model(spec: ModelSpec, layout: Layout = Layout(), dtype: torch.dty
     model.to(environment.device())
     if not update_expert_bias:
         freeze_expert_bias(model)
+    if spec.linear_bias:
+        from .gpt_oss import fix_megatron_parameters
+
+        fix_megatron_parameters(model)
     # The real vocabulary: log-probs (hidden_output / the fused op) must leave the padding rows out.
     model.unpadded_vocab_size = spec.vocab_size
     return model

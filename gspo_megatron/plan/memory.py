@@ -371,12 +371,20 @@ def _attention_parameters(spec: ModelSpec) -> tuple[int, int]:
         return split, replicated
     q, kv = spec.num_attention_heads * d, spec.num_key_value_heads * d
     split = h * q + 2 * h * kv + q * h + (q + 2 * kv if spec.qkv_bias else 0)
-    return split, norms + (2 * d if spec.qk_norm else 0)
+    split += spec.num_attention_heads if spec.attention_sinks else 0  # a sink logit per head
+    return split, norms + (2 * d if spec.qk_norm else 0) + (h if spec.linear_bias else 0)  # o_proj's bias
 
 
 def _moe_replicated(spec: ModelSpec) -> int:
-    """The router (and the sigmoid router's expert bias) of one MoE layer."""
-    return spec.num_experts * spec.hidden_size + (spec.num_experts if spec.moe_router == "sigmoid" else 0)
+    """The router (and the sigmoid router's expert bias, or its linear's bias) of one MoE layer."""
+    return spec.num_experts * spec.hidden_size + (spec.num_experts if spec.moe_router == "sigmoid" else 0) \
+        + (spec.num_experts if spec.linear_bias else 0)
+
+
+def _expert_parameters(spec: ModelSpec) -> int:
+    """One routed expert: gate, up and down projections (and their biases: gpt-oss)."""
+    h, ffn = spec.hidden_size, spec.moe_ffn_hidden_size
+    return 3 * h * ffn + (2 * ffn + h if spec.linear_bias else 0)
 
 
 def model_parameters(spec: ModelSpec) -> tuple[int, int]:
@@ -386,7 +394,7 @@ def model_parameters(spec: ModelSpec) -> tuple[int, int]:
     total = active = spec.num_layers * attention + spec.vocab_size * h * (1 if spec.tie_embeddings else 2) + h
     for layer in range(spec.num_layers):
         if spec.is_moe_layer(layer):
-            expert, shared = 3 * h * spec.moe_ffn_hidden_size, 3 * h * spec.moe_shared_ffn_hidden_size
+            expert, shared = _expert_parameters(spec), 3 * h * spec.moe_shared_ffn_hidden_size
             total += spec.num_experts * expert + shared + _moe_replicated(spec)
             active += spec.moe_topk * expert + shared + _moe_replicated(spec)
         else:
@@ -416,7 +424,7 @@ def parameter_counts(spec: ModelSpec, cfg: Config, stage: int) -> tuple[float, f
         if spec.is_moe_layer(layer):
             replicated += _moe_replicated(spec)
             split += 3 * h * spec.moe_shared_ffn_hidden_size  # shared experts: split over TP like a dense MLP
-            experts += spec.num_experts * 3 * h * spec.moe_ffn_hidden_size / (p.expert * etp)
+            experts += spec.num_experts * _expert_parameters(spec) / (p.expert * etp)
         else:
             split += 3 * h * spec.ffn_hidden_size
     first, last = stage == 0, stage == pp - 1

@@ -135,9 +135,32 @@ def tiny_qwen3_5_moe_config(vocab_size: int = 128, hidden_size: int = 64, num_la
     )
 
 
+def tiny_gpt_oss_config(vocab_size: int = 128, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
+                        num_kv_heads: int = 2, head_dim: int = 16, num_experts: int = 4, top_k: int = 2,
+                        moe_intermediate_size: int = 32, max_position_embeddings: int = 512,
+                        initializer_range: float = 0.1):
+    """gpt-oss's architecture at the CPU example's sizes: sliding-window layers (8 keys: fewer than a prompt and its
+    answer) alternating with full ones, attention sinks, biases on every linear, the clamped GLU (its release's
+    limit 7), YaRN without truncation (factor 4 over a quarter of the positions). Every layer is MoE; the experts'
+    width is its ``intermediate_size``."""
+    from transformers import GptOssConfig
+
+    return GptOssConfig(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=moe_intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+        head_dim=head_dim, num_local_experts=num_experts, num_experts_per_tok=top_k, sliding_window=8,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": max_position_embeddings // 4},
+        tie_word_embeddings=False, max_position_embeddings=max_position_embeddings,
+        initializer_range=initializer_range, eos_token_id=0, pad_token_id=0, bos_token_id=None, dtype="float32",
+    )
+
+
 # model.tiny's ``family``: the architectures a tiny random model can be built in, from the same size fields.
 TINY_FAMILIES = {"qwen3_moe": tiny_qwen3_moe_config, "glm4_moe": tiny_glm4_moe_config,
-                 "deepseek_v3": tiny_deepseek_v3_config, "qwen3_5_moe": tiny_qwen3_5_moe_config}
+                 "deepseek_v3": tiny_deepseek_v3_config, "qwen3_5_moe": tiny_qwen3_5_moe_config,
+                 "gpt_oss": tiny_gpt_oss_config}
 
 
 def tiny_config(family: str = "qwen3_moe", **sizes):

@@ -66,6 +66,15 @@ VARIANTS: dict[str, tuple[str, dict]] = {
                                            routed_scaling_factor=2.0, q_lora_rank=None, kv_lora_rank=16,
                                            qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
                                            tie_word_embeddings=False)),
+    # gpt-oss: sliding windows of 4 keys (< SEQ) in layer 0, full attention in layer 1, attention sinks, biases on
+    # every linear, 4 experts top-2 stacked in the files, the GLU clamped at 1.5 (not 7: so the clamp bites at these
+    # weights), YaRN without truncation, head_dim != hidden / heads.
+    "gpt_oss": ("GptOssConfig", dict(_COMMON, vocab_size=128, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                                     intermediate_size=32, sliding_window=4, swiglu_limit=1.5,
+                                     rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
+                                                      "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                                      "original_max_position_embeddings": 16},
+                                     tie_word_embeddings=False)),
 }
 # The gated-DeltaNet hybrids (Qwen3.5 dense and MoE as their vision-language checkpoints, Qwen3-Next as a causal LM):
 # four layers, three linear-attention (DeltaNet) and one gated full-attention layer (layer_types' default); 2 key /
@@ -94,7 +103,9 @@ HYBRID_VARIANTS: dict[str, tuple[str, dict]] = {
 # vision-language configs: the class that holds the text model and the vision tower
 WRAPPER_MODELS = {"Qwen3_5MoeConfig": "Qwen3_5MoeForConditionalGeneration",
                   "Qwen3_5Config": "Qwen3_5ForConditionalGeneration"}
-MOE_VARIANTS = [name for name, (cls, _) in VARIANTS.items() if "Moe" in cls or cls.startswith("DeepseekV3")]
+MOE_VARIANTS = [name for name, (cls, _) in VARIANTS.items()
+                if "Moe" in cls or cls.startswith("DeepseekV3") or cls == "GptOssConfig"]
+EXPERT_BIAS_VARIANTS = ["gpt_oss"]  # megatron-core splits biased experts only with expert-TP 1
 MLA_VARIANTS = [name for name, (cls, _) in VARIANTS.items() if cls.startswith("DeepseekV3")]  # no fused q/k/v
 UNPADDED_VARIANTS = [name for name, (_, kw) in VARIANTS.items() if kw["vocab_size"] % 128 == 0]
 

@@ -164,7 +164,7 @@ def bridge_cases(hf_models: dict) -> list:
         cases.append((("bridge", name, "tp1_dict"), bridge_case, (path, Layout(), "dict"), Layout()))
         if name not in hf_tiny.MLA_VARIANTS:
             cases.append((("bridge", name, "control"), bridge_case, (path, Layout(), "dir", True), Layout()))
-        tp2 = Layout(tensor=2, sequence_parallel=moe)
+        tp2 = Layout(tensor=2, sequence_parallel=moe, expert_tensor=1 if name in hf_tiny.EXPERT_BIAS_VARIANTS else None)
         cases.append((("bridge", name, "tp2"), bridge_case, (path, tp2), tp2))
         pp2 = pp2_layout(path)
         cases.append((("bridge", name, "pp2"), bridge_case, (path, pp2), pp2))
@@ -193,6 +193,7 @@ CONVERT_LAYOUTS = {
     "glm4_moe": (Layout(tensor=2, expert=2, expert_tensor=1, sequence_parallel=True), PP2),
     "deepseek_v3": (PP2, Layout(tensor=2, expert=2, expert_tensor=1, sequence_parallel=True)),
     "moonlight": (Layout(pipeline=2, first_stage_layers=1), TP2_SP),  # three layers: uneven stages
+    "gpt_oss": (Layout(tensor=2, expert=2, expert_tensor=1, sequence_parallel=True), PP2),  # stacked experts
     hf_tiny.BF16: (TP2_SP, EP2),  # bf16 weights: megatron keeps the norms in fp32; the way back restores bf16
 }
 
@@ -264,6 +265,7 @@ SCORE_LAYOUTS = {  # (on the Megatron checkpoint, on the HF directory)
     "llama": (TP2, DP2),
     "glm4_moe": (PP2, Layout(tensor=2, expert=2, expert_tensor=1, sequence_parallel=True)),
     "deepseek_v3": (Layout(tensor=2, sequence_parallel=True), EP2),
+    "gpt_oss": (EP2, Layout(tensor=2, expert_tensor=1, sequence_parallel=True)),  # expert biases: ETP 1
 }
 
 

@@ -123,7 +123,8 @@ def test_rule_tables_are_well_formed():
             assert ("{expert}" in rule.megatron) == (rule.scope == mapping.EXPERT), (family, rule.megatron)
             # Every expert weight has its TEGroupedMLP name (tests/model/test_grouped_experts.py builds that layout).
             assert (rule.grouped is not None) == (rule.scope == mapping.EXPERT), (family, rule.megatron)
-            assert rule.grouped is None or rule.grouped.endswith(".weight{expert}"), (family, rule.grouped)
+            # TE's GroupedLinear names its biases bias{i} beside weight{i} (gpt-oss's experts have biases)
+            assert rule.grouped is None or rule.grouped.endswith((".weight{expert}", ".bias{expert}")), rule.grouped
             megatron_names.add((rule.megatron, rule.when, rule.scope))
         assert len(megatron_names) == len(rules), f"{family}: a Megatron tensor is mapped twice"
 

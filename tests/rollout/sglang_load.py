@@ -1,6 +1,6 @@
 """SGLang's own model class built in-process on CPU, and its real ``load_weights`` fed our tensors; run as a script
 in a process of its own, with the CPU stand-ins on PYTHONPATH (``patches.sglang_cpu``), by
-``tests/rollout/test_deepseek_sglang_names.py``:
+``tests/rollout/test_deepseek_sglang_names.py`` and ``test_gpt_oss_sglang_names.py``:
 
     python -m tests.rollout.sglang_load MODEL_DIR LOADS.pt OUT.pt [MODEL_DIR LOADS.pt OUT.pt ...]
 
@@ -36,6 +36,11 @@ import torch
 from gspo_megatron.parallel.groups import free_port
 
 
+# SGLang refuses to build gpt-oss with the CPU's torch_native attention (it has neither sliding windows nor sinks);
+# no attention runs here, so the build names one it accepts.
+BUILD_ATTENTION = {"GptOssForCausalLM": "triton"}
+
+
 def build_model(model_dir: str):
     from sglang.srt.configs.device_config import DeviceConfig
     from sglang.srt.configs.load_config import LoadConfig
@@ -47,9 +52,12 @@ def build_model(model_dir: str):
     from sglang.srt.server_args import ServerArgs
 
     # fp32 for exact comparisons; an FP8 checkpoint's layers run in bf16 (SGLang's Fp8Config refuses fp32)
-    quantized = "quantization_config" in json.loads((Path(model_dir) / "config.json").read_text())
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    quantized = "quantization_config" in config
     args = ServerArgs(model_path=model_dir, device="cpu", dtype="bfloat16" if quantized else "float32",
-                      load_format="dummy", attention_backend="torch_native", skip_tokenizer_init=True)
+                      load_format="dummy", attention_backend=BUILD_ATTENTION.get(config["architectures"][0],
+                                                                                 "torch_native"),
+                      skip_tokenizer_init=True)
     publish(args, role="scheduler", ranks=SpawnRanks(world_rank=0, dp_rank=None, gpu_id=0))  # the last one wins
     if not torch.distributed.is_initialized():
         init_distributed_environment(backend="gloo", world_size=1, rank=0, local_rank=0,
@@ -117,7 +125,7 @@ def run_load(model, model_dir: str, calls: list) -> dict:
            "w_kc": {}, "w_vc": {}, "warnings": captured.messages}
     for i, layer in enumerate(model.model.layers):
         topk = getattr(layer.mlp, "topk", None)
-        if topk is not None:
+        if topk is not None and topk.topk_config.correction_bias is not None:  # sigmoid routers
             out["routing_bias"][i] = topk.topk_config.correction_bias.detach().clone()
         for key in ("w_kc", "w_vc"):
             if hasattr(layer.self_attn, key):  # MLA only

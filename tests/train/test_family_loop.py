@@ -1,6 +1,7 @@
 """The training loop on the other MoE families, through the command line as a user runs it (world 1, local engine):
 ``model.tiny.family`` builds a tiny random GLM-4.5 or DeepSeek-V3 (dense first layer, shared expert, sigmoid
-group-limited router with its score-correction bias; MLA for DeepSeek), the warm start trains it with transformers,
+group-limited router with its score-correction bias; MLA for DeepSeek) or gpt-oss (sliding windows, sinks, biases,
+the clamped GLU, stacked experts), the warm start trains it with transformers,
 and three GSPO steps run with a weight sync after each (8 experts in two groups, the top 2 from the better one). The engine's log-probs of every step's samples equal the
 trainer's (fp32: ``LOGPROB_TOL``; measured ~2e-6), so each sync carried every tensor the engine routes and attends
 with, the frozen expert bias included. Whether the loop learns on them over hundreds of steps: bench/RESULTS.md
@@ -26,7 +27,7 @@ LOGPROB_TOL = 1e-4  # per token, trainer vs engine, fp32
 
 
 @pytest.mark.megatron  # trains the Megatron policy through the CLI
-@pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v3", "gpt_oss"])
 def test_the_loop_runs_each_family_with_the_engine_in_step(family, tmp_path):
     run = tmp_path / "run"
     command = [sys.executable, "-m", "gspo_megatron.cli", "train", str(ROOT / "examples/tiny_moe_cpu.yaml"),
@@ -39,11 +40,16 @@ def test_the_loop_runs_each_family_with_the_engine_in_step(family, tmp_path):
                        timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     config = json.loads((tmp_path / "model" / "config.json").read_text())
-    assert config["model_type"] == family and config["first_k_dense_replace"] == 1
-    assert (config["n_group"], config["topk_group"], config["n_routed_experts"]) == (2, 1, 8)  # a group limit
+    assert config["model_type"] == family
     with safe_open(tmp_path / "model" / "model.safetensors", "pt") as f:
         names = list(f.keys())
-    assert any(n.endswith("e_score_correction_bias") for n in names)
+    if family == "gpt_oss":  # windows shorter than a prompt and its answer, sinks, the experts stacked in the files
+        assert config["sliding_window"] < 16 and "sliding_attention" in config["layer_types"]
+        assert any(n.endswith("self_attn.sinks") for n in names) and any(n.endswith("gate_up_proj") for n in names)
+    else:
+        assert config["first_k_dense_replace"] == 1
+        assert (config["n_group"], config["topk_group"], config["n_routed_experts"]) == (2, 1, 8)  # a group limit
+        assert any(n.endswith("e_score_correction_bias") for n in names)
     steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
     for s in steps:

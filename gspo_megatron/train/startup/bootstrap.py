@@ -12,7 +12,7 @@ import torch.distributed as dist
 from gspo_megatron.model.bridge import Bridge
 from gspo_megatron.model.hf_config import load_config_json, read_hf_config, text_config
 from gspo_megatron.model import fp8
-from gspo_megatron.model.hf_files import open_hf_dir, plain_copy, quantized_copy
+from gspo_megatron.model.hf_files import dequantized_config, is_quantized, open_hf_dir, plain_copy, quantized_copy
 from gspo_megatron.parallel import control
 from gspo_megatron.rewards import rewards, sandbox
 from gspo_megatron.rewards.code_tests import parse_tests
@@ -251,12 +251,12 @@ def engine_model_dir(cfg: Config, hf_dir: Path) -> Path:
     """The HF directory the rollout engine loads: ``hf_dir`` itself, or a copy in ``logging.dir`` (written once by
     rank 0; collective) that serves the weights the trainer syncs. With FP8 rollouts (``rollout.fp8``), its
     block-FP8 copy (``hf_files.quantized_copy``: ``quantization_config`` in config.json, so SGLang builds FP8 layers
-    for the FP8 tensors every sync sends); else, for a block-scaled FP8 checkpoint, its dequantized copy (the trainer
-    holds the dequantized weights and syncs them in that dtype: an SGLang server given the FP8 directory would build
-    FP8 layers, and transformers cannot load one without a GPU)."""
+    for the FP8 tensors every sync sends); else, for a quantized checkpoint (block-scaled FP8, gpt-oss's MXFP4), its
+    dequantized copy (the trainer holds the dequantized weights and syncs them in that dtype: an SGLang server given
+    the FP8 directory would build FP8 layers, and transformers cannot load one without a GPU)."""
     config = load_config_json(hf_dir / "config.json")
     scheme = rollout_fp8_scheme(cfg, config)
-    if scheme is None and not fp8.block_size(config):
+    if scheme is None and not is_quantized(config):
         return hf_dir
     if cfg.rollout.engine == "sglang" and cfg.rollout.urls:  # the user's servers: they loaded what they loaded
         if dist.get_rank() == 0:
@@ -267,10 +267,11 @@ def engine_model_dir(cfg: Config, hf_dir: Path) -> Path:
         return hf_dir
     out = Path(cfg.logging.dir).absolute() / ENGINE_MODEL
     if dist.get_rank() == 0:
-        wanted = fp8.quantized_dir_config(config, scheme) if scheme else fp8.dequantized_config(config)
+        wanted = fp8.quantized_dir_config(dequantized_config(config), scheme) if scheme else dequantized_config(config)
         kept = out / "config.json"
         if not kept.is_file() or load_config_json(kept) != wanted:  # (another model's copy is replaced)
-            what = "block-FP8 copy (rollout.fp8)" if scheme else "dequantized copy (it is block-scaled FP8)"
+            source = "block-scaled FP8" if fp8.block_size(config) else "MXFP4"
+            what = "block-FP8 copy (rollout.fp8)" if scheme else f"dequantized copy (it is {source})"
             print(f"gspo-megatron train: writing model.hf_dir's {what} for the rollout engine to {out}", flush=True)
         if scheme:
             quantized_copy(hf_dir, out, scheme)
