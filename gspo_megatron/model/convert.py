@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from gspo_megatron.parallel.groups import Layout
 
-from . import checkpoint, hf_files
+from . import checkpoint, fp8, hf_files
 from .atomic import atomic_output_dir, check_output_dir
 from .bridge import Bridge
 from .errors import MappingError, listing

@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import pytest
