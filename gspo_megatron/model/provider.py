@@ -209,6 +209,26 @@ def freeze_expert_bias(model) -> None:
             module.config.moe_router_enable_expert_bias = False
 
 
+def reduce_experts_over_expert_data_parallel(model) -> None:
+    """Tag every expert parameter ``allreduce=False`` where expert-TP differs from TP, so that DDP sums its gradient
+    over the expert-data-parallel group and the optimizer's expert half steps it.
+
+    megatron-core 0.16.1 tags expert linears so only under expert parallelism (EP > 1): under TP2 with expert-TP 1
+    on one expert rank, each TP rank holds every expert whole and routes its own sequence shard through them, but
+    DDP reduced their gradients as dense ones, over the data-parallel group (one rank): each rank stepped with its
+    shard's gradient alone (up to 4e-2 off world 1 after one step, the two ranks' experts diverging), and the
+    gradient norm added the two partial gradients' squares. 0.19.2 tags them when EP > 1 or expert-TP != TP
+    (``use_expert_pgs`` in tensor_parallel/layers.py): the same rule, a no-op there."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    for module in model.modules():
+        if isinstance(module, MoELayer) and (module.config.expert_model_parallel_size > 1 or
+                                             module.config.expert_tensor_parallel_size
+                                             != module.config.tensor_model_parallel_size):
+            for param in module.experts.parameters():
+                param.allreduce = False
+
+
 def _builds(spec):
     """The class a megatron layer spec builds: a ``ModuleSpec``'s module (megatron-core 0.16), or the function of
     a builder ``partial`` (0.19 describes MoE layers and experts that way)."""
@@ -352,6 +372,7 @@ def build_gpt_model(spec: ModelSpec, layout: Layout = Layout(), dtype: torch.dty
     model.to(environment.device())
     if not update_expert_bias:
         freeze_expert_bias(model)
+    reduce_experts_over_expert_data_parallel(model)
     if spec.linear_bias:
         from .gpt_oss import fix_megatron_parameters
 
