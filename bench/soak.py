@@ -144,7 +144,7 @@ def report(out: Path, steps: int, plan: dict, statuses: list[int], seconds: floa
         "rewards masked (raised or timed out)": sum(r.get("reward_masked", 0) for r in by_step.values()),
         "trainer rank SIGKILLed during a checkpoint write (workers restarted)":
             len(re.findall(r"torchrun restart \d+ of \d+: resuming", log)),
-        "SIGTERM (stopped with a checkpoint, resumed)": log.count("stopped by a signal after step"),
+        "SIGTERM (stopped with a checkpoint, resumed)": log.count("stopped by SIGTERM after step"),
         "faults fired of the schedule": len(fired),
     }
     checks = {

@@ -75,7 +75,9 @@ class MegatronCheck:
     (a session fixture is built once, for the first test that asks), fails unless marked ``megatron``."""
 
     def __init__(self):
-        self.fixture_builds: dict[str, set[str]] = {}
+        # by fixture definition, not name: test modules define fixtures of the same name (``loaded``), some building
+        # megatron-core modules and some not
+        self.fixture_builds: dict[object, set[str]] = {}
 
     @pytest.hookimpl(tryfirst=True)  # before -m / -k deselect: the whole collection
     def pytest_collection_modifyitems(self, items):
@@ -96,13 +98,15 @@ class MegatronCheck:
         yield
         built = (probe.built - before).union(*launch.probe_reports[reports:])
         if built:
-            self.fixture_builds.setdefault(fixturedef.argname, set()).update(built)
+            self.fixture_builds.setdefault(fixturedef, set()).update(built)
 
     @pytest.hookimpl(trylast=True)
     def pytest_runtest_teardown(self, item, nextitem):
         from gspo_megatron.parallel import launch
 
-        fixtures = (self.fixture_builds.get(name, ()) for name in getattr(item, "fixturenames", ()))
+        info = getattr(item, "_fixtureinfo", None)
+        definitions = [d for defs in (info.name2fixturedefs.values() if info else ()) for d in defs]
+        fixtures = (self.fixture_builds.get(d, ()) for d in definitions)
         built = set(probe.stop()).union(*launch.probe_reports, *fixtures)
         launch.probe_reports.clear()
         if built and item.get_closest_marker("megatron") is None:
