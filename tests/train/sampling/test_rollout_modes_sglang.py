@@ -81,5 +81,9 @@ def test_partial_rollouts_against_sglang(attached):
     records = attached("partial", "train.steps=3", "rollout.partial_chunk_tokens=2", "rollout.partial_mask=old_tokens")
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(r["logprob_diff_max"] < 1e-4 for r in records), [r["logprob_diff_max"] for r in records]
-    assert max(r["partial/max_versions_spanned"] for r in records) == 2
-    assert any(r["partial/samples_spanning_versions"] > 0 and r["staleness_max"] == 1 for r in records)
+    # Samples cut at a step's end continue under the next weights. How many versions one spans (2, or 3 when cut
+    # twice: max_new_tokens 6 is three chunks) and how stale it is when trained on (1, or 2 when its group
+    # completed as a surplus and waited a step) depend on where the server's samples stop, so the test holds any.
+    assert max(r["partial/max_versions_spanned"] for r in records) >= 2
+    spanning = [r for r in records if r["partial/samples_spanning_versions"] > 0]
+    assert spanning and all(r["staleness_max"] >= 1 for r in spanning), records  # stale by its oldest token
