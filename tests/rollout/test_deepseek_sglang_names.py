@@ -39,6 +39,21 @@ VARIANTS = {"deepseek_v3": 11, "moonlight": 12}  # variant: seed
 VOCAB_PARAMS = ("model.embed_tokens.weight", "lm_head.weight")
 
 
+def assert_loaded_equal(result: dict, expected: dict[str, torch.Tensor], vocab_size: int, source: str) -> None:
+    """SGLang's load ``result`` (its parameters and warnings) holds exactly ``expected``: the same names, every
+    element written (the load leaves NaN where nothing was), every tensor equal. SGLang pads the vocabulary rows of
+    the embedding and head to a multiple of 64 (Moonlight's 100 -> 128): compared up to ``vocab_size``."""
+    params = result["params"]
+    assert set(params) == set(expected), (sorted(set(params) - set(expected)), sorted(set(expected) - set(params)))
+    unwritten = [name for name, p in params.items() if p.isnan().any()]
+    assert not unwritten, f"SGLang parameters {source} left (partly) unwritten: {unwritten}"
+    params = {name: p[:vocab_size] if name in VOCAB_PARAMS else p for name, p in params.items()}
+    wrong = {name: (tuple(p.shape), tuple(expected[name].shape)) for name, p in params.items()
+             if p.shape != expected[name].shape or not torch.equal(p, expected[name])}
+    assert not wrong, wrong
+    assert not result["warnings"], result["warnings"]
+
+
 def _convert_and_stream(dirs: list[tuple[str, str, str]]) -> list[list]:
     """On one rank, per (hf_dir, megatron_dir, export_dir): conversion's export to ``export_dir``, and the policy's
     weight-sync stream (name, tensor)."""
@@ -156,16 +171,7 @@ def test_sglang_loads_every_tensor_we_send(loaded, variant, source):
     named = case["exported"] if source == "export" else case["stream"]
     assert case["sglang"]["class"] == "DeepseekV3ForCausalLM"
     expected, dropped = expected_params(named, config)
-    params = result["params"]
-    assert set(params) == set(expected), (sorted(set(params) - set(expected)), sorted(set(expected) - set(params)))
-    unwritten = [name for name, p in params.items() if p.isnan().any()]
-    assert not unwritten, f"SGLang parameters {source} left (partly) unwritten: {unwritten}"
-    # SGLang pads the vocabulary rows of the embedding and head to a multiple of 64 (Moonlight's 100 -> 128)
-    params = {name: p[: config["vocab_size"]] if name in VOCAB_PARAMS else p for name, p in params.items()}
-    wrong = {name: (tuple(p.shape), tuple(expected[name].shape)) for name, p in params.items()
-             if p.shape != expected[name].shape or not torch.equal(p, expected[name])}
-    assert not wrong, wrong
-    assert not result["warnings"], result["warnings"]
+    assert_loaded_equal(result, expected, config["vocab_size"], source)
     # The MTP layer: in conversion's export (copied from the checkpoint), never in the sync stream; dropped by SGLang.
     layers = config["num_hidden_layers"]
     assert dropped == [n for n in named if n.startswith(f"model.layers.{layers}.")]
@@ -176,12 +182,12 @@ def test_sglang_loads_every_tensor_we_send(loaded, variant, source):
     for i in moe_layers:
         bias = named[f"model.layers.{i}.mlp.gate.e_score_correction_bias"]
         assert bias.abs().min() > 0 and torch.equal(result["routing_bias"][i], bias)
-    nope, v = config["qk_nope_head_dim"], config["v_head_dim"]
+    nope = config["qk_nope_head_dim"]
     for i in range(layers):
         kv_b = named[f"model.layers.{i}.self_attn.kv_b_proj.weight"].unflatten(0, (config["num_attention_heads"], -1))
         assert torch.equal(result["w_kc"][i], kv_b[:, :nope]) and torch.equal(result["w_vc"][i], kv_b[:, nope:].mT)
     sent = len(named) - len(dropped)
-    print(f"{variant} {source}: {sent} names -> {len(params)} SGLang parameters, max diff 0.0, "
+    print(f"{variant} {source}: {sent} names -> {len(result['params'])} SGLang parameters, max diff 0.0, "
           f"{len(dropped)} MTP names dropped by design")
 
 

@@ -28,7 +28,7 @@ import torch
 from tests.model import hf_tiny
 
 from .helpers import require_sglang
-from .test_deepseek_sglang_names import VOCAB_PARAMS, _convert_and_stream
+from .test_deepseek_sglang_names import _convert_and_stream, assert_loaded_equal
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -87,16 +87,7 @@ def test_sglang_loads_every_gpt_oss_tensor_we_send(loaded, source):
     named = loaded["exported"] if source == "export" else loaded["stream"]
     assert loaded["sglang"]["class"] == "GptOssForCausalLM"
     assert source == "export" or len(loaded["buckets"]) == len(named)  # every tensor a call of its own
-    expected = expected_params(named, config["num_hidden_layers"])
-    params = result["params"]
-    assert set(params) == set(expected), (sorted(set(params) - set(expected)), sorted(set(expected) - set(params)))
-    unwritten = [name for name, p in params.items() if p.isnan().any()]
-    assert not unwritten, f"SGLang parameters {source} left (partly) unwritten: {unwritten}"
-    params = {name: p[: config["vocab_size"]] if name in VOCAB_PARAMS else p for name, p in params.items()}
-    wrong = {name: (tuple(p.shape), tuple(expected[name].shape)) for name, p in params.items()
-             if p.shape != expected[name].shape or not torch.equal(p, expected[name])}
-    assert not wrong, wrong
-    assert not result["warnings"], result["warnings"]
+    assert_loaded_equal(result, expected_params(named, config["num_hidden_layers"]), config["vocab_size"], source)
     sinks = [named[n] for n in named if n.endswith("sinks")]
     assert sinks and any(not torch.equal(s, s.bfloat16().float()) for s in sinks)  # the rounding is real
 

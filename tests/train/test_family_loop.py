@@ -26,6 +26,18 @@ STEPS = 3
 LOGPROB_TOL = 1e-4  # per token, trainer vs engine, fp32
 
 
+def _every_step_synced(run: Path, names: list[str]) -> list[dict]:
+    """The run's metrics, after checking each step: the engine's log-probs equal the trainer's (so the sync before
+    it carried every tensor the model computes with), a finite loss and gradient, and every checkpoint tensor sent."""
+    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
+    for s in steps:
+        assert s["logprob_diff_max"] <= LOGPROB_TOL, (s["step"], s["logprob_diff_max"])
+        assert math.isfinite(s["loss"]) and math.isfinite(s["grad_norm"]) and s["grad_norm"] > 0
+        assert s["weight_sync/tensors"] == len(names), "the sync sends every tensor of the checkpoint"
+    return steps
+
+
 @pytest.mark.megatron  # trains the Megatron policy through the CLI
 @pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v3", "gpt_oss"])
 def test_the_loop_runs_each_family_with_the_engine_in_step(family, tmp_path):
@@ -50,12 +62,7 @@ def test_the_loop_runs_each_family_with_the_engine_in_step(family, tmp_path):
         assert config["first_k_dense_replace"] == 1
         assert (config["n_group"], config["topk_group"], config["n_routed_experts"]) == (2, 1, 8)  # a group limit
         assert any(n.endswith("e_score_correction_bias") for n in names)
-    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
-    for s in steps:
-        assert s["logprob_diff_max"] <= LOGPROB_TOL, (s["step"], s["logprob_diff_max"])
-        assert math.isfinite(s["loss"]) and math.isfinite(s["grad_norm"]) and s["grad_norm"] > 0
-        assert s["weight_sync/tensors"] == len(names), "the sync sends every tensor of the checkpoint"
+    steps = _every_step_synced(run, names)
     # The second minibatch routes some tokens otherwise than the old-policy pass (the volatility measure works).
     assert sum(s["expert_volatility"] for s in steps) > 0
 
@@ -81,9 +88,4 @@ def test_the_loop_runs_the_gated_deltanet_hybrid_with_the_engine_in_step(tmp_pat
     with safe_open(tmp_path / "model" / "model.safetensors", "pt") as f:
         names = list(f.keys())
     assert any(".linear_attn.in_proj_qkv." in n for n in names) and any("shared_expert_gate" in n for n in names)
-    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
-    for s in steps:
-        assert s["logprob_diff_max"] <= LOGPROB_TOL, (s["step"], s["logprob_diff_max"])
-        assert math.isfinite(s["loss"]) and math.isfinite(s["grad_norm"]) and s["grad_norm"] > 0
-        assert s["weight_sync/tensors"] == len(names), "the sync sends every tensor of the checkpoint"
+    _every_step_synced(run, names)
