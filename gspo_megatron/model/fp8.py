@@ -208,12 +208,12 @@ def quantized_stream(named_tensors: Iterable[tuple[str, torch.Tensor]], scheme: 
 
 
 def quantized_dir_config(config: dict, scheme: Fp8Scheme) -> dict:
-    """config.json of a directory (of ``config``) whose weights ``scheme`` quantized (``hf_files.quantized_copy``):
-    an FP8 source's own quantization dropped, the fields SGLang reads added (``hf_config.serving_config``), then
-    ``scheme``'s ``quantization_config``."""
+    """config.json of a directory whose weights ``scheme`` quantized (``hf_files.quantized_copy``), from the
+    dequantized ``config`` (a quantized source's own quantization dropped: ``hf_files.dequantized_config``): the
+    fields SGLang reads added (``hf_config.serving_config``), then ``scheme``'s ``quantization_config``."""
     from .hf_config import serving_config
 
-    return scheme.config(serving_config(dequantized_config(config) if block_size(config) else config))
+    return scheme.config(serving_config(config))
 
 
 def dequantized_config(config: dict) -> dict:

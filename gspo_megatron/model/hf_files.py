@@ -122,36 +122,39 @@ def dequantized_config(config: dict) -> dict:
     return fp8.dequantized_config(config) if fp8.block_size(config) else config
 
 
-def plain_copy(directory: str | Path, out: str | Path) -> Path:
+def plain_copy(directory: str | Path, out: str | Path, announce=None) -> Path:
     """``directory`` as ``open_hf_dir`` reads it, written to ``out``: a block-scaled FP8 checkpoint's weights
     dequantized to its dtype and its scales dropped, config.json without ``quantization_config``, the tokenizer and
     other files copied. For what loads a directory by itself and would build FP8 layers from it (transformers needs
     a GPU and accelerate for them; an SGLang server would serve FP8 while the trainer syncs the dequantized weights).
     Tensor by tensor (shards of at most 5 GB); ``out`` appears complete or not at all, and a complete copy already
     there is kept (a restarted run reuses it; one with another config.json, another model's, is replaced). One
-    process writes it."""
-    return _copy(directory, out, lambda tensors: tensors, dequantized_config)
+    process writes it. ``announce(out)`` is called before a copy is written (not when one is kept)."""
+    return _copy(directory, out, lambda tensors: tensors, dequantized_config, announce)
 
 
-def quantized_copy(directory: str | Path, out: str | Path, scheme: fp8.Fp8Scheme) -> Path:
+def quantized_copy(directory: str | Path, out: str | Path, scheme: fp8.Fp8Scheme, announce=None) -> Path:
     """``directory`` with the weights ``scheme`` names block-FP8, written to ``out``: what the servers of FP8
     rollouts start from (config.json ``fp8.quantized_dir_config``: SGLang builds FP8 layers, into which every
     weight sync loads the FP8 tensors it sends). Read as ``open_hf_dir`` reads it (an FP8 checkpoint dequantized,
     then quantized by ``scheme``: the trainer's weights), quantized tensor by tensor (``fp8.quantized_stream``); as
     ``plain_copy``, ``out`` appears complete or not at all and a complete copy of the same config.json is kept."""
     return _copy(directory, out, lambda tensors: fp8.quantized_stream(tensors, scheme),
-                 lambda config: fp8.quantized_dir_config(dequantized_config(config), scheme))
+                 lambda config: fp8.quantized_dir_config(dequantized_config(config), scheme), announce)
 
 
-def _copy(directory: str | Path, out: str | Path, tensors, config_of) -> Path:
+def _copy(directory: str | Path, out: str | Path, tensors, config_of, announce=None) -> Path:
     """``directory``'s tensors through ``tensors`` and its config.json through ``config_of``, written to ``out``
-    (beside it, then renamed into place), with its other files; kept if complete already with that config.json."""
+    (beside it, then renamed into place), with its other files; kept if complete already with that config.json
+    (``announce(out)`` runs only when a copy is written: a copy of a large checkpoint takes minutes)."""
     directory, out = Path(directory), Path(out).absolute()
     config = config_of(json.loads((directory / "config.json").read_text()))
     if (out / "config.json").is_file():
         if json.loads((out / "config.json").read_text()) == config:
             return out
         shutil.rmtree(out)  # another model's or another quantization's copy
+    if announce is not None:
+        announce(out)
     source = open_hf_dir(directory)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from gspo_megatron.model.bridge import Bridge
 from gspo_megatron.model.hf_config import load_config_json, read_hf_config, text_config
 from gspo_megatron.model import fp8
-from gspo_megatron.model.hf_files import dequantized_config, is_quantized, open_hf_dir, plain_copy, quantized_copy
+from gspo_megatron.model.hf_files import is_quantized, open_hf_dir, plain_copy, quantized_copy
 from gspo_megatron.parallel import control
 from gspo_megatron.rewards import rewards, sandbox
 from gspo_megatron.rewards.code_tests import parse_tests
@@ -267,16 +267,15 @@ def engine_model_dir(cfg: Config, hf_dir: Path) -> Path:
         return hf_dir
     out = Path(cfg.logging.dir).absolute() / ENGINE_MODEL
     if dist.get_rank() == 0:
-        wanted = fp8.quantized_dir_config(dequantized_config(config), scheme) if scheme else dequantized_config(config)
-        kept = out / "config.json"
-        if not kept.is_file() or load_config_json(kept) != wanted:  # (another model's copy is replaced)
-            source = "block-scaled FP8" if fp8.block_size(config) else "MXFP4"
-            what = "block-FP8 copy (rollout.fp8)" if scheme else f"dequantized copy (it is {source})"
-            print(f"gspo-megatron train: writing model.hf_dir's {what} for the rollout engine to {out}", flush=True)
+        source = "block-scaled FP8" if fp8.block_size(config) else "MXFP4"
+        what = "block-FP8 copy (rollout.fp8)" if scheme else f"dequantized copy (it is {source})"
+
+        def announce(path: Path) -> None:
+            print(f"gspo-megatron train: writing model.hf_dir's {what} for the rollout engine to {path}", flush=True)
         if scheme:
-            quantized_copy(hf_dir, out, scheme)
+            quantized_copy(hf_dir, out, scheme, announce)
         else:
-            plain_copy(hf_dir, out)
+            plain_copy(hf_dir, out, announce)
     control.barrier()  # the others wait where no NCCL watchdog fires
     return out
 
