@@ -241,6 +241,8 @@ def _mul(rng: random.Random) -> Problem:
 TASKS: dict[str, Callable[[random.Random], Problem]] = {
     "reverse": lambda rng: (lambda w: Problem(f"rev {w}=", w[::-1]))(_word(rng)),
     "copy": lambda rng: (lambda w: Problem(f"copy {w}=", w))(_word(rng)),
+    # responses of 64-72 tokens: the mismatch benchmark's long task (per-sequence means over many tokens)
+    "copy_long": lambda rng: (lambda w: Problem(f"copy {w}=", w))(_word(rng, 64, 72)),
     "add": lambda rng: (lambda a, b: Problem(f"{a}+{b}=", str(a + b)))(rng.randint(0, 49), rng.randint(0, 49)),
     "count": lambda rng: (lambda w: Problem(f"count {w}=", _count(w)))(_word(rng)),
     "mul": _mul,

@@ -52,6 +52,7 @@ def test_exact_match_and_synthetic():
         for p in problems:
             assert load_reward_fn("synthetic")(p.prompt, p.answer, p.answer) == 1.0
     assert make_problems("count", 1, seed=0)[0].answer.replace("a", "").replace("b", "") != ""
+    assert all(64 <= len(p.answer) <= 72 and p.prompt == f"copy {p.answer}=" for p in make_problems("copy_long", 20))
 
 
 def _samples(count):

@@ -411,7 +411,7 @@ class DataConfig:
     """Passed to the chat template, e.g. {enable_thinking: false} for Qwen3."""
     task: str = ""
     """A synthetic task shipped in the repo instead of a file (gspo_megatron.rewards.synthetic: reverse, copy, add,
-    count, mul)."""
+    count, mul; copy_long: 64-72-letter words, for responses of that length)."""
     eval_prompts: str = ""
     """Held-out prompts for train.eval_every (the formats of ``prompts``); with ``task``: 64 of the task's problems
     from another seed."""
