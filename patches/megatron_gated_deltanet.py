@@ -11,13 +11,18 @@ this only without CUDA (``model.provider.megatron_patches``).
 Versions (``APPLIES_TO``); any other is refused, naming these:
 - 0.16.1: ``megatron.core.ssm.gated_delta_net`` (one module): ``HAVE_FLA``, ``chunk_gated_delta_rule``, ``l2norm``.
   Its convolution is ``nn.Conv1d`` without the ``causal_conv1d`` package, already torch. It refuses packed sequences
-  itself (``NotImplementedError``: "GDN does not support packed sequence").
+  itself (``NotImplementedError``: "GDN does not support packed sequence"), and its forward has no ``cu_seqlens``:
+  ``segments_bound`` runs one call of it with its two token-mixing steps (``causal_conv1d_fn``,
+  ``chunk_gated_delta_rule``) bound to a packed row's segments (``model.gated_deltanet.PackedGatedDeltaNet``).
 - 0.19.2: the ``megatron.core.ssm.gated_delta_net`` package: ``common.HAVE_FLA`` and ``common.l2norm``,
   ``gdn.chunk_gated_delta_rule`` and ``gdn.causal_conv1d`` (fla's ``[b, s, d]`` convolution API, with
   ``cu_seqlens``); packed sequences (THD) pass ``cu_seqlens`` to both.
 """
 
 from __future__ import annotations
+
+import contextlib
+import functools
 
 APPLIES_TO = ("0.16.1", "0.19.2")
 
@@ -82,3 +87,25 @@ def apply(version: str | None = None) -> bool:
     gdn.chunk_gated_delta_rule, gdn.causal_conv1d = ops.chunk_gated_delta_rule, _fla_causal_conv1d
     common.HAVE_FLA = True
     return True
+
+
+@contextlib.contextmanager
+def segments_bound(offsets):
+    """0.16.1: for the calls inside, its ``GatedDeltaNet.forward`` convolves and runs the rule over each segment of
+    ``offsets`` (int [segments + 1] into a row of one sequence dimension) from a fresh state: the module globals it
+    looks both up by, ``causal_conv1d_fn`` ([b, d, s], the torch convolution of ``ops.gated_delta_rule``) and
+    ``chunk_gated_delta_rule`` (ours, or fla's on a GPU: both take ``cu_seqlens``), bound to them, then restored."""
+    import importlib
+
+    from gspo_megatron.ops.gated_delta_rule import causal_conv1d
+
+    if installed_version() != "0.16.1":
+        raise MegatronVersionError("segments_bound is for megatron-core 0.16.1 (0.19.2 passes cu_seqlens itself)")
+    module = importlib.import_module("megatron.core.ssm.gated_delta_net")
+    saved = module.causal_conv1d_fn, module.chunk_gated_delta_rule
+    module.causal_conv1d_fn = functools.partial(causal_conv1d, cu_seqlens=offsets)
+    module.chunk_gated_delta_rule = functools.partial(saved[1], cu_seqlens=offsets)
+    try:
+        yield
+    finally:
+        module.causal_conv1d_fn, module.chunk_gated_delta_rule = saved

@@ -13,14 +13,21 @@ The DeltaNet's gated output norm applies w itself (``Qwen3_5MoeRMSNormGated``, w
 either spec: ``PlainRMSNorm`` (the config's zero-centred flag would otherwise apply to it too). Keeping both as
 the checkpoint stores them makes conversion a copy, bit for bit.
 
+Packed sequences (``parallel.pack_sequences``): each sequence of a packed row runs through the DeltaNet from a fresh
+recurrent and convolution state (``PackedGatedDeltaNet``), whether the row's segments come as TransformerEngine's
+THD ``packed_seq_params`` or as the local attention's block-diagonal mask (``packing.mask_segments``).
+
 Shapes: hidden states [s, b, h]; the DeltaNet's in_proj [q_r; k_r; v_r; z_r; b_r; a_r] per TP rank (``mapping``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
+
+from gspo_megatron.parallel import packing
 
 
 def transformer_config_fields(spec) -> dict:
@@ -66,6 +73,46 @@ class PlainRMSNorm(_RMSNorm):
     """Applies w: the DeltaNet's gated output norm, whatever the config's zero-centred flag."""
 
 
+def _row_segments(attention_mask, packed_seq_params):
+    """A packed row's segment offsets: THD ``packed_seq_params`` (the padded offsets, where each segment starts),
+    else a one-row block-diagonal mask's; None for unpacked rows."""
+    if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+        padded = packed_seq_params.cu_seqlens_q_padded
+        return padded if padded is not None else packed_seq_params.cu_seqlens_q
+    return packing.mask_segments(attention_mask)
+
+
+@functools.cache
+def packed_gated_delta_net(base: type, version: str) -> type:
+    """megatron-core ``version``'s ``GatedDeltaNet`` class ``base``, running packed rows one sequence at a time.
+
+    megatron passes the DeltaNet the same arguments as attention: a packed row's segments reach it as THD
+    ``packed_seq_params`` (TransformerEngine) or only as the local attention's block-diagonal mask, which it ignores,
+    so without this each sequence would start from the state the previous one left. 0.19.2 runs THD rows itself
+    (its kernels take ``cu_seqlens``): a mask's segments become THD ``packed_seq_params``. 0.16.1 refuses THD rows
+    and its forward has no ``cu_seqlens``: it runs with its convolution and rule bound to the segments
+    (``patches.megatron_gated_deltanet.segments_bound``)."""
+
+    class PackedGatedDeltaNet(base):
+        def forward(self, hidden_states, attention_mask=None, **kwargs):
+            offsets = _row_segments(attention_mask, kwargs.get("packed_seq_params"))
+            if offsets is None:
+                return super().forward(hidden_states, attention_mask, **kwargs)
+            if self.config.deterministic_mode:  # megatron's deterministic torch rule takes no segments
+                raise NotImplementedError("packed sequences through the gated DeltaNet need deterministic_mode off "
+                                          "(megatron's deterministic rule has no cu_seqlens)")
+            if version == "0.16.1":
+                from patches.megatron_gated_deltanet import segments_bound
+
+                with segments_bound(offsets):
+                    return super().forward(hidden_states, attention_mask, **dict(kwargs, packed_seq_params=None))
+            if kwargs.get("packed_seq_params") is None:
+                kwargs["packed_seq_params"] = packing.packed_seq_params(offsets, int(offsets.diff().max()))
+            return super().forward(hidden_states, attention_mask, **kwargs)
+
+    return PackedGatedDeltaNet
+
+
 def _backend(use_te: bool):
     if use_te:
         from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
@@ -79,16 +126,16 @@ def _backend(use_te: bool):
 def _deltanet_spec(use_te: bool):
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    from patches.megatron_gated_deltanet import gated_delta_net_classes
+    from patches.megatron_gated_deltanet import gated_delta_net_classes, installed_version
 
     GatedDeltaNet, GatedDeltaNetSubmodules = gated_delta_net_classes()
     backend = _backend(use_te)
     # TE: the input norm fused into in_proj (its layer_norm_weight); local: a plain column-parallel linear after the
     # layer's own input_layernorm
     in_proj = backend.column_parallel_layer_norm_linear() if use_te else backend.column_parallel_linear()
-    return ModuleSpec(module=GatedDeltaNet, submodules=GatedDeltaNetSubmodules(
-        in_proj=in_proj, out_norm=PlainRMSNorm,
-        out_proj=backend.row_parallel_linear()))
+    return ModuleSpec(module=packed_gated_delta_net(GatedDeltaNet, installed_version()),
+                      submodules=GatedDeltaNetSubmodules(in_proj=in_proj, out_norm=PlainRMSNorm,
+                                                         out_proj=backend.row_parallel_linear()))
 
 
 def _zero_centered(norm, use_te: bool):

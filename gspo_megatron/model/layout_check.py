@@ -67,6 +67,10 @@ def check_layout(spec: ModelSpec, layout: Layout, world_size: int | None = None,
                  "tensor_model_parallel_size", tp)
     if spec.linear_attention_layers:  # megatron's GatedDeltaNet splits whole key heads (with their value heads)
         _divides(problems, "linear_num_key_heads", spec.linear_num_key_heads, "tensor_model_parallel_size", tp)
+        if cp > 1:  # 0.16.1's DeltaNet would run each rank's chunks as if they were whole sequences
+            problems.append(f"context_parallel_size={cp}: {spec.family}'s gated-DeltaNet layers are not supported "
+                            "under context parallelism here (megatron-core 0.16.1's DeltaNet has none; 0.19.2's "
+                            "all-to-all is untested with it): use context_parallel_size=1")
     if spec.has_dense_layers:
         _divides(problems, "intermediate_size", spec.ffn_hidden_size, "tensor_model_parallel_size", tp)
     vocab = padded_vocab_size or spec.padded_vocab_size()

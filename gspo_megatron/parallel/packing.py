@@ -114,6 +114,20 @@ def block_causal_mask(offsets: torch.Tensor, length: int) -> torch.Tensor:
     return (~visible).view(1, 1, length, length)
 
 
+def mask_segments(mask: torch.Tensor) -> torch.Tensor | None:
+    """The segment offsets of a one-row ``block_causal_mask`` [1, 1, N, N] (what megatron's local attention gets
+    for a packed row), int32 [segments + 1]: a segment starts where a token cannot see the one before it. None for
+    any other mask, or one segment (a plain causal row): nothing to restart."""
+    if mask is None or mask.dim() != 4 or mask.shape[:2] != (1, 1) or mask.dtype != torch.bool:
+        return None
+    length = mask.shape[-1]
+    starts = mask[0, 0].diagonal(-1).nonzero().flatten() + 1
+    if not starts.numel():
+        return None
+    edges = starts.new_tensor([0]), starts.new_tensor([length])
+    return torch.cat([edges[0], starts, edges[1]]).to(torch.int32)
+
+
 def packed_seq_params(offsets: torch.Tensor, max_seqlen: int, unpadded: torch.Tensor | None = None):
     """megatron's ``PackedSeqParams`` for TransformerEngine's THD attention over the segments ``offsets``
     (``cu_seqlens_*_padded``: where each segment starts, what RoPE and the CP split follow), of which the

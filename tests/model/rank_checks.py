@@ -397,7 +397,7 @@ def bad_checkpoint_cases(work: Path) -> list:
 # ---- the launch ---------------------------------------------------------------------------------------------
 
 
-PHASES = ("bridge", "to_megatron", "to_hf", "score", "bad_checkpoint", "extra_tensors")  # later use earlier outputs
+PHASES = ("bridge", "to_megatron", "to_hf", "score", "bad_checkpoint", "extra_tensors", "packed")  # later use earlier outputs
 
 
 def _groups_key(layout: Layout) -> tuple:

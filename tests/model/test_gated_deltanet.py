@@ -10,7 +10,8 @@ replicas, weights from a dict), TP2 (which splits the DeltaNet's key and value h
 heads per rank), PP2 (two DeltaNet layers on stage 0; a DeltaNet layer and the attention layer on stage 1) and, for the
 MoEs, EP2 and TP2 x EP2; the export (and the weight-sync export to each stage's sender) is the checkpoint bit for bit;
 and HF -> Megatron -> HF conversion under two different layouts gives every tensor back bit for bit, the vision tower
-and MTP tensors carried.
+and MTP tensors carried; and packed sequences (``parallel.pack_sequences``) of Qwen3.5-MoE equal the padded run at
+world 1, TP2 and PP2, each sequence's DeltaNet state fresh. Context parallelism is refused by name.
 """
 
 from __future__ import annotations
@@ -57,7 +58,89 @@ def _cases(models: dict, work: Path) -> list:
         vocab = read_hf_config(path).vocab_size  # score: the converted checkpoint as read back, the HF dir as loaded
         cases.append((("score", name, "megatron"), rank_checks.score_case, (megatron_dir, back, vocab), back))
         cases.append((("score", name, "hf"), rank_checks.score_case, (str(path), there, vocab), there))
+        if name == MOE:  # Qwen3-Next's DeltaNet is the same module
+            for kind, layout in PACKED_LAYOUTS.items():
+                cases.append((("packed", name, kind), packed_case, (str(path), layout), layout))
     return rank_checks.in_run_order(cases)
+
+
+# ---- packed sequences through the DeltaNet (parallel.pack_sequences) ----
+
+# Four sequences in micro batches of two; 70 tokens crosses the rule's 64-token chunk, and the packed rows (79 and 63
+# tokens, + rounding under TP) put segment starts inside chunks. Garbage after each sequence's end.
+PACKED_LENGTHS, PACKED_WIDTH = (70, 9, 23, 40), 72
+# PP2: stage 0 holds DeltaNet layers only (no core attention to tell the packing by: schedule_packing)
+PACKED_LAYOUTS = {"world1": Layout(), "tp2": TP2_SP, "pp2": Layout(pipeline=2)}
+# fp32: RoPE turns by the packed row's positions (scores equal up to rounding), as tests/train/update/test_packing.py
+LOGPROB_ATOL, LOSS_ATOL, GRAD_RTOL = 2e-5, 1e-6, 1e-5
+
+
+def _packed_rollout(vocab: int) -> list[dict]:
+    from gspo_megatron.algo import group_advantages
+
+    g = torch.Generator().manual_seed(11)
+    n = len(PACKED_LENGTHS)
+    tokens = torch.randint(0, vocab, (n, PACKED_WIDTH + 1), generator=g)
+    lengths = torch.tensor(PACKED_LENGTHS)
+    t = torch.arange(PACKED_WIDTH).unsqueeze(0)
+    loss_mask = (t + 1 >= 3) & (t + 1 < lengths.unsqueeze(1))
+    rollout = {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": loss_mask, "seq_lengths": lengths,
+               "advantages": group_advantages(torch.rand(n, generator=g), 2)}
+    return [{k: v[i:i + 2] for k, v in rollout.items()} for i in range(0, n, 2)]
+
+
+def _fresh_state_per_segment(model) -> dict:
+    """The first DeltaNet layer on a packed row with the local attention's block-diagonal mask, against each segment
+    run alone, and against the whole row as one sequence (which must differ: the reset is what is tested)."""
+    from gspo_megatron.parallel import packing
+
+    deltanet = model.decoder.layers[0].self_attention
+    offsets = torch.tensor([0, 50, 51, 90, 96])
+    hidden = torch.randn(96, 1, model.config.hidden_size, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        packed = deltanet(hidden, packing.block_causal_mask(offsets, 96))[0]
+        alone = torch.cat([deltanet(hidden[s:e], None)[0] for s, e in zip(offsets[:-1], offsets[1:])])
+        whole = deltanet(hidden, None)[0]
+    return {"segments_diff": (packed - alone).abs().max().item(), "whole_diff": (packed - whole).abs().max().item()}
+
+
+def packed_case(hf_dir: str, layout: Layout) -> dict:
+    """Padded vs packed on one model (the local spec: the block-diagonal mask path): the log-prob pass and a GSPO
+    update (lr 0), through the trainer's passes."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from gspo_megatron.model.bridge import Bridge
+    from gspo_megatron.model.process_groups import ensure_model_parallel
+    from gspo_megatron.model.provider import build_gpt_model
+    from gspo_megatron.train.update.loss import LossConfig
+    from gspo_megatron.train.update.schedules import logprob_pass, update_step
+    from tests import megatron_tiny as tiny
+
+    ensure_model_parallel(layout)
+    spec = read_hf_config(hf_dir)
+    model = build_gpt_model(spec, layout)
+    Bridge(spec).load_hf_weights(model, hf_dir)
+    result = _fresh_state_per_segment(model) if layout.tensor == 1 else {}
+    ddp = tiny.wrap_ddp(model)
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=0.0, clip_grad=1.0), [ddp])
+    micro = _packed_rollout(spec.vocab_size)
+    passes = {pack: logprob_pass(ddp, micro, pack=pack) for pack in (False, True)}
+    real = torch.arange(PACKED_WIDTH).unsqueeze(0) < torch.tensor(PACKED_LENGTHS).unsqueeze(1)
+    result["logprobs_diff"] = (passes[True]["logprobs"] - passes[False]["logprobs"])[real].abs().max().item()
+    noise = 1e-3 * torch.randn(real.shape, generator=torch.Generator().manual_seed(3))
+    old = passes[False]["logprobs"].cpu() + noise
+    for i, mb in enumerate(micro):
+        mb["old_logprobs"] = old[2 * i:2 * i + 2]
+    steps = {}
+    for pack in (False, True):
+        out = update_step(ddp, optimizer, micro, LossConfig(eps_low=3e-4, eps_high=4e-4), pack=pack)
+        steps[pack] = out, tiny.flat(tiny.grads_sharded_state_dict(ddp.module))
+    (out, grads), (padded, padded_grads) = steps[True], steps[False]
+    result.update(loss_diff=abs(out["loss"].item() - padded["loss"].item()),
+                  grad_norm_diff=abs(out["grad_norm"] - padded["grad_norm"]) / padded["grad_norm"],
+                  grads_diff=max(tiny.max_rel_diff(grads[k], padded_grads[k]) for k in padded_grads),
+                  deltanet_grads=sum(".self_attention.in_proj." in k for k in padded_grads))
+    return result
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +199,16 @@ def test_qwen3_next_reads_as_a_causal_lm_with_per_head_in_proj(hybrid_models):
             assert torch.equal(back[0], qkvz.chunk(tp)[r]) and torch.equal(back[1], ba.chunk(tp)[r]), (tp, r)
 
 
+def test_context_parallelism_is_refused_by_name(hybrid_models):
+    """The DeltaNet under context parallelism is refused before the model is built, even where TransformerEngine's
+    attention could split the full-attention layers: 0.16.1's DeltaNet would treat each rank's chunks as whole
+    sequences, and 0.19.2's all-to-all path is not tested here."""
+    spec = read_hf_config(hybrid_models[MOE])
+    with pytest.raises(LayoutError, match="context_parallel_size=2: qwen3_5_moe_text's gated-DeltaNet layers"):
+        check_layout(spec, Layout(context=2), transformer_engine=True)
+    check_layout(spec, Layout(), transformer_engine=True)
+
+
 def test_layer_pattern_from_full_attention_interval_and_refusals(hybrid_models):
     config = json.loads((hybrid_models["qwen3_5"] / "config.json").read_text())
     text = {k: v for k, v in config["text_config"].items() if k != "layer_types"}
@@ -162,7 +255,7 @@ def test_logits_equal_transformers_and_export_is_bitwise(variant, hybrid_models,
         assert diffs and max(diffs) <= ATOL, f"{kind}: logits differ by {max(diffs):.2e} > {ATOL}"
         for rank, r in enumerate(per_rank):
             assert not r["not_bitwise"] and not r["to_sender_not_bitwise"], (kind, rank, r["not_bitwise"])
-            assert r["export_names_match"] and r["attention_class"] == "GatedDeltaNet", (kind, rank)
+            assert r["export_names_match"] and r["attention_class"] == "PackedGatedDeltaNet", (kind, rank)
             assert r["to_sender"] == (r["exported"] if r["sender"] else []), (kind, rank)
         exported = [set(r["exported"]) for r in per_rank]
         if kind == "pp2":
@@ -199,3 +292,21 @@ def test_score_equals_transformers_on_the_hf_dir_and_the_converted_checkpoint(va
         assert per_rank[0]["megatron_checkpoint"] == (source == "megatron")
         for scored in (r["results"] for r in per_rank):
             assert_agrees(scored, reference)
+
+
+@pytest.mark.megatron  # checks the Megatron model's results
+def test_packed_sequences_equal_padded_with_a_fresh_deltanet_state_each(hybrid_results):
+    """``parallel.pack_sequences`` through the DeltaNet (``model.gated_deltanet.PackedGatedDeltaNet``) of Qwen3.5-MoE
+    (Qwen3-Next's is the same module): on the block-diagonal mask path each packed sequence's convolution and
+    recurrent state start fresh, so the packed log-prob pass (2e-5 absolute on every real position), GSPO loss
+    (1e-6), gradient norm and every gradient (1e-5 relative) equal the padded run's at world 1, TP2 + SP and PP2 (a
+    stage of DeltaNet layers only). A stage's first DeltaNet layer on a packed row equals its segments run alone
+    (1e-5), and differs from the row run as one sequence (the reset is what passes)."""
+    results, _ = hybrid_results
+    for kind in PACKED_LAYOUTS:
+        for rank, r in enumerate(rank_checks.result(results, ("packed", MOE, kind))):
+            where = (kind, rank, r)
+            assert r["logprobs_diff"] <= LOGPROB_ATOL and r["loss_diff"] <= LOSS_ATOL, where
+            assert r["grad_norm_diff"] <= GRAD_RTOL and r["grads_diff"] <= GRAD_RTOL and r["deltanet_grads"], where
+            if kind != "tp2":
+                assert r["segments_diff"] <= 1e-5 and r["whole_diff"] > 1e-3, where

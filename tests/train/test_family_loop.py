@@ -71,14 +71,18 @@ def test_the_loop_runs_each_family_with_the_engine_in_step(family, tmp_path):
 def test_the_loop_runs_the_gated_deltanet_hybrid_with_the_engine_in_step(tmp_path):
     """``model.tiny.family=qwen3_5_moe``: Qwen3.5-MoE's text model (a DeltaNet layer, then a gated full-attention
     layer; gated shared expert, zero-centred norms), the local engine (SGLang's CPU server has no DeltaNet kernels:
-    docs/models.md). The engine's log-probs of every step's samples equal the trainer's, so each sync carried every
-    tensor the DeltaNet, the gated attention and the shared expert's gate compute with."""
+    docs/models.md), with packed sequences in token-budget micro batches (``parallel.pack_sequences``,
+    ``parallel.max_tokens_per_micro_batch``: several samples per row, no padding). The engine's log-probs of every
+    step's samples (each run alone) equal the trainer's packed ones, so each sync carried every tensor the DeltaNet,
+    the gated attention and the shared expert's gate compute with, and each packed sample's DeltaNet state started
+    fresh (tests/model/test_gated_deltanet.py checks packed against padded directly)."""
     run = tmp_path / "run"
     command = [sys.executable, "-m", "gspo_megatron.cli", "train", str(ROOT / "examples/tiny_moe_cpu.yaml"),
                "model.tiny.family=qwen3_5_moe", "rollout.engine=local", f"train.steps={STEPS}", "train.eval_every=0",
                "model.warm_start_steps=2", f"model.hf_dir={tmp_path / 'model'}", f"logging.dir={run}",
                f"checkpoint.dir={run / 'ck'}", "logging.plot_every=0", "rollout.prompts_per_step=4",
-               "parallel.micro_batch_size=8", "data.reward_workers=0", "optimizer.lr=3e-3"]
+               "parallel.micro_batch_size=8", "data.reward_workers=0", "optimizer.lr=3e-3",
+               "parallel.pack_sequences=true", "parallel.max_tokens_per_micro_batch=96"]
     out = warm_cli.run(command, capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, WORLD_SIZE="1"),
                        timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -88,4 +92,5 @@ def test_the_loop_runs_the_gated_deltanet_hybrid_with_the_engine_in_step(tmp_pat
     with safe_open(tmp_path / "model" / "model.safetensors", "pt") as f:
         names = list(f.keys())
     assert any(".linear_attn.in_proj_qkv." in n for n in names) and any("shared_expert_gate" in n for n in names)
-    _every_step_synced(run, names)
+    steps = _every_step_synced(run, names)
+    assert all(s["padding_frac"] == 0.0 for s in steps), "packed rows of whole samples"

@@ -85,6 +85,13 @@ def validate_model(cfg: Config, hf: dict) -> None:
             "num_hidden_layers", "parallel.pipeline", "parallel.first_stage_layers", "parallel.last_stage_layers"))
         if problem:
             raise ConfigError(problem)
+    if p.context > 1:
+        from gspo_megatron.model.hf_config import family_of, text_config
+
+        family = family_of(text_config(hf))
+        if family.gated_deltanet:  # model.layout_check repeats this: 0.16.1's DeltaNet has no CP, 0.19.2's is untested
+            raise ConfigError(f"parallel.context={p.context}: {family.model_type}'s gated-DeltaNet (linear-attention) "
+                              "layers are not supported under context parallelism here; set parallel.context=1")
     if cfg.model.grouped_gemm and not transformer_engine_available():
         raise ConfigError("model.grouped_gemm=true needs TransformerEngine (megatron's TEGroupedMLP): install the gpu "
                           "extra, or set model.grouped_gemm=null (grouped where TE imports) or false")

@@ -55,8 +55,11 @@ def schedule_packing(model, micro_batches: list[dict], pack: bool) -> Packing | 
         raise ValueError("packed micro batches need seq_lengths [b] (prompt + response tokens of each row)")
     tp, cp = ps.get_tensor_model_parallel_world_size(), ps.get_context_parallel_world_size()
     sp = bool(_unwrapped(model).config.sequence_parallel) and tp > 1
-    layers = list(_unwrapped(model).decoder.layers)
-    local = not layers or isinstance(layers[0].self_attention.core_attention, DotProductAttention)
+    # The gated-DeltaNet hybrids' linear-attention layers have no core attention; they take either packing
+    # (model.gated_deltanet), so a stage of only those packs as the local attention does.
+    cores = [layer.self_attention.core_attention for layer in _unwrapped(model).decoder.layers
+             if hasattr(layer.self_attention, "core_attention")]
+    local = all(isinstance(core, DotProductAttention) for core in cores)
     if local and cp > 1:
         raise NotImplementedError("packed rows under context parallelism need THD attention (TransformerEngine's): "
                                   "megatron's local attention has neither")

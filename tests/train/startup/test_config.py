@@ -295,3 +295,18 @@ def test_mla_down_proj_fusion_is_checked_before_any_rank_starts():
         validate(fused, 1, dict(DEEPSEEK_V3, q_lora_rank=None))
     with pytest.raises(ConfigError, match=r"qwen3_moe has none: set model.mla_down_proj_fusion=false"):
         validate(fused, 1, QWEN3_30B_A3B)
+
+
+def test_context_parallelism_with_a_gated_deltanet_model_is_refused_before_any_rank_starts():
+    """Qwen3.5 / Qwen3-Next under parallel.context > 1: refused by name while validating (where TransformerEngine is
+    installed, the one place CP gets this far), for the vision-language checkpoint by its text model."""
+    from gspo_megatron.train.startup.validate import validate_model
+
+    qwen35_moe = {"model_type": "qwen3_5_moe", "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+                  "text_config": {"model_type": "qwen3_5_moe_text"}}
+    qwen3_next = {"model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"]}
+    for hf, name in ((qwen35_moe, "qwen3_5_moe_text"), (qwen3_next, "qwen3_next")):
+        with pytest.raises(ConfigError, match=rf"context=2: {name}'s gated-DeltaNet .* set parallel.context=1"):
+            validate_model(cfg("parallel.context=2"), hf)
+        validate_model(cfg(), hf)
+    validate_model(cfg("parallel.context=2"), {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]})

@@ -68,6 +68,9 @@ def test_pack_and_unpack():
     mask = packing.block_causal_mask(packed["cu_seqlens"], 8)[0, 0]
     visible = [(~mask[q]).nonzero().flatten().tolist() for q in range(8)]
     assert visible == [[0], [0, 1], [0, 1, 2], [3], [4], [4, 5], [6], [6, 7]]
+    # ... and the segments read back from it (what the gated DeltaNet restarts at); a plain causal row has one
+    assert packing.mask_segments(packing.block_causal_mask(packed["cu_seqlens"], 8)).tolist() == [0, 3, 4, 6, 8]
+    assert packing.mask_segments(packing.block_causal_mask(torch.tensor([0, 8]), 8)) is None
     # The unpacked values carry gradients back to their packed positions.
     row = torch.arange(8.0, requires_grad=True)
     packing.unpack(row.unsqueeze(0), packed["unpack_index"])[:, 0].sum().backward()
