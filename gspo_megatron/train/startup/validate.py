@@ -6,6 +6,7 @@ import math
 
 from gspo_megatron.algo import AGGREGATIONS, KL_ESTIMATORS
 from gspo_megatron.environment import transformer_engine_available
+from gspo_megatron.model.hf_config import FAMILIES
 from gspo_megatron.parallel.groups import Layout
 from gspo_megatron.train.startup.config import Config, ConfigError, correction, unknown_names
 from gspo_megatron.algo.defaults import ALGORITHMS
@@ -88,6 +89,13 @@ def validate_model(cfg: Config, hf: dict) -> None:
     if cfg.model.grouped_gemm and not transformer_engine_available():
         raise ConfigError("model.grouped_gemm=true needs TransformerEngine (megatron's TEGroupedMLP): install the gpu "
                           "extra, or set model.grouped_gemm=null (grouped where TE imports) or false")
+    if getattr(FAMILIES.get(hf.get("model_type")), "dsa", False):  # GLM-5, DeepSeek-V3.2: megatron-core 0.19.2
+        from gspo_megatron.model.dsa import megatron_problem
+        from gspo_megatron.model.hf_config import read_hf_config
+
+        problem = megatron_problem(read_hf_config(hf))
+        if problem:
+            raise ConfigError(problem)
     if cfg.model.mla_down_proj_fusion:
         from gspo_megatron.model.hf_config import read_hf_config
         from gspo_megatron.model.mla import down_proj_fusion_problem
