@@ -13,7 +13,7 @@ preserves dot products, needs bf16 and ``fast_hadamard_transform``, and transfor
 megatron builds a DSA layer as ``AbsorbedMLASelfAttention`` (kv_b_proj's key rows absorbed into the query: the same
 weights, ``linear_kv_up_proj``) over ``DSAttention`` (``core_attention``) holding the ``DSAIndexer``. Its own spec
 (``experimental_attention_variant_module_specs``) asserts TransformerEngine; ``dsa_spec`` builds the same modules
-on the local spec for the CPU (``dsa_kernel_backend='none'``: megatron's PyTorch sparse attention).
+on the local spec for the CPU (``dsa_kernel_backend='none'``: megatron's PyTorch sparse attention; ``kernel_backend``).
 
 The RL update and the indexer: megatron detaches the indexer's inputs, so the policy loss never reaches it; its only
 gradient is its own KL loss towards the attention scores (``dsa_indexer_loss_coeff``). Here the indexer is frozen
@@ -82,12 +82,27 @@ def megatron_problem(spec) -> str | None:
             "half-split RoPE: install megatron-core 0.19.2 (tools/install.sh builds .venv312 with it)")
 
 
+def kernel_backend() -> str:
+    """megatron's fused DSA kernels where they can run (CUDA with their packages: 'tilelang'), else its PyTorch path
+    ('none', the CPU's). The PyTorch path keeps every query's gathered top-k latent keys for the backward: fine for tests,
+    hundreds of GiB at GLM-5's lengths (``plan`` assumes the fused kernels)."""
+    if not torch.cuda.is_available():
+        return "none"
+    from megatron.core.utils import _validate_dsa_kernel_backend_dependencies
+
+    try:
+        _validate_dsa_kernel_backend_dependencies("tilelang")
+    except ValueError:
+        return "none"
+    return "tilelang"
+
+
 def transformer_config_fields(spec) -> dict:
-    """``TransformerConfig`` fields of a DSA ``ModelSpec``: the indexer as transformers computes it, no indexer loss,
-    megatron's PyTorch kernels."""
+    """``TransformerConfig`` fields of a DSA ``ModelSpec``: the indexer as transformers computes it, no indexer loss
+    (frozen), megatron's fused kernels where they run (``kernel_backend``)."""
     return dict(experimental_attention_variant="dsa", dsa_indexer_n_heads=spec.dsa_index_heads,
                 dsa_indexer_head_dim=spec.dsa_index_head_dim, dsa_indexer_topk=spec.dsa_index_topk,
-                dsa_indexer_loss_coeff=0.0, dsa_kernel_backend="none",
+                dsa_indexer_loss_coeff=0.0, dsa_kernel_backend=kernel_backend(),
                 dsa_indexer_rope_interleaved=spec.dsa_indexer_rope_interleaved, dsa_indexer_rotate_activation=False,
                 dsa_indexer_scoring_relu=True, dsa_indexer_k_norm_epsilon=INDEXER_K_NORM_EPS,
                 apply_rope_fusion=False)

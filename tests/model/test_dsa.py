@@ -98,11 +98,10 @@ def test_tiny_models_sparse_choice_moves_the_logits(variant, dsa_models):
 @pytest.mark.megatron  # what it accepts depends on megatron-core's version
 def test_refused_by_name_before_anything_is_built_on_megatron_without_dsa(dsa_models):
     """megatron-core 0.16.1 has an early DSA whose indexer always applies a bf16-only Hadamard rotation and
-    half-split RoPE: the layout check (convert, score, the model build) and the trainer's config check refuse both
+    half-split RoPE: the layout check (convert, score, the model build) and ``train``'s pre-flight refuse both
     families there, naming the version; 0.19.2 accepts them, and refuses TP without sequence parallelism by name."""
     from gspo_megatron.train.startup.config import ConfigError
-    from gspo_megatron.train.startup.validate import validate_model
-    from tests.train.startup.test_config import cfg
+    from gspo_megatron.train.startup.validate import validate_megatron
 
     for variant in VARIANTS:
         spec = read_hf_config(dsa_models[variant])
@@ -111,10 +110,10 @@ def test_refused_by_name_before_anything_is_built_on_megatron_without_dsa(dsa_mo
             with pytest.raises(LayoutError, match=rf"model_type={variant} needs DeepSeek sparse attention .* 0\.16\.1"):
                 check_layout(spec, Layout())
             with pytest.raises(ConfigError, match=rf"model_type={variant} needs DeepSeek sparse attention .*0\.16\.1"):
-                validate_model(cfg(), config)
+                validate_megatron(config)
             continue
         check_layout(spec, MIXED)
-        validate_model(cfg(), config)
+        validate_megatron(config)
         with pytest.raises(LayoutError, match="sparse attention .* needs sequence parallelism under TP"):
             check_layout(spec, Layout(tensor=2))
 

@@ -89,18 +89,23 @@ def validate_model(cfg: Config, hf: dict) -> None:
     if cfg.model.grouped_gemm and not transformer_engine_available():
         raise ConfigError("model.grouped_gemm=true needs TransformerEngine (megatron's TEGroupedMLP): install the gpu "
                           "extra, or set model.grouped_gemm=null (grouped where TE imports) or false")
-    if getattr(FAMILIES.get(hf.get("model_type")), "dsa", False):  # GLM-5, DeepSeek-V3.2: megatron-core 0.19.2
-        from gspo_megatron.model.dsa import megatron_problem
-        from gspo_megatron.model.hf_config import read_hf_config
-
-        problem = megatron_problem(read_hf_config(hf))
-        if problem:
-            raise ConfigError(problem)
     if cfg.model.mla_down_proj_fusion:
         from gspo_megatron.model.hf_config import read_hf_config
         from gspo_megatron.model.mla import down_proj_fusion_problem
 
         problem = down_proj_fusion_problem(read_hf_config(hf))
+        if problem:
+            raise ConfigError(problem)
+
+
+def validate_megatron(hf: dict | None) -> None:
+    """What the installed megatron-core must build for this model (``train``, not ``plan``: a plan is for the cluster's
+    megatron-core): GLM-5 / DeepSeek-V3.2's sparse attention needs 0.19.2's."""
+    if hf is not None and getattr(FAMILIES.get(hf.get("model_type")), "dsa", False):
+        from gspo_megatron.model.dsa import megatron_problem
+        from gspo_megatron.model.hf_config import read_hf_config
+
+        problem = megatron_problem(read_hf_config(hf))
         if problem:
             raise ConfigError(problem)
 
