@@ -17,12 +17,14 @@ import sys
 def _train(args) -> int:
     from gspo_megatron.train.startup.bootstrap import model_hf_config, resolve_hub_model
     from gspo_megatron.train.startup.config import load_config
-    from gspo_megatron.train.startup.validate import validate
+    from gspo_megatron.train.startup.validate import validate, validate_megatron
 
     cfg = load_config(args.config, args.overrides)
     resolve_hub_model(cfg)  # model.hf_dir=Qwen/Qwen3-30B-A3B: its snapshot in huggingface_hub's cache
     # The layout against the model's config too, before any process group starts.
-    validate(cfg, int(os.environ.get("WORLD_SIZE", "1")), model_hf_config(cfg))
+    hf = model_hf_config(cfg)
+    validate(cfg, int(os.environ.get("WORLD_SIZE", "1")), hf)
+    validate_megatron(hf)
     # Output dirs: writable, and never a used one without --resume (before anything is built or written).
     from gspo_megatron.train.resilience import elastic
     from gspo_megatron.train.startup.run_dirs import check_run_dirs

@@ -39,7 +39,8 @@ What it changes, from broad to narrow:
      with uneven split sizes (TP x EP with the alltoall dispatcher): gloo rejects per-rank chunks of
      different sizes, so the chunks are padded to the largest one.
    - ``MLASelfAttention.get_query_key_value_tensors`` (0.16.1, 0.19.2): under the local spec's column-parallel down
-     projections, the shared rope key's gradient is summed over TP ranks (megatron forgets to).
+     projections, the shared rope key's gradient is summed over TP ranks (megatron forgets to); likewise 0.19.2's
+     ``AbsorbedMLASelfAttention`` (DeepSeek sparse attention).
    - Optimizer constructors and ``clip_grad_by_total_norm_fp32`` (0.16.1, 0.19.2), which test
      ``param.type()`` against ``"torch.cuda.*Tensor"`` strings, are recompiled from their source with the CPU
      type names.
@@ -518,6 +519,21 @@ def _patch_mla_rope_key_grad() -> None:
     branch = ("        if self.config.sequence_parallel:\n"  # as _recompile sees it: dedented by one level
               "            # kv_compressed:[s / TP, b, kv_lora_rank]\n")
     _recompile(mla.MLASelfAttention, "get_query_key_value_tensors",
+               {branch: "        k_pos_emb = copy_to_tensor_model_parallel_region(k_pos_emb)\n" + branch})
+
+
+@_applies_to("0.19.2")
+def _patch_absorbed_mla_rope_key_grad() -> None:
+    """The same missing sum in 0.19.2's ``AbsorbedMLASelfAttention`` (DeepSeek sparse attention's MLA, which copies
+    MLA's down-projection code): its TP2 update step's grad norm was 3.01 against world 1's 3.07 (GLM-5's tiny model,
+    tests/model/test_dsa.py) before the same identity with an all-reduce backward."""
+    from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+    from megatron.core.transformer.experimental_attention_variant import absorbed_mla
+
+    absorbed_mla.copy_to_tensor_model_parallel_region = copy_to_tensor_model_parallel_region
+    branch = ("        if self.config.sequence_parallel:\n"
+              "            # kv_compressed:[s / TP, b, kv_lora_rank]\n")
+    _recompile(absorbed_mla.AbsorbedMLASelfAttention, "get_query_key_value_tensors",
                {branch: "        k_pos_emb = copy_to_tensor_model_parallel_region(k_pos_emb)\n" + branch})
 
 

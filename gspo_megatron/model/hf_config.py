@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import UnsupportedModel
+from .dsa import dsa_fields
 from .gpt_oss import gpt_oss_fields
 
 # Megatron pads the vocabulary so every TP rank holds the same number of rows. The multiple is fixed (not
@@ -65,6 +66,9 @@ class Family:
     # DeltaNet's own is zero-centred (the checkpoint stores w, the norm applies 1 + w); the shared expert has a
     # sigmoid gate; MTP layers are stored as mtp.* (carried, not trained).
     gated_deltanet: bool = False
+    # DeepSeek sparse attention (GLM-5, DeepSeek-V3.2): MLA plus an indexer choosing each query's index_topk keys
+    # (index_n_heads, index_head_dim); the module that reads its fields is model/dsa.py.
+    dsa: bool = False
 
 
 _COMMON_REQUIRES = {"hidden_act": "silu", "use_sliding_window": False}
@@ -98,6 +102,16 @@ FAMILIES: dict[str, Family] = {
         # (model/gpt_oss.py), every layer MoE.
         Family("gpt_oss", "GptOssForCausalLM", qk_norm=False, qkv_bias="attention_bias", moe=True, gpt_oss=True,
                implied={"norm_topk_prob": True}, implied_from={"moe_intermediate_size": "intermediate_size"}),
+        # GLM-5 and DeepSeek-V3.2: DeepSeek-V3's MLA (rope always interleaved: their configs have no rope_interleave)
+        # and router, with DeepSeek sparse attention (model/dsa.py); layer_types "indexed_attention" everywhere.
+        Family("glm_moe_dsa", "GlmMoeDsaForCausalLM", qk_norm=False, qkv_bias=False, moe=True, router="sigmoid",
+               attention="mla", dsa=True, requires={"attention_bias": False, "topk_method": "noaux_tc",
+                                                    "scoring_func": "sigmoid"},
+               serving_fields={"topk_method": "noaux_tc", "moe_layer_freq": 1, "scoring_func": "sigmoid"}),
+        Family("deepseek_v32", "DeepseekV32ForCausalLM", qk_norm=False, qkv_bias=False, moe=True, router="sigmoid",
+               attention="mla", dsa=True, requires={"attention_bias": False, "topk_method": "noaux_tc",
+                                                    "scoring_func": "sigmoid"},
+               serving_fields={"topk_method": "noaux_tc", "moe_layer_freq": 1, "scoring_func": "sigmoid"}),
     )
 }
 # model types read as another family: Kimi-K2 is the DeepSeek-V3 architecture (transformers has no config class for it)
@@ -187,6 +201,12 @@ class ModelSpec:
     zero_centered_norm: bool = False  # RMSNorms apply (1 + w): megatron's layernorm_zero_centered_gamma
     moe_shared_expert_gate: bool = False  # shared expert output * sigmoid(x @ shared_expert_gate)
     mtp_prefix: str = ""  # MTP tensors stored apart from the decoder layers (Qwen3-Next / 3.5: "mtp.")
+    # DeepSeek sparse attention (Family.dsa, model/dsa.py): each query attends to the dsa_index_topk earlier tokens its
+    # indexer (dsa_index_heads heads of dsa_index_head_dim) scores highest; 0: dense attention
+    dsa_index_heads: int = 0
+    dsa_index_head_dim: int = 0
+    dsa_index_topk: int = 0
+    dsa_indexer_rope_interleaved: bool = False
 
     @property
     def is_moe(self) -> bool:
@@ -257,6 +277,10 @@ class ModelSpec:
             "lin_v_head": self.linear_value_head_dim,
             "lin_kernel": self.linear_conv_kernel_dim,
             "one": 1,
+            # DeepSeek sparse attention's indexer
+            "index_q": self.dsa_index_heads * self.dsa_index_head_dim,
+            "index_dim": self.dsa_index_head_dim,
+            "index_heads": self.dsa_index_heads,
         }
 
     def to_dict(self) -> dict:
@@ -325,6 +349,7 @@ def _check_requires(config: dict, family: Family) -> None:
                                f"(only {wanted!r}): the Megatron policy does not map it")
     layer_types = config.get("layer_types") or []
     allowed = {"full_attention", "linear_attention"} if family.gated_deltanet else {"full_attention"}
+    allowed |= {"indexed_attention"} if family.dsa else set()
     if not family.gpt_oss and any(t not in allowed for t in layer_types):  # (gpt_oss.py reads its sliding layers)
         raise UnsupportedModel(f"layer_types={layer_types} in config.json: only {' and '.join(sorted(allowed))} "
                                f"layers are supported for {family.model_type} (sliding-window layers are not mapped)")
@@ -522,6 +547,7 @@ def read_hf_config(config: dict | str | Path) -> ModelSpec:
         **moe,
         **hybrid,
         **(gpt_oss_fields(config, num_layers) if family.gpt_oss else {}),
+        **(dsa_fields(config, family.model_type, num_layers) if family.dsa else {}),
     )
 
 

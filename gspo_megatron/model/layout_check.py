@@ -65,6 +65,19 @@ def check_layout(spec: ModelSpec, layout: Layout, world_size: int | None = None,
             _divides(problems, "q_lora_rank", spec.q_lora_rank, "tensor_model_parallel_size", tp)
         _divides(problems, "kv_lora_rank + qk_rope_head_dim", spec.kv_lora_rank + spec.qk_rope_head_dim,
                  "tensor_model_parallel_size", tp)
+    if spec.dsa_index_topk:
+        from .dsa import megatron_problem
+
+        problem = megatron_problem(spec)
+        if problem:  # before any other: no layout helps
+            raise LayoutError(problem)
+        if tp > 1 and not layout.sequence_parallel:  # megatron's AbsorbedMLASelfAttention asserts it
+            problems.append(f"sequence_parallel=False with tensor_model_parallel_size={tp}: {spec.family}'s sparse "
+                            "attention (megatron-core's AbsorbedMLASelfAttention) needs sequence parallelism under TP; "
+                            "set sequence_parallel=True")
+        if cp > 1:
+            problems.append(f"context_parallel_size={cp}: {spec.family}'s sparse attention is mapped without context "
+                            "parallelism (megatron-core's DSA needs cp_comm_type='allgather'); use 1")
     if spec.linear_attention_layers:  # megatron's GatedDeltaNet splits whole key heads (with their value heads)
         _divides(problems, "linear_num_key_heads", spec.linear_num_key_heads, "tensor_model_parallel_size", tp)
         if cp > 1:  # 0.16.1's DeltaNet would run each rank's chunks as if they were whole sequences

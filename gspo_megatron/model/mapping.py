@@ -198,6 +198,17 @@ SIGMOID_MOE_MLP = MOE_MLP + (
 )
 
 
+# DeepSeek sparse attention's indexer (model/dsa.py): megatron's DSAIndexer inside DSAttention (the MLA layer's
+# core_attention), every projection held whole on every TP rank (duplicated); its key norm is a LayerNorm with a bias.
+_IX, _HIX = f"{_A}.core_attention.indexer", f"{_HA}.indexer"
+DSA_INDEXER = (
+    Rule(f"{_IX}.linear_wq_b.weight", (P(f"{_HIX}.wq_b.weight", "index_q", "q_lora"),)),
+    Rule(f"{_IX}.linear_wk.weight", (P(f"{_HIX}.wk.weight", "index_dim", "hidden"),)),
+    Rule(f"{_IX}.k_norm.weight", (P(f"{_HIX}.k_norm.weight", "index_dim"),)),
+    Rule(f"{_IX}.k_norm.bias", (P(f"{_HIX}.k_norm.bias", "index_dim"),)),
+    Rule(f"{_IX}.linear_weights_proj.weight", (P(f"{_HIX}.weights_proj.weight", "index_heads", "hidden"),)),
+)
+
 # Qwen3.5 / Qwen3-Next full-attention layers (every 4th): q_proj emits each head's query and output gate, [q_h; g_h],
 # which megatron's attention_output_gate holds per query group as [q heads; gate heads; k; v] ("gated_qkv"); q/k norm.
 GATED_ATTENTION = (
@@ -295,6 +306,8 @@ ARCHITECTURES: dict[str, tuple[Rule, ...]] = {
     "qwen3_5_moe_text": EMBEDDING + GATED_ATTENTION + GATED_DELTANET + DENSE_MLP + GATED_SHARED_MOE_MLP + OUTPUT,
     "qwen3_next": EMBEDDING + GATED_ATTENTION + QWEN3_NEXT_DELTANET + DENSE_MLP + GATED_SHARED_MOE_MLP + OUTPUT,
     "gpt_oss": EMBEDDING + GPT_OSS_ATTENTION + GPT_OSS_MOE_MLP + OUTPUT,
+    "glm_moe_dsa": EMBEDDING + MLA_ATTENTION + DSA_INDEXER + DENSE_MLP + SIGMOID_MOE_MLP + OUTPUT,
+    "deepseek_v32": EMBEDDING + MLA_ATTENTION + DSA_INDEXER + DENSE_MLP + SIGMOID_MOE_MLP + OUTPUT,
 }
 
 # HF tensors SGLang's ``load_weights`` joins into one parameter only when both arrive in the same call, each a pair

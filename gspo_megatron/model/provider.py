@@ -146,6 +146,10 @@ def transformer_config(spec: ModelSpec, layout: Layout, dtype: torch.dtype = tor
     if spec.attention == "mla":
         config_class = MLATransformerConfig
         kwargs.update(_mla_fields(spec))
+    if spec.dsa_index_topk:
+        from .dsa import transformer_config_fields as dsa_config_fields
+
+        kwargs.update(dsa_config_fields(spec))
     if spec.attention_sinks:
         from .gpt_oss import megatron_fields
 
@@ -256,15 +260,19 @@ def decoder_block_spec(config, use_te: bool):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     spec_config = config
-    if config.experimental_attention_variant == "gated_delta_net":
+    if config.experimental_attention_variant in ("gated_delta_net", "dsa"):
         # megatron-core 0.19 refuses the variant here (its own hybrid spec is TE-only): the block is built with
-        # full attention everywhere, and gated_deltanet.hybrid_spec puts the DeltaNet into its layers
+        # full attention everywhere, and gated_deltanet.hybrid_spec (dsa.dsa_spec) puts the variant into its layers
         spec_config = copy.copy(config)
         spec_config.experimental_attention_variant = None
     block = get_gpt_decoder_block_spec(spec_config, use_transformer_engine=use_te, normalization="RMSNorm")
     if not use_te:
         block = dataclasses.replace(block, layer_specs=[_moe_norm_keeps_its_name(s) for s in block.layer_specs])
-    if config.multi_latent_attention:
+    if config.experimental_attention_variant == "dsa":
+        from .dsa import dsa_spec
+
+        block = dsa_spec(block, config, use_te)
+    elif config.multi_latent_attention:
         from .mla import mla_spec
 
         block = mla_spec(block, local=not use_te, q_lora=config.q_lora_rank is not None,
@@ -377,6 +385,10 @@ def build_gpt_model(spec: ModelSpec, layout: Layout = Layout(), dtype: torch.dty
         from .gpt_oss import fix_megatron_parameters
 
         fix_megatron_parameters(model)
+    if spec.dsa_index_topk:
+        from .dsa import freeze_indexer
+
+        freeze_indexer(model)
     # The real vocabulary: log-probs (hidden_output / the fused op) must leave the padding rows out.
     model.unpadded_vocab_size = spec.vocab_size
     return model

@@ -368,6 +368,9 @@ def _attention_parameters(spec: ModelSpec) -> tuple[int, int]:
         split = (q_lora * q if q_lora else h * q) + kv_lora * heads * (d - rope + spec.v_head_dim) \
             + heads * spec.v_head_dim * h
         replicated = norms + (h * q_lora + q_lora if q_lora else 0) + h * (kv_lora + rope) + kv_lora
+        if spec.dsa_index_topk:  # the sparse attention's indexer, whole on every TP rank (wq_b, wk, k_norm, weights)
+            index_q, index_d = spec.dsa_index_heads * spec.dsa_index_head_dim, spec.dsa_index_head_dim
+            replicated += q_lora * index_q + h * index_d + 2 * index_d + h * spec.dsa_index_heads
         return split, replicated
     q, kv = spec.num_attention_heads * d, spec.num_key_value_heads * d
     split = h * q + 2 * h * kv + q * h + (q + 2 * kv if spec.qkv_bias else 0)

@@ -157,10 +157,38 @@ def tiny_gpt_oss_config(vocab_size: int = 128, hidden_size: int = 64, num_layers
     )
 
 
+def tiny_glm_moe_dsa_config(vocab_size: int = 128, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
+                            num_kv_heads: int = 2, head_dim: int = 16, num_experts: int = 4, top_k: int = 2,
+                            moe_intermediate_size: int = 32, max_position_embeddings: int = 512,
+                            initializer_range: float = 0.1):
+    """GLM-5's architecture (DeepSeek sparse attention, megatron-core 0.19.2) at the CPU example's sizes: the tiny
+    DeepSeek-V3's MLA and router, plus an indexer of 32 heads (GLM-5's count) of ``head_dim`` keeping 8 keys per query
+    (fewer than a prompt and its answer: the sparse choice matters). Not fewer heads: a key whose relu(q . k) is 0 in
+    every head scores exactly 0, and ties at the top-k's edge are broken differently by a prefill and a full forward
+    (with 4 heads the engine's first token was 0.06 off the trainer's)."""
+    from transformers import GlmMoeDsaConfig
+
+    from gspo_megatron.model.hf_config import FAMILIES
+
+    return GlmMoeDsaConfig(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=4 * hidden_size,
+        moe_intermediate_size=moe_intermediate_size, num_hidden_layers=num_layers, num_attention_heads=num_heads,
+        num_key_value_heads=num_heads, n_routed_experts=num_experts, num_experts_per_tok=top_k,
+        n_shared_experts=1, first_k_dense_replace=1, **_group_limit(num_experts, top_k), routed_scaling_factor=1.0,
+        norm_topk_prob=True, q_lora_rank=hidden_size // 2, kv_lora_rank=hidden_size // 2,
+        qk_nope_head_dim=head_dim // 2, qk_rope_head_dim=head_dim // 2, v_head_dim=head_dim,
+        index_n_heads=32, index_head_dim=head_dim, index_topk=8,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=False, max_position_embeddings=max_position_embeddings,
+        initializer_range=initializer_range, eos_token_id=0, pad_token_id=0, bos_token_id=None, dtype="float32",
+        **FAMILIES["glm_moe_dsa"].serving_fields,
+    )
+
+
 # model.tiny's ``family``: the architectures a tiny random model can be built in, from the same size fields.
 TINY_FAMILIES = {"qwen3_moe": tiny_qwen3_moe_config, "glm4_moe": tiny_glm4_moe_config,
                  "deepseek_v3": tiny_deepseek_v3_config, "qwen3_5_moe": tiny_qwen3_5_moe_config,
-                 "gpt_oss": tiny_gpt_oss_config}
+                 "gpt_oss": tiny_gpt_oss_config, "glm_moe_dsa": tiny_glm_moe_dsa_config}
 
 
 def tiny_config(family: str = "qwen3_moe", **sizes):

@@ -100,6 +100,21 @@ HYBRID_VARIANTS: dict[str, tuple[str, dict]] = {
     "qwen3_next": ("Qwen3NextConfig", dict(_HYBRID_TEXT, **_MOE, rope_parameters={
         "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})),
 }
+# DeepSeek sparse attention (megatron-core 0.19.2 only; their own launch: tests/model/test_dsa.py): DeepSeek-V3's tiny
+# MLA and router with an indexer of 4 heads of 16 choosing 4 keys per query (< SEQ: from the fifth token on, each
+# query attends to 4 of its earlier tokens); GLM-5 with plain RoPE and the indexer's RoPE interleaved, DeepSeek-V3.2
+# with YaRN and the indexer's RoPE half-split.
+_DSA = dict(_COMMON, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=4, n_group=4, topk_group=2,
+            n_shared_experts=1, moe_intermediate_size=16, first_k_dense_replace=1, routed_scaling_factor=2.5,
+            q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12, index_n_heads=4,
+            index_head_dim=16, index_topk=4, tie_word_embeddings=False)
+DSA_VARIANTS: dict[str, tuple[str, dict]] = {
+    "glm_moe_dsa": ("GlmMoeDsaConfig", dict(_DSA, vocab_size=100, rope_parameters={"rope_type": "default",
+                                                                                   "rope_theta": 10000.0})),
+    "deepseek_v32": ("DeepseekV32Config", dict(_DSA, vocab_size=128, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.8, "mscale_all_dim": 1.0})),
+}
 # vision-language configs: the class that holds the text model and the vision tower
 WRAPPER_MODELS = {"Qwen3_5MoeConfig": "Qwen3_5MoeForConditionalGeneration",
                   "Qwen3_5Config": "Qwen3_5ForConditionalGeneration"}
@@ -140,7 +155,7 @@ def build_tokenizer(vocab_size: int):
 def build_hf_model(variant: str, seed: int = 0):
     import transformers
 
-    cls_name, kwargs = {**VARIANTS, **HYBRID_VARIANTS}[variant]
+    cls_name, kwargs = {**VARIANTS, **HYBRID_VARIANTS, **DSA_VARIANTS}[variant]
     config = getattr(transformers, cls_name)(**kwargs)
     if cls_name in WRAPPER_MODELS:
         config._attn_implementation = "eager"

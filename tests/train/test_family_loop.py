@@ -94,3 +94,35 @@ def test_the_loop_runs_the_gated_deltanet_hybrid_with_the_engine_in_step(tmp_pat
     assert any(".linear_attn.in_proj_qkv." in n for n in names) and any("shared_expert_gate" in n for n in names)
     steps = _every_step_synced(run, names)
     assert all(s["padding_frac"] == 0.0 for s in steps), "packed rows of whole samples"
+
+
+@pytest.mark.megatron  # trains the Megatron policy through the CLI, or is refused it (megatron-core 0.16.1)
+def test_the_loop_runs_glm5_sparse_attention_with_the_engine_in_step(tmp_path):
+    """``model.tiny.family=glm_moe_dsa``: GLM-5's DeepSeek sparse attention (MLA plus an indexer keeping 8 keys per
+    query, fewer than a prompt and its answer) with the local engine. On megatron-core 0.19.2 three GSPO steps run and
+    the engine's log-probs of every step's samples equal the trainer's, so each sync carried every tensor the indexer
+    chooses with (it is frozen: the weight sync still sends it). On 0.16.1 the command refuses it by name before the
+    warm start."""
+    from gspo_megatron.model.dsa import megatron_has_dsa
+
+    run = tmp_path / "run"
+    command = [sys.executable, "-m", "gspo_megatron.cli", "train", str(ROOT / "examples/tiny_moe_cpu.yaml"),
+               "model.tiny.family=glm_moe_dsa", "model.tiny.num_experts=8", "rollout.engine=local",
+               f"train.steps={STEPS}", "train.eval_every=0", "model.warm_start_steps=2",
+               f"model.hf_dir={tmp_path / 'model'}", f"logging.dir={run}", f"checkpoint.dir={run / 'ck'}",
+               "logging.plot_every=0", "rollout.prompts_per_step=4", "parallel.micro_batch_size=8",
+               "data.reward_workers=0", "optimizer.lr=3e-3"]
+    out = warm_cli.run(command, capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, WORLD_SIZE="1"),
+                       timeout=600)
+    if not megatron_has_dsa():
+        assert out.returncode != 0 and "model_type=glm_moe_dsa needs DeepSeek sparse attention" in out.stderr, \
+            out.stderr[-3000:]
+        assert not (run / "metrics.jsonl").exists()
+        return
+    assert out.returncode == 0, out.stderr[-3000:]
+    config = json.loads((tmp_path / "model" / "config.json").read_text())
+    assert config["model_type"] == "glm_moe_dsa" and config["index_topk"] == 8
+    with safe_open(tmp_path / "model" / "model.safetensors", "pt") as f:
+        names = list(f.keys())
+    assert sum(".self_attn.indexer." in n for n in names) == 2 * 5
+    _every_step_synced(run, names)

@@ -6,6 +6,7 @@ import math
 
 from gspo_megatron.algo import AGGREGATIONS, KL_ESTIMATORS
 from gspo_megatron.environment import transformer_engine_available
+from gspo_megatron.model.hf_config import FAMILIES
 from gspo_megatron.parallel.groups import Layout
 from gspo_megatron.train.startup.config import Config, ConfigError, correction, unknown_names
 from gspo_megatron.algo.defaults import ALGORITHMS
@@ -100,6 +101,18 @@ def validate_model(cfg: Config, hf: dict) -> None:
         from gspo_megatron.model.mla import down_proj_fusion_problem
 
         problem = down_proj_fusion_problem(read_hf_config(hf))
+        if problem:
+            raise ConfigError(problem)
+
+
+def validate_megatron(hf: dict | None) -> None:
+    """What the installed megatron-core must build for this model (``train``, not ``plan``: a plan is for the cluster's
+    megatron-core): GLM-5 / DeepSeek-V3.2's sparse attention needs 0.19.2's."""
+    if hf is not None and getattr(FAMILIES.get(hf.get("model_type")), "dsa", False):
+        from gspo_megatron.model.dsa import megatron_problem
+        from gspo_megatron.model.hf_config import read_hf_config
+
+        problem = megatron_problem(read_hf_config(hf))
         if problem:
             raise ConfigError(problem)
 
