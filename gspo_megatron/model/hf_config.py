@@ -327,7 +327,14 @@ def serving_config(config: dict) -> dict:
     wrapper = _wrapper(config)
     if wrapper:
         return {**config, wrapper[0]: serving_config(text_config(config))}
-    return {**family_of(config).serving_fields, **config}
+    out = {**family_of(config).serving_fields, **config}
+    # SGLang's own Qwen3NextConfig places its layers by full_attention_interval alone (the releases have it);
+    # transformers 5.19 saves layer_types instead, which SGLang cannot build from.
+    if out.get("model_type") == "qwen3_next" and "full_attention_interval" not in out:
+        full = [i for i, t in enumerate(out.get("layer_types") or []) if t == "full_attention"]
+        if full and full == list(range(full[0], len(out["layer_types"]), full[0] + 1)):
+            out["full_attention_interval"] = full[0] + 1
+    return out
 
 
 def _check_requires(config: dict, family: Family) -> None:

@@ -24,7 +24,7 @@ import torch
 
 from gspo_megatron.model import mapping
 from gspo_megatron.model.errors import UnsupportedModel
-from gspo_megatron.model.hf_config import read_hf_config
+from gspo_megatron.model.hf_config import read_hf_config, serving_config
 from gspo_megatron.model.hf_files import SafetensorsDir
 from gspo_megatron.model.layout_check import LayoutError, check_layout
 from gspo_megatron.parallel.groups import Layout
@@ -102,6 +102,11 @@ def test_qwen3_next_reads_as_a_causal_lm_with_per_head_in_proj(hybrid_models):
     from gspo_megatron.model import sharding
 
     spec = read_hf_config(hybrid_models[NEXT])
+    config = json.loads((hybrid_models[NEXT] / "config.json").read_text())
+    assert "full_attention_interval" not in config  # transformers saves layer_types; SGLang's config reads the interval
+    assert serving_config(config)["full_attention_interval"] == 4
+    irregular = {**config, "layer_types": ["linear_attention", "full_attention", "linear_attention", "linear_attention"]}
+    assert "full_attention_interval" not in serving_config(irregular)
     assert spec.family == NEXT and not spec.text_model_prefix and spec.linear_attention_layers == (True,) * 3 + (False,)
     with pytest.raises(LayoutError, match="linear_num_key_heads=2 .*tensor_model_parallel_size=4"):
         check_layout(spec, Layout(tensor=4, sequence_parallel=True))
@@ -191,6 +196,7 @@ def test_conversion_round_trip_is_bitwise_with_vision_and_mtp_carried(variant, h
     assert not differ, differ
     config = json.loads((work / "hf_back" / variant / "config.json").read_text())
     assert config["model_type"] == variant and ("vision_config" in config) == (variant != NEXT)
+    assert (config.get("full_attention_interval") == 4) == (variant == NEXT)  # what SGLang's Qwen3NextConfig reads
 
 
 @pytest.mark.megatron  # checks the Megatron model's results
