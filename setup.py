@@ -38,6 +38,9 @@ setup(
             "transformer-engine[pytorch]>=2.9,<2.12; python_version < '3.12'",
             "transformer-engine[pytorch]>=2.9,<2.15; python_version >= '3.12'",
             "triton",
+            # the gated-DeltaNet hybrids' kernels (megatron's GatedDeltaNet imports fla on CUDA; the CPU uses
+            # ops.gated_delta_rule through patches/megatron_gated_deltanet.py)
+            "flash-linear-attention>=0.6.0,<0.7",
         ],
         # On GPUs: the normal install. On CPU use tools/install.sh (sglang --no-deps + patches/sglang_cpu).
         "sglang": ["sglang==0.5.23", "sglang-router==0.3.2"],

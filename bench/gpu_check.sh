@@ -3,7 +3,7 @@
 # transformers 5.17; no megatron-core, TransformerEngine or SGLang; no network). At most GPU_CHECK_BUDGET_S (350 s)
 # of command time, wheel installation included; the machine's own start is not counted.
 #
-# Here first:   bash bench/gpu_wheels.sh        (megatron-core 0.19.2's wheel into .whl/, sizes and total checked)
+# Here first:   bash bench/gpu_wheels.sh        (megatron-core 0.19.2's and fla's wheels into .whl/, sizes checked)
 # Then there:   bash bench/gpu_check.sh         (device tool: carry [".whl"], timeout_s 420)
 #
 # One line per check at the end, also in $OUT/summary.txt (tests/gpu/summary.py); beside it in $OUT: env.txt,
@@ -18,6 +18,9 @@
 #                                  step, `score` against transformers, packed rows against padded, the trainer for
 #                                  two steps on NCCL with the local engine (TE's grouped GEMM and fusions: skipped
 #                                  without TransformerEngine)
+#   tests/gpu/test_gpu_deltanet.py a tiny Qwen3.5-MoE (gated-DeltaNet hybrid) with megatron's GatedDeltaNet on fla's
+#                                  Triton kernels: fp32 log-prob pass and clipped step equal the CPU's torch rule's,
+#                                  a bf16 step finite and close (skipped without fla's carried wheels)
 #   tests/gpu/test_logprob_kernel.py  the log-prob op's Triton backend in bf16 against float64
 #   tests/gpu/test_colocate_ipc.py colocation's trainer side: the bucketed export's CUDA IPC handles opened by a
 #                                  second process, the optimizer state offloaded and regained (memory_reserved)

@@ -168,8 +168,8 @@ def load_policy(model_dir: str | Path, layout, dtype=None):
                                 padded_vocab_size=info.padded_vocab_size)
         checkpoint.load_weights(model, model_dir)
         return model, info.spec, info.padded_vocab_size
-    spec = read_hf_config(model_dir)
     source = open_hf_dir(model_dir)  # FP8 block-scaled weights dequantized on read
+    spec = read_hf_config(model_dir).named_as(source.shapes())
     bridge = Bridge(spec)
     dtype = dtype or model_dtype({n: d for n, d in source.dtypes().items() if not is_ignored(n)})
     model = build_gpt_model(spec, layout, dtype=dtype, padded_vocab_size=bridge.padded_vocab_size)

@@ -32,6 +32,8 @@ def plan(capsys, tmp_path, monkeypatch):
     ("examples/glm_4_5_355b/train.yaml", 16, "352.80B parameters (33.63B active)"),
     ("examples/deepseek_v3_671b/train.yaml", 32, "671.03B parameters (37.55B active)"),
     ("examples/glm_5_744b/train.yaml", 32, "743.91B parameters (41.78B active)"),  # slime's 256 H100
+    ("examples/qwen3_5_35b_a3b/train.yaml", 2, "34.66B parameters (3.45B active)"),
+    ("examples/qwen3_5_397b_a17b/train.yaml", 16, "396.35B parameters (17.35B active)"),
 ])
 def test_cluster_examples_fit(plan, config, nodes, params):
     code, out, err = plan(config, "--nodes", str(nodes), "--gpus-per-node", "8")
@@ -112,3 +114,19 @@ def test_rollout_at_scale_tables_match_the_readme(capsys):
     rows = [line for line in out.splitlines() if line.startswith("| `")]
     assert len(rows) == 2 and all(row in readme for row in rows), out
     assert "| bf16, 256 MiB buckets | 1342 | 5000 | 29.8 s | 15.0 s | 0.9-2.3 s | **45.7-47.1 s** |" in out
+
+
+def test_qwen3_5_sizes_one_node_and_recompute(plan):
+    """Qwen3.5-35B-A3B does not fit one H100 node (the experts' weights, fp32 gradients and Adam state are 18 B x 32.2B
+    over 8 GPUs) and the refusal names 2 nodes; one H200 node fits. Qwen3.5-397B-A17B on 16 nodes needs every layer
+    recomputed: recomputing only the MoE layers keeps the DeltaNet and attention activations of 4 micro batches."""
+    code, out, err = plan("examples/qwen3_5_35b_a3b/train.yaml", "--nodes", "1", "--gpus-per-node", "8",
+                          "parallel.expert=8")
+    assert code == 1 and "DOES NOT FIT" in out and "--nodes 2" in err, out + err
+    code, out, err = plan("examples/qwen3_5_35b_a3b/train.yaml", "--nodes", "1", "--gpus-per-node", "8",
+                          "--gpu-memory-gib", "139", "parallel.expert=8")
+    assert code == 0 and ": fits" in out, out + err
+    assert "gated DeltaNet" in out and "10 full-attention layers" in out and "DeltaNet     61.4 MiB" in out, out
+    code, out, err = plan("examples/qwen3_5_397b_a17b/train.yaml", "--nodes", "16", "--gpus-per-node", "8",
+                          "recompute.granularity=selective")
+    assert code == 1 and "recompute.granularity=full" in err, out + err

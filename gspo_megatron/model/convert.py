@@ -29,6 +29,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -83,8 +84,8 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, layout: Layout = Layout(
     """Convert an HF directory into a Megatron checkpoint at ``out`` (see the module docstring)."""
     started = time.perf_counter()
     hf_dir, out = Path(hf_dir), Path(out).absolute()
-    spec = read_hf_config(hf_dir)
     source = hf_files.open_hf_dir(hf_dir)  # FP8 block-scaled weights dequantized on read (model.fp8)
+    spec = read_hf_config(hf_dir).named_as(source.shapes())
     bridge = Bridge(spec)
     bridge.check_hf_tensors(source.shapes())
     mtp = [n for n in source.shapes() if is_carried(spec, n)]  # MTP layers, a vision tower
@@ -136,7 +137,9 @@ def megatron_to_hf(megatron_dir: str | Path, out: str | Path, hf_config_dir: str
     megatron_dir, out = checkpoint.resolve(megatron_dir), Path(out).absolute()  # a step dir, latest, checkpoint.dir
     info = checkpoint.read_info(megatron_dir)
     config_dir = Path(hf_config_dir) if hf_config_dir else megatron_dir / checkpoint.HF_DIR
-    spec = read_hf_config(config_dir)
+    # Where the text model's tensors sit (hf_config.RESAVED_UNDER) is the checkpoint's: config_dir holds no tensors
+    # to tell.
+    spec = replace(read_hf_config(config_dir), text_model_prefix=info.spec.text_model_prefix)
     differences = spec_differences(spec, info.spec)
     if differences:
         raise MappingError(f"{config_dir / 'config.json'} describes a different model than the checkpoint "

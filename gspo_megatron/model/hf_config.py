@@ -17,7 +17,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from .errors import UnsupportedModel
 from .dsa import dsa_fields
@@ -125,6 +125,12 @@ WRAPPERS = {"kimi_k25": ("text_config", "language_model.")}
 # layers at mtp.*): the causal LM's ``model.`` becomes this prefix; everything else keeps its name.
 TEXT_MODEL_WRAPPERS = {"qwen3_5": ("text_config", "model.language_model."),
                        "qwen3_5_moe": ("text_config", "model.language_model.")}
+# Text models that transformers may save under their wrapper's prefix: loading Qwen3.5's release as
+# Qwen3_5(Moe)ForCausalLM renames model.language_model.* to model.* (its conversion_mapping's PrefixChange), and
+# save_pretrained reverses the rename, so a fine-tuned re-save holds model.language_model.* beside lm_head.*; a model
+# built fresh saves model.*. transformers and SGLang load both: the checkpoint's tensor names say which
+# (ModelSpec.named_as).
+RESAVED_UNDER = {"qwen3_5_text": "model.language_model.", "qwen3_5_moe_text": "model.language_model."}
 
 # Llama-3.1 style frequency scaling as megatron-core implements it (its constants are fixed).
 _LLAMA3_ROPE_CONSTANTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -234,6 +240,14 @@ class ModelSpec:
             return not name.startswith((self.text_model_prefix, "lm_head."))
         return bool(self.weights_prefix) and not name.startswith(self.weights_prefix)
 
+    def named_as(self, tensor_names: Iterable[str]) -> "ModelSpec":
+        """This spec with its text model's tensors where a checkpoint holding ``tensor_names`` keeps them (its config
+        alone cannot say: ``RESAVED_UNDER``)."""
+        prefix = RESAVED_UNDER.get(self.family) if not self.text_model_prefix else None
+        if prefix and any(name.startswith(prefix) for name in tensor_names):
+            return replace(self, text_model_prefix=prefix)
+        return self
+
     def padded_vocab_size(self, multiple: int = VOCAB_MULTIPLE) -> int:
         return int(math.ceil(self.vocab_size / multiple) * multiple)
 
@@ -337,7 +351,14 @@ def serving_config(config: dict) -> dict:
     wrapper = _wrapper(config)
     if wrapper:
         return {**config, wrapper[0]: serving_config(text_config(config))}
-    return {**family_of(config).serving_fields, **config}
+    out = {**family_of(config).serving_fields, **config}
+    # SGLang's own Qwen3NextConfig places its layers by full_attention_interval alone (the releases have it);
+    # transformers 5.19 saves layer_types instead, which SGLang cannot build from.
+    if out.get("model_type") == "qwen3_next" and "full_attention_interval" not in out:
+        full = [i for i, t in enumerate(out.get("layer_types") or []) if t == "full_attention"]
+        if full and full == list(range(full[0], len(out["layer_types"]), full[0] + 1)):
+            out["full_attention_interval"] = full[0] + 1
+    return out
 
 
 def _check_requires(config: dict, family: Family) -> None:

@@ -98,6 +98,16 @@ class SafetensorsDir(TensorSource):
         return sum(_numel(s) * _itemsize(self._dtypes[n]) for n, s in self._shapes.items())
 
 
+def tensor_names(directory: str | Path) -> list[str]:
+    """The tensor names of an HF directory's safetensors files, from the index or the headers; none where it holds
+    no weights (a Megatron checkpoint's copy of the config)."""
+    directory = Path(directory)
+    index = directory / INDEX_FILE
+    if index.is_file():
+        return list(json.loads(index.read_text())["weight_map"])
+    return list(SafetensorsDir(directory).shapes()) if any(directory.glob("*.safetensors")) else []
+
+
 def open_hf_dir(directory: str | Path) -> TensorSource:
     """An HF directory's tensors as the model uses them: block-scaled FP8 weights (``fp8``) and gpt-oss's MXFP4
     experts (``gpt_oss``) dequantized on read."""

@@ -25,7 +25,8 @@ ACTIVATION_GROUPS = {
     "shared experts": ("mlp.shared_experts",),
     "dense MLPs": ("mlp.mlp",),
     "attention": ("qkv", "qk_norm", "q_k_rotated", "q_k_v_bmm", "softmax", "causal_mask", "context", "rope_tables",
-                  "mla_latents"),
+                  "mla_latents", "output_gate"),
+    "gated DeltaNet": ("in_proj", "conv", "qk_l2norm", "decay_beta", "chunk_A", "core_out", "gated_norm"),
     "norms": ("input_norm", "mlp.pre_mlp_norm", "final_norm"),
     "recomputed layers' inputs": ("recompute_inputs",),
 }
@@ -190,8 +191,9 @@ def server_lines(spec, cfg: Config) -> list[str]:
     """The rollout servers' side (``train.plan_servers``): the KV cache per token, the weight sync's time and, with
     FP8 rollouts (``rollout.fp8``), the servers' weights in FP8 against bf16 (``ServerLayout.weight_bytes``)."""
     from gspo_megatron.rollout.config import WeightSyncConfig
-    from gspo_megatron.plan.servers import (ServerLayout, fp8_bytes_per_parameter, kv_cache_bytes_per_token,
-                                            model_sync_estimate, server_weights_per_gpu)
+    from gspo_megatron.plan.servers import (ServerLayout, attention_layers, deltanet_state_bytes_per_sequence,
+                                            fp8_bytes_per_parameter, kv_cache_bytes_per_token, model_sync_estimate,
+                                            server_weights_per_gpu)
 
     per_token = kv_cache_bytes_per_token(spec)
     if spec.attention == "mla":
@@ -199,12 +201,20 @@ def server_lines(spec, cfg: Config) -> list[str]:
                f"{spec.num_layers} layers x 2 B, on every attention-TP GPU")
     else:
         per_gpu = kv_cache_bytes_per_token(spec, attention_tp=spec.num_key_value_heads)
-        how = (f"{spec.num_layers} layers x (K, V) x {spec.num_key_value_heads} KV heads x {spec.head_dim} x 2 B, "
+        layers = attention_layers(spec)
+        kind = "full-attention layers" if layers < spec.num_layers else "layers"
+        how = (f"{layers} {kind} x (K, V) x {spec.num_key_value_heads} KV heads x {spec.head_dim} x 2 B, "
                f"heads split over attention-TP: {per_gpu / 1024:.1f} KiB per GPU from attention-TP "
                f"{spec.num_key_value_heads} on")
     bucket = WeightSyncConfig.bucket_bytes
     lines = ["rollout servers (SGLang 0.5.23; estimates, train.plan_servers):",
              f"  KV cache     {per_token / 1024:.1f} KiB per token in bf16 ({how})"]
+    if spec.linear_attention_layers:
+        state = deltanet_state_bytes_per_sequence(spec)
+        lines.append(f"  DeltaNet     {state / 2**20:.1f} MiB of state per running sequence, whatever its length "
+                     f"({spec.num_layers - layers} layers x {spec.linear_num_value_heads} value heads x "
+                     f"{spec.linear_key_head_dim} x {spec.linear_value_head_dim} fp32, and the conv's last "
+                     f"{spec.linear_conv_kernel_dim - 1} inputs in bf16; split over attention-TP)")
     bytes_per_parameter, dtype = 2, "bf16"
     if cfg.rollout.fp8:
         from gspo_megatron.model.fp8 import Fp8Scheme

@@ -23,6 +23,10 @@ activations  what autograd keeps for backward per micro batch (``layer_activatio
              Multi-latent attention (``mla_activations``): the normed q / kv latents, the rope key, and q, k, v at
              heads x (qk_nope + qk_rope) / v_head_dim; shared experts a dense MLP on every token; dense first layers
              (first_k_dense_replace) a dense MLP on the stages that hold them.
+             Gated-DeltaNet layers (Qwen3.5, Qwen3-Next: ``deltanet_activations``) keep fla's tensors instead of
+             attention's: in_proj's output, the convolved q / k / v, the l2-normed q and k, the decay and beta per
+             value head, fla's per-chunk A matrix, the core output and the gated norm's output; their gated full-
+             attention layers keep q's output gate as well.
 working      the largest transient on top of them, at the point of the step where it occurs: the attention
              core's forward, an MLP or attention block's backward (re-creating what recompute dropped), a
              recomputed chunk's backward, or the fused loss op (last stage). See ``_stage_activations``.
@@ -154,9 +158,17 @@ def mla_activations(spec: ModelSpec, m: Micro, impl: str, recompute: frozenset) 
 
 
 def attention_activations(spec: ModelSpec, m: Micro, impl: str, recompute: frozenset) -> dict[str, float]:
-    """Bytes one attention block keeps for backward, per micro batch, by tensor."""
+    """Bytes one attention block keeps for backward, per micro batch, by tensor. An output gate (Qwen3.5's gated
+    attention) keeps its half of q_proj's output and the gated context beside the context."""
     if spec.attention == "mla":
         return mla_activations(spec, m, impl, recompute)
+    out = _gqa_activations(spec, m, impl, recompute)
+    if spec.attention_output_gate:
+        out["output_gate"] = 2 * m.tokens / m.tp * m.a * spec.num_attention_heads * spec.head_dim
+    return out
+
+
+def _gqa_activations(spec: ModelSpec, m: Micro, impl: str, recompute: frozenset) -> dict[str, float]:
     d, t = spec.head_dim, m.tp
     q, kv = spec.num_attention_heads * d, spec.num_key_value_heads * d
     heads = spec.num_attention_heads / t
@@ -195,6 +207,56 @@ def attention_activations(spec: ModelSpec, m: Micro, impl: str, recompute: froze
     return out
 
 
+CHUNK = 64  # fla's chunk of the gated delta rule: one recurrent state per 64 tokens in its forward and backward
+
+
+def _deltanet_widths(spec: ModelSpec) -> tuple[int, int, int]:
+    """(q or k width, v width, value heads) of a gated-DeltaNet layer, all heads."""
+    return (spec.linear_num_key_heads * spec.linear_key_head_dim,
+            spec.linear_num_value_heads * spec.linear_value_head_dim, spec.linear_num_value_heads)
+
+
+def deltanet_activations(spec: ModelSpec, m: Micro, impl: str, recompute: frozenset) -> dict[str, float]:
+    """Bytes one gated-DeltaNet block (megatron's GatedDeltaNet on fla's kernels) keeps for backward, per micro batch.
+
+    Heads split over TP ([N, width / t] per rank): in_proj's output [q; k; v; z; b; a] (z is the output gate, b and
+    a feed beta and the decay), the causal conv's output over q, k, v (after SiLU), the l2-normed q and k, the decay
+    g (fp32) and beta per value head, fla's per-chunk A = (I + tril(beta k k^T))^-1 ([N, heads, 64]), the core's
+    output and the gated norm's output (out_proj's input) with its rstd. The local spec runs ops/gated_delta_rule's
+    torch rule instead: counted the same (not measured)."""
+    qk, v, heads = _deltanet_widths(spec)
+    n, a = m.tokens / m.tp, m.a
+    out: dict[str, float] = {"input_norm": _norm(m, spec.hidden_size, impl)}
+    out["in_proj"] = n * a * (2 * qk + 2 * v + 2 * heads)
+    out["conv"] = n * a * (2 * qk + v)
+    out["qk_l2norm"] = n * (a * 2 * qk + 4 * 2 * spec.linear_num_key_heads)
+    out["decay_beta"] = n * heads * (2 * 4 + a)  # softplus(a + dt_bias) and g in fp32, sigmoid(b)
+    out["chunk_A"] = n * heads * CHUNK * a
+    out["core_out"] = n * a * v
+    out["gated_norm"] = n * (a * v + 4 * heads)  # its output, the out-projection's input, and rstd
+    return out
+
+
+def deltanet_transients(spec: ModelSpec, m: Micro) -> tuple[float, float]:
+    """(forward, backward) peak bytes inside the gated delta rule beyond the block's saved tensors: the recurrent
+    state at every chunk boundary, [N / 64, heads / t, dk, dv] in the activations' dtype (fla keeps h per chunk for
+    the output; backward recomputes it beside its gradient dh), with the WY factors w and u ([N, heads / t, dk + dv])
+    forward and the q, k, v, g, beta gradients backward."""
+    qk, v, heads = _deltanet_widths(spec)
+    n, a = m.tokens / m.tp, m.a
+    states = m.tokens / CHUNK * heads / m.tp * spec.linear_key_head_dim * spec.linear_value_head_dim * a
+    wy = n * a * heads * (spec.linear_key_head_dim + spec.linear_value_head_dim)
+    grads = n * (a * (2 * qk + v + heads) + 4 * heads)
+    return states + wy, 2 * states + wy + grads
+
+
+def mixer_activations(spec: ModelSpec, m: Micro, impl: str, recompute: frozenset, linear: bool) -> dict[str, float]:
+    """A layer's token mixer: a gated-DeltaNet block where ``linear``, else the attention block."""
+    if linear:
+        return deltanet_activations(spec, m, impl, recompute)
+    return attention_activations(spec, m, impl, recompute)
+
+
 def mlp_activations(spec: ModelSpec, m: Micro, impl: str, recompute: frozenset, moe: bool) -> dict[str, float]:
     """Bytes one MLP block (dense or routed experts) keeps for backward, per micro batch, by tensor."""
     out: dict[str, float] = {"pre_mlp_norm": _norm(m, spec.hidden_size, impl)}
@@ -220,9 +282,11 @@ def mlp_activations(spec: ModelSpec, m: Micro, impl: str, recompute: frozenset, 
     return out
 
 
-def layer_activations(spec: ModelSpec, m: Micro, impl: str, recompute: frozenset, moe: bool) -> dict[str, float]:
-    """One transformer layer's saved tensors (bytes per micro batch) under selective ``recompute`` modules."""
-    return {**attention_activations(spec, m, impl, recompute),
+def layer_activations(spec: ModelSpec, m: Micro, impl: str, recompute: frozenset, moe: bool,
+                      linear: bool = False) -> dict[str, float]:
+    """One transformer layer's saved tensors (bytes per micro batch) under selective ``recompute`` modules; ``linear``:
+    its mixer is a gated-DeltaNet block."""
+    return {**mixer_activations(spec, m, impl, recompute, linear),
             **{f"mlp.{k}": v for k, v in mlp_activations(spec, m, impl, recompute, moe).items()}}
 
 
@@ -378,10 +442,32 @@ def _attention_parameters(spec: ModelSpec) -> tuple[int, int]:
     return split, norms + (2 * d if spec.qk_norm else 0) + (h if spec.linear_bias else 0)  # o_proj's bias
 
 
+def _linear_attention_parameters(spec: ModelSpec) -> tuple[int, int]:
+    """(split over TP, replicated) parameters of one gated-DeltaNet layer and its two norms: in_proj's q, k, v, z, b, a
+    rows, the depthwise conv over q, k, v (no bias), A_log and dt_bias per value head and out_proj split; the gated
+    norm (one value head wide) replicated."""
+    h = spec.hidden_size
+    qk, v, heads = _deltanet_widths(spec)
+    conv = 2 * qk + v
+    split = h * (conv + v + 2 * heads) + conv * spec.linear_conv_kernel_dim + 2 * heads + v * h
+    return split, 2 * h + spec.linear_value_head_dim
+
+
+def _mixer_parameters(spec: ModelSpec, layer: int) -> tuple[int, int]:
+    """(split over TP, replicated) parameters of a layer's token mixer and its two norms."""
+    if spec.is_linear_attention_layer(layer):
+        return _linear_attention_parameters(spec)
+    split, replicated = _attention_parameters(spec)
+    if spec.attention_output_gate:  # q_proj also emits the gate: heads x d more rows
+        split += spec.hidden_size * spec.num_attention_heads * spec.head_dim
+    return split, replicated
+
+
 def _moe_replicated(spec: ModelSpec) -> int:
-    """The router (and the sigmoid router's expert bias, or its linear's bias) of one MoE layer."""
+    """The router (and the sigmoid router's expert bias, or its linear's bias, or the shared expert's gate) of one
+    MoE layer."""
     return spec.num_experts * spec.hidden_size + (spec.num_experts if spec.moe_router == "sigmoid" else 0) \
-        + (spec.num_experts if spec.linear_bias else 0)
+        + (spec.num_experts if spec.linear_bias else 0) + (spec.hidden_size if spec.moe_shared_expert_gate else 0)
 
 
 def _expert_parameters(spec: ModelSpec) -> int:
@@ -393,9 +479,10 @@ def _expert_parameters(spec: ModelSpec) -> int:
 def model_parameters(spec: ModelSpec) -> tuple[int, int]:
     """(total, active per token) parameters of the model, unpadded vocabulary (MTP layers not counted: never built)."""
     h = spec.hidden_size
-    attention = sum(_attention_parameters(spec))
-    total = active = spec.num_layers * attention + spec.vocab_size * h * (1 if spec.tie_embeddings else 2) + h
+    total = active = spec.vocab_size * h * (1 if spec.tie_embeddings else 2) + h
     for layer in range(spec.num_layers):
+        total += sum(_mixer_parameters(spec, layer))
+        active += sum(_mixer_parameters(spec, layer))
         if spec.is_moe_layer(layer):
             expert, shared = _expert_parameters(spec), 3 * h * spec.moe_shared_ffn_hidden_size
             total += spec.num_experts * expert + shared + _moe_replicated(spec)
@@ -420,10 +507,10 @@ def parameter_counts(spec: ModelSpec, cfg: Config, stage: int) -> tuple[float, f
     layers = stage_layers(spec, cfg, stage)
     vocab = spec.padded_vocab_size()
     split = replicated = experts = 0.0
-    attention_split, attention_replicated = _attention_parameters(spec)
     for layer in layers:
-        split += attention_split
-        replicated += attention_replicated
+        mixer_split, mixer_replicated = _mixer_parameters(spec, layer)
+        split += mixer_split
+        replicated += mixer_replicated
         if spec.is_moe_layer(layer):
             replicated += _moe_replicated(spec)
             split += 3 * h * spec.moe_shared_ffn_hidden_size  # shared experts: split over TP like a dense MLP
@@ -474,32 +561,43 @@ def _stage_activations(spec: ModelSpec, cfg: Config, m: Micro, stage: int, impl:
     layers = list(stage_layers(spec, cfg, stage))
     selective = frozenset(r.modules) if r.granularity == "selective" else frozenset()
     input_bytes = m.tokens / m.sp * m.a * spec.hidden_size  # a layer's input (and its output gradient)
-    attn_fwd, attn_bwd = attention_transients(spec, m, impl)
+    transients = {False: attention_transients(spec, m, impl)}  # (forward, backward) of the mixer's core
+    if spec.linear_attention_layers:
+        transients[True] = deltanet_transients(spec, m)
     terms: dict[str, float] = {}
 
     def add(layer_terms: dict[str, float]) -> None:
         for name, value in layer_terms.items():
             terms[name] = terms.get(name, 0.0) + value
 
-    kinds = sorted({spec.is_moe_layer(i) for i in layers})
+    def kind(layer: int) -> tuple[bool, bool]:
+        """(MoE, gated-DeltaNet): what a layer's saved tensors depend on."""
+        return spec.is_moe_layer(layer), spec.is_linear_attention_layer(layer)
+
+    kinds = sorted({kind(i) for i in layers})
     last_stage = stage == cfg.parallel.pipeline - 1
     last_norm = _norm(m, spec.hidden_size, impl) if last_stage else 0.0
-    full = {moe: layer_activations(spec, m, impl, frozenset(), moe) for moe in kinds}
+    full = {k: layer_activations(spec, m, impl, frozenset(), *k) for k in kinds}
 
-    def layer_peaks(kept: dict[str, float], moe: bool) -> list[tuple[float, str]]:
+    def layer_peaks(kept: dict[str, float], k: tuple[bool, bool]) -> list[tuple[float, str]]:
         """Peaks while the stage's last layer runs, above everything saved (``kept`` being its own tensors):
         the attention core's forward (its own and later tensors not there yet), an MLP block's backward
         (re-creating what recompute dropped), an attention block's backward (the MLP block's tensors freed, the
-        [s, s] softmax part of the core's peak). The final norm's tensors exist in none of them."""
+        [s, s] softmax part of the core's peak). The final norm's tensors exist in none of them. A gated-DeltaNet
+        layer's core is the delta rule (its recurrent states)."""
+        moe, linear = k
+        core_fwd, core_bwd = transients[linear]
         kept_attn, kept_mlp = _split(kept)
-        full_attn, full_mlp = _split(full[moe])
-        after_core = sum(kept.get(k, 0.0) for k in ("softmax", "causal_mask", "context"))
-        remat_attn = (full_attn - full[moe].get("softmax", 0.0)) - (kept_attn - kept.get("softmax", 0.0))
+        full_attn, full_mlp = _split(full[k])
+        after_core = sum(kept.get(name, 0.0) for name in ("softmax", "causal_mask", "context", "core_out",
+                                                          "gated_norm"))
+        remat_attn = (full_attn - full[k].get("softmax", 0.0)) - (kept_attn - kept.get("softmax", 0.0))
+        core = "the delta rule's" if linear else "the attention core's"
         return [
-            (attn_fwd - kept_mlp - after_core - last_norm, "the attention core's forward"),
+            (core_fwd - kept_mlp - after_core - last_norm, f"{core} forward"),
             (full_mlp - kept_mlp + mlp_gradients(spec, m, moe) - last_norm, "an MLP block's backward"),
-            (remat_attn + attn_bwd - kept.get("softmax", 0.0) - kept_mlp - last_norm,
-             "an attention block's backward"),
+            (remat_attn + core_bwd - kept.get("softmax", 0.0) - kept_mlp - last_norm,
+             "a gated-DeltaNet block's backward" if linear else "an attention block's backward"),
         ]
 
     candidates: list[tuple[float, str]] = []
@@ -511,24 +609,25 @@ def _stage_activations(spec: ModelSpec, cfg: Config, m: Micro, stage: int, impl:
         group = r.num_layers if r.method == "uniform" else 1
         terms["recompute_inputs"] = math.ceil(len(recomputed) / group) * input_bytes
         for i in layers[len(recomputed):]:
-            add(full[spec.is_moe_layer(i)])
-            candidates += layer_peaks(full[spec.is_moe_layer(i)], spec.is_moe_layer(i))
-        kept_after = sum(sum(full[spec.is_moe_layer(i)].values()) for i in layers[len(recomputed):])
+            add(full[kind(i)])
+            candidates += layer_peaks(full[kind(i)], kind(i))
+        kept_after = sum(sum(full[kind(i)].values()) for i in layers[len(recomputed):])
         for j in range(0, len(recomputed), group):
             chunk = recomputed[j:j + group]
-            redo = sum(sum(full[spec.is_moe_layer(i)].values()) for i in chunk)
+            redo = sum(sum(full[kind(i)].values()) for i in chunk)
             # Layers after the chunk went backward before it: their tensors (or chunk inputs) are freed.
             freed = kept_after + (len(recomputed) - j - len(chunk)) // group * input_bytes
-            last = spec.is_moe_layer(chunk[-1])
+            last = kind(chunk[-1])
             candidates += [(redo - freed + value, "a recomputed chunk's backward")
                            for value, _ in layer_peaks(full[last], last)]
         # A recomputed chunk's first forward keeps nothing but transients; the whole layers after it do not exist yet.
-        candidates.append((attn_fwd - kept_after - last_norm, "the attention core's forward"))
+        candidates += [(transients[linear][0] - kept_after - last_norm, "the attention core's forward")
+                       for _, linear in kinds]
     else:
         for i in layers:
-            add(layer_activations(spec, m, impl, selective, spec.is_moe_layer(i)))
-        for moe in kinds:
-            candidates += layer_peaks(layer_activations(spec, m, impl, selective, moe), moe)
+            add(layer_activations(spec, m, impl, selective, *kind(i)))
+        for k in kinds:
+            candidates += layer_peaks(layer_activations(spec, m, impl, selective, *k), k)
     if last_stage:
         terms["final_norm"] = last_norm
         loss = fused_loss_buffers(spec, m, spec.padded_vocab_size(), cfg.algo.entropy_coef > 0)

@@ -23,12 +23,31 @@ from gspo_megatron.model.hf_config import ModelSpec
 from gspo_megatron.plan.memory import GIB, _attention_parameters, model_parameters
 
 
+def attention_layers(spec: ModelSpec) -> int:
+    """Layers that cache keys and values: all but a hybrid's gated-DeltaNet layers."""
+    return spec.num_layers - sum(spec.linear_attention_layers)
+
+
 def kv_cache_bytes_per_token(spec: ModelSpec, attention_tp: int = 1, kv_bytes: int = 2) -> int:
     """Bytes one token's KV cache takes on each GPU of an attention-TP group (``kv_bytes``: 2 bf16, 1 fp8)."""
     if spec.attention == "mla":
         return spec.num_layers * (spec.kv_lora_rank + spec.qk_rope_head_dim) * kv_bytes
     heads = max(1, spec.num_key_value_heads // attention_tp)
-    return spec.num_layers * 2 * heads * spec.head_dim * kv_bytes
+    return attention_layers(spec) * 2 * heads * spec.head_dim * kv_bytes
+
+
+def deltanet_state_bytes_per_sequence(spec: ModelSpec, attention_tp: int = 1) -> int:
+    """Bytes a hybrid's running sequence holds in its gated-DeltaNet layers on each GPU of an attention-TP group,
+    whatever its length (SGLang's mamba pool: the recurrent state [value heads, dk, dv] in fp32, the causal conv's
+    last kernel - 1 inputs over q, k, v in bf16)."""
+    layers = sum(spec.linear_attention_layers)
+    if not layers:
+        return 0
+    recurrent = spec.linear_num_value_heads * spec.linear_key_head_dim * spec.linear_value_head_dim * 4
+    conv_width = 2 * spec.linear_num_key_heads * spec.linear_key_head_dim \
+        + spec.linear_num_value_heads * spec.linear_value_head_dim
+    conv = conv_width * (spec.linear_conv_kernel_dim - 1) * 2
+    return layers * (recurrent + conv) // attention_tp
 
 
 @dataclass(frozen=True)

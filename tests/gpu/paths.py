@@ -1,6 +1,6 @@
 """The device paths of one process, on a tiny Qwen3-MoE, saved for comparison (``tests/gpu/test_gpu_paths.py``).
 
-    python -m tests.gpu.paths HF_DIR OUT.pt
+    python -m tests.gpu.paths HF_DIR OUT.pt [policy]
 
 Runs on whatever ``environment.device()`` is: the GPU test runs it once on the GPU and once with CUDA hidden
 (the CPU reference), on the same weights and batch. World of one (NCCL on the GPU, gloo on the CPU):
@@ -15,7 +15,9 @@ Runs on whatever ``environment.device()`` is: the GPU test runs it once on the G
 - the fp32 policy on packed rows (``pack=True``: TE's THD attention with TransformerEngine, else the mask);
 - with TransformerEngine: the fp32 policy run again with grouped-GEMM experts and with SequentialMLP, and with
   TE's fusions (``performance``: permutation, RoPE) on and off.
-Where every tensor lives is recorded too (parameters, what the passes return).
+Where every tensor lives is recorded too (parameters, what the passes return). ``policy``: the fp32 and bf16 policy
+runs only (the gated-DeltaNet hybrid's check, ``tests/gpu/test_gpu_deltanet.py``), with the module of the delta rule
+megatron called (fla's Triton kernel on the GPU, ``ops.gated_delta_rule`` on the CPU).
 """
 
 from __future__ import annotations
@@ -28,11 +30,11 @@ VOCAB, SEQ, SEQUENCES, MICRO = 128, 16, 8, 2
 TE_FUSIONS = ("moe_permute_fusion", "apply_rope_fusion")
 
 
-def rollout() -> dict:
+def rollout(vocab_size: int = VOCAB) -> dict:
     """CPU tensors, like the loop's rollout batch: prompts of 3-8 tokens, then responses, sequences of 10-16 tokens
     (``seq_lengths``: what packed rows hold; padded rows carry tokens after the end that nothing attends to)."""
     g = torch.Generator().manual_seed(11)
-    tokens = torch.randint(0, VOCAB - 1, (SEQUENCES, SEQ + 1), generator=g)
+    tokens = torch.randint(0, vocab_size - 1, (SEQUENCES, SEQ + 1), generator=g)
     prompt = torch.randint(3, 9, (SEQUENCES,), generator=g)
     lengths = torch.randint(10, SEQ + 1, (SEQUENCES,), generator=g)
     t = torch.arange(SEQ).unsqueeze(0)
@@ -65,7 +67,7 @@ def policy_run(hf_dir: str, dtype: str, overrides: tuple[str, ...] = (), pack: b
                              "algo.minibatches=1", *overrides])
     policy = build_policy(cfg, hf_dir)
     start = _exported(policy)
-    batch = rollout()
+    batch = rollout(policy.spec.vocab_size)
     passes = logprob_pass(policy.model, micro_batches(batch), with_entropy=True, pack=pack)
     noise = 1e-3 * torch.randn(passes["logprobs"].shape, generator=torch.Generator().manual_seed(3))
     batch["old_logprobs"] = passes["logprobs"].cpu() + noise
@@ -101,7 +103,18 @@ def score_run(hf_dir: str) -> dict:
     return {"megatron": score.score_records(model, records), "transformers": score.score_with_transformers(hf_dir, records)}
 
 
-def main(hf_dir: str, out: str) -> None:
+def deltanet_kernel() -> str:
+    """The module of the chunked delta rule megatron's GatedDeltaNet calls (0.19.2's package or 0.16.1's module)."""
+    import importlib
+
+    try:
+        module = importlib.import_module("megatron.core.ssm.gated_delta_net.gdn")
+    except ImportError:
+        module = importlib.import_module("megatron.core.ssm.gated_delta_net")
+    return getattr(module.chunk_gated_delta_rule, "__module__", "") or ""
+
+
+def main(hf_dir: str, out: str, scope: str = "all") -> None:
     from gspo_megatron import environment
     from gspo_megatron.parallel import groups
 
@@ -110,6 +123,12 @@ def main(hf_dir: str, out: str) -> None:
     torch.backends.cudnn.allow_tf32 = False
     groups.init_distributed()
     groups.init_model_parallel(groups.Layout(), seed=1234)
+    if scope == "policy":
+        results = {"device": str(environment.device()), "fp32": policy_run(hf_dir, "float32"),
+                   "bf16": policy_run(hf_dir, "bfloat16"), "deltanet_kernel": deltanet_kernel()}
+        torch.save(results, out)
+        groups.destroy()
+        return
     results = {"device": str(environment.device()), "fp32": policy_run(hf_dir, "float32"),
                "bf16": policy_run(hf_dir, "bfloat16"), "score": score_run(hf_dir),
                # packed rows: TransformerEngine's THD attention where it imports, else the block-diagonal mask
@@ -124,4 +143,4 @@ def main(hf_dir: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    main(*sys.argv[1:4])

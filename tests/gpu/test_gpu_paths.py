@@ -37,14 +37,14 @@ pytestmark = [pytest.mark.skipif(not (torch.cuda.is_available() or ON_CPU), reas
               pytest.mark.megatron]  # builds the policy in a subprocess
 
 
-def run_paths(hf_dir: Path, out: Path, cpu: bool) -> dict:
+def run_paths(hf_dir: Path, out: Path, cpu: bool, *scope: str) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
     if cpu:
         env.update(CUDA_VISIBLE_DEVICES="", GSPO_MEGATRON_ALLOW_CPU="1")
-    done = subprocess.run([sys.executable, "-m", "tests.gpu.paths", str(hf_dir), str(out)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-m", "tests.gpu.paths", str(hf_dir), str(out), *scope], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-6000:]
     return torch.load(out)
 

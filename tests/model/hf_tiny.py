@@ -245,6 +245,23 @@ def add_qwen_mtp_tensors(model_dir: Path, seed: int) -> None:
     (model_dir / "config.json").write_text(json.dumps(config, indent=2))
 
 
+def save_resaved_text_model(vision_language_dir: Path, target: Path) -> Path:
+    """A Qwen3.5 vision-language checkpoint loaded as its causal LM and saved again, as a fine-tune re-saves it:
+    model_type ``qwen3_5_moe_text`` (or ``qwen3_5_text``), the text model's tensors still under
+    ``model.language_model.`` (transformers reverses its load-time rename on save), no vision tower, no mtp.*."""
+    import shutil
+
+    import transformers
+
+    cls = {"Qwen3_5MoeConfig": "Qwen3_5MoeForCausalLM", "Qwen3_5Config": "Qwen3_5ForCausalLM"}
+    config = transformers.AutoConfig.from_pretrained(vision_language_dir)
+    model = getattr(transformers, cls[type(config).__name__]).from_pretrained(vision_language_dir, dtype=torch.float32)
+    model.save_pretrained(target)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(vision_language_dir / name, target / name)
+    return target
+
+
 def save_bf16_copy(source: Path, target: Path) -> Path:
     """The checkpoint cast to bf16, as real ones are (conversion must keep dtypes, bit for bit)."""
     import json

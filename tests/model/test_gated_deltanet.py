@@ -17,6 +17,7 @@ world 1, TP2 and PP2, each sequence's DeltaNet state fresh. Context parallelism 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,7 @@ import torch
 
 from gspo_megatron.model import mapping
 from gspo_megatron.model.errors import UnsupportedModel
-from gspo_megatron.model.hf_config import read_hf_config
+from gspo_megatron.model.hf_config import read_hf_config, serving_config
 from gspo_megatron.model.hf_files import SafetensorsDir
 from gspo_megatron.model.layout_check import LayoutError, check_layout
 from gspo_megatron.parallel.groups import Layout
@@ -39,14 +40,17 @@ MIXED = Layout(tensor=2, expert=2, expert_tensor=1, sequence_parallel=True)
 BRIDGE_LAYOUTS = {"tp1_dict": Layout(), "tp2": TP2_SP, "pp2": Layout(pipeline=2), "ep2": Layout(expert=2),
                   "tp2_ep2_etp1": MIXED}
 DENSE_LAYOUTS = ("tp1_dict", "tp2", "pp2")
+# transformers' re-save of Qwen3.5-MoE's text model (hf_tiny.save_resaved_text_model): converted and scored only
+RESAVED = "qwen3_5_moe_text"
 CONVERT_LAYOUTS = {MOE: (MIXED, Layout(pipeline=2)), "qwen3_5": (Layout(pipeline=2), Layout(tensor=2)),
-                   NEXT: (TP2_SP, MIXED)}
+                   NEXT: (TP2_SP, MIXED), RESAVED: (Layout(pipeline=2), MIXED)}
 
 
 def _cases(models: dict, work: Path) -> list:
     cases = []
     for name, path in models.items():
-        kinds = BRIDGE_LAYOUTS if name in MOES else {k: BRIDGE_LAYOUTS[k] for k in DENSE_LAYOUTS}
+        kinds = (BRIDGE_LAYOUTS if name in MOES else {} if name == RESAVED
+                 else {k: BRIDGE_LAYOUTS[k] for k in DENSE_LAYOUTS})
         for kind, layout in kinds.items():
             source = "dict" if kind == "tp1_dict" else "dir"
             cases.append((("bridge", name, kind), rank_checks.bridge_case, (str(path), layout, source), layout))
@@ -144,11 +148,17 @@ def packed_case(hf_dir: str, layout: Layout) -> dict:
 
 
 @pytest.fixture(scope="module")
-def hybrid_results(hybrid_models, tmp_path_factory):
+def resaved_model(hybrid_models, tmp_path_factory):
+    return hf_tiny.save_resaved_text_model(hybrid_models[MOE], tmp_path_factory.mktemp("resaved") / RESAVED)
+
+
+@pytest.fixture(scope="module")
+def hybrid_results(hybrid_models, resaved_model, tmp_path_factory):
     from gspo_megatron.parallel.launch import run_on_ranks
 
     work = tmp_path_factory.mktemp("hybrid_work")
-    return run_on_ranks(rank_checks.run_cases, 2, None, _cases(hybrid_models, work), timeout=480), work
+    cases = _cases({**hybrid_models, RESAVED: resaved_model}, work)
+    return run_on_ranks(rank_checks.run_cases, 2, None, cases, timeout=480), work
 
 
 def test_configs_read_as_megatron_fields(hybrid_models):
@@ -175,6 +185,11 @@ def test_qwen3_next_reads_as_a_causal_lm_with_per_head_in_proj(hybrid_models):
     from gspo_megatron.model import sharding
 
     spec = read_hf_config(hybrid_models[NEXT])
+    config = json.loads((hybrid_models[NEXT] / "config.json").read_text())
+    assert "full_attention_interval" not in config  # transformers saves layer_types; SGLang's config reads the interval
+    assert serving_config(config)["full_attention_interval"] == 4
+    irregular = {**config, "layer_types": ["linear_attention", "full_attention", "linear_attention", "linear_attention"]}
+    assert "full_attention_interval" not in serving_config(irregular)
     assert spec.family == NEXT and not spec.text_model_prefix and spec.linear_attention_layers == (True,) * 3 + (False,)
     with pytest.raises(LayoutError, match="linear_num_key_heads=2 .*tensor_model_parallel_size=4"):
         check_layout(spec, Layout(tensor=4, sequence_parallel=True))
@@ -274,6 +289,7 @@ def test_conversion_round_trip_is_bitwise_with_vision_and_mtp_carried(variant, h
     assert not differ, differ
     config = json.loads((work / "hf_back" / variant / "config.json").read_text())
     assert config["model_type"] == variant and ("vision_config" in config) == (variant != NEXT)
+    assert (config.get("full_attention_interval") == 4) == (variant == NEXT)  # what SGLang's Qwen3NextConfig reads
 
 
 @pytest.mark.megatron  # checks the Megatron model's results
@@ -310,3 +326,45 @@ def test_packed_sequences_equal_padded_with_a_fresh_deltanet_state_each(hybrid_r
             assert r["grad_norm_diff"] <= GRAD_RTOL and r["grads_diff"] <= GRAD_RTOL and r["deltanet_grads"], where
             if kind != "tp2":
                 assert r["segments_diff"] <= 1e-5 and r["whole_diff"] > 1e-3, where
+def test_a_resaved_text_model_reads_under_the_names_transformers_wrote(hybrid_models, resaved_model, tmp_path):
+    """Qwen3.5-MoE's release loaded as Qwen3_5MoeForCausalLM and saved again keeps model.language_model.* (transformers
+    reverses its load-time rename on save) under model_type qwen3_5_moe_text; a text model built fresh saves model.*.
+    transformers and SGLang load both, so both read: the tensor names decide (config.json says the same for both)."""
+    import transformers
+
+    from gspo_megatron.model.bridge import Bridge
+    from gspo_megatron.model.hf_files import open_hf_dir, tensor_names
+
+    shapes = open_hf_dir(resaved_model).shapes()
+    resaved = read_hf_config(resaved_model).named_as(shapes)
+    assert json.loads((resaved_model / "config.json").read_text())["model_type"] == RESAVED
+    assert resaved.family == RESAVED and resaved.text_model_prefix == "model.language_model."
+    assert read_hf_config(resaved_model).text_model_prefix == ""  # config.json alone cannot tell
+    assert read_hf_config(resaved_model).named_as(tensor_names(resaved_model)) == resaved  # as training reads it
+    Bridge(resaved).check_hf_tensors(shapes)  # every tensor mapped, none left over
+    _, kwargs = hf_tiny.HYBRID_VARIANTS[MOE]
+    transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**kwargs["text_config"])).save_pretrained(
+        tmp_path / "fresh")
+    fresh = read_hf_config(tmp_path / "fresh").named_as(tensor_names(tmp_path / "fresh"))
+    assert fresh.text_model_prefix == ""  # and otherwise the same model (the re-save's config keeps its MTP layer)
+    assert replace(fresh, text_model_prefix=resaved.text_model_prefix, mtp_layers=1) == resaved
+    Bridge(fresh).check_hf_tensors(open_hf_dir(tmp_path / "fresh").shapes())
+
+
+@pytest.mark.megatron  # converts and scores through Megatron models
+def test_a_resaved_text_model_converts_bitwise_and_scores_as_transformers(resaved_model, hybrid_results):
+    """The re-saved text model through conversion (PP2 there, TP2 x EP2 back: every tensor bit for bit under its own
+    names) and score on its directory and on its conversion (transformers' log-likelihoods, 1e-4)."""
+    from tests.tools.test_score import assert_agrees, transformers_loglik
+
+    results, work = hybrid_results
+    original, back = SafetensorsDir(resaved_model), SafetensorsDir(work / "hf_back" / RESAVED)
+    assert set(back.shapes()) == set(original.shapes())
+    assert all(n.startswith(("model.language_model.", "lm_head.")) for n in original.shapes())
+    differ = [n for n in original.shapes() if not hf_tiny.same_bits(back.read(n), original.read(n))]
+    assert not differ, differ
+    records = rank_checks.score_records_for_tests(read_hf_config(resaved_model).vocab_size)
+    reference = transformers_loglik(resaved_model, records)
+    for source in ("megatron", "hf"):
+        for scored in (r["results"] for r in rank_checks.result(results, ("score", RESAVED, source))):
+            assert_agrees(scored, reference)

@@ -273,3 +273,56 @@ def test_fp8_rollouts_halve_the_servers_weights_and_the_sync():
     assert sync.gigabytes == pytest.approx(673, abs=1) and sync.buckets == 2508
     weights = [server_weights_per_gpu(DEEPSEEK_V3, ServerLayout(tp=1, weight_bytes=w)) for w in (2.0, 1.0)]
     assert weights[1] / 1e9 == pytest.approx(673, abs=1) and weights[0] / 1e9 == pytest.approx(1342, abs=1)
+
+
+# ---- the gated-DeltaNet hybrids (Qwen3.5, Qwen3-Next) ------------------------------------------------------------
+
+QWEN3_5_397B = read_hf_config(ROOT / "examples/qwen3_5_397b_a17b/hf_config/config.json")
+
+
+@pytest.mark.parametrize("variant", ["qwen3_5_moe", "qwen3_5", "qwen3_next"])
+def test_hybrid_parameter_count_equals_transformers(variant):
+    """Every parameter of the tiny hybrids' text models as transformers builds them (the vision tower aside): the
+    DeltaNet's in_proj, conv, A_log, dt_bias, gated norm and out_proj, the gated attention's doubled q_proj, the shared
+    expert's gate, the zero-centred norms."""
+    from gspo_megatron.plan.memory import model_parameters
+    from tests.model import hf_tiny
+
+    model = hf_tiny.build_hf_model(variant)
+    text = sum(p.numel() for name, p in model.named_parameters() if ".visual." not in name)
+    assert model_parameters(read_hf_config(model.config.to_dict()))[0] == text
+
+
+def test_deltanet_activations_and_recurrent_state_by_hand():
+    """Qwen3.5-397B's DeltaNet block (16 key heads of 128, 64 value heads of 128) at TP 2 with sequence parallelism,
+    one 9216-token row, bf16: what fla keeps per token and rank, and the recurrent states per 64-token chunk."""
+    from gspo_megatron.plan.memory import Micro, deltanet_activations, deltanet_transients
+
+    m = Micro(s=9216, b=1, tp=2, sp=2, cp=1, etp=1, a=2)
+    n = 9216 / 2  # tokens x (this rank's heads) / heads
+    qk, v, heads = 16 * 128, 64 * 128, 64
+    terms = deltanet_activations(QWEN3_5_397B, m, "te", frozenset())
+    assert terms["in_proj"] == n * 2 * (2 * qk + 2 * v + 2 * heads)  # [q; k; v; z; b; a]
+    assert terms["conv"] == n * 2 * (2 * qk + v) and terms["chunk_A"] == n * heads * 64 * 2
+    assert terms["gated_norm"] == n * (2 * v + 4 * heads) and terms["core_out"] == n * 2 * v
+    states = 9216 / 64 * 32 * 128 * 128 * 2  # [chunks, heads / t, dk, dv] in bf16: 72 MiB
+    forward, backward = deltanet_transients(QWEN3_5_397B, m)
+    assert forward == states + n * 2 * heads * 256 and backward > 2 * states
+    # A hybrid's stage sums its DeltaNet and attention layers' tensors by kind: 15 layers on PP 4's first stage, every
+    # 4th full attention (layers 3, 7, 11; the other 12 DeltaNet).
+    first = estimate(256, "parallel.tensor=2", "parallel.pipeline=4", "parallel.expert=32", "parallel.expert_tensor=1",
+                     "recompute.granularity=selective", "recompute.modules=[moe]", "rollout.max_prompt_tokens=1024",
+                     "rollout.max_new_tokens=8192", spec=QWEN3_5_397B).stages[0]
+    assert first.activation_terms["in_proj"] == 12 * terms["in_proj"]
+    assert first.activation_terms["output_gate"] == 3 * 2 * n * 2 * 32 * 256  # q's gate and the gated context
+
+
+def test_hybrid_servers_cache_keys_in_attention_layers_and_a_state_per_sequence():
+    from gspo_megatron.plan.servers import deltanet_state_bytes_per_sequence, kv_cache_bytes_per_token
+
+    # 15 of the 60 layers cache K and V (2 heads of 256); the 45 DeltaNet layers hold a state per sequence instead:
+    # 64 heads x 128 x 128 fp32 and the conv's last 3 inputs over q, k, v (2 x 2048 + 8192 wide) in bf16.
+    assert kv_cache_bytes_per_token(QWEN3_5_397B) == 15 * 2 * 2 * 256 * 2
+    state = 45 * (64 * 128 * 128 * 4 + (2 * 2048 + 8192) * 3 * 2)
+    assert deltanet_state_bytes_per_sequence(QWEN3_5_397B) == state and state / 2**20 == pytest.approx(183.2, abs=0.1)
+    assert deltanet_state_bytes_per_sequence(DEEPSEEK_V3) == 0

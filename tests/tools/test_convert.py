@@ -214,6 +214,37 @@ def test_command_line_round_trip_in_one_process(hf_models, tmp_path):
     assert time.perf_counter() - started < 240
 
 
+CHAINED = ("qwen3_5_moe", "qwen3_next", "gpt_oss")  # a vision-language hybrid, a causal-LM hybrid, sinks + windows
+
+
+@pytest.mark.megatron  # the converters and score build the Megatron model (reported by the warm CLI's probe)
+@pytest.mark.parametrize("variant", CHAINED)
+def test_commands_chain_convert_score_and_back(variant, hf_models, hybrid_models, tmp_path):
+    """As a user chains them, one command at a time: convert the HF directory, ``score`` the Megatron directory
+    (equal to transformers on the HF directory: fp32, tests/tools/test_score.py's ATOL), convert it back and compare
+    every tensor bit for bit (Qwen3.5-MoE's vision tower and both hybrids' mtp.* tensors carried through)."""
+    from gspo_megatron.model.hf_config import read_hf_config
+    from tests.tools.test_score import _write_records, assert_agrees, transformers_loglik
+
+    hf_dir = hybrid_models[variant] if variant in hybrid_models else hf_models[variant]
+    megatron_dir, back = tmp_path / "megatron", tmp_path / "back"
+    there = run_tool("convert_hf_to_megatron.py", "--hf-dir", str(hf_dir), "--out", str(megatron_dir))
+    assert there.returncode == 0, there.stderr[-3000:]
+    records = rank_checks.score_records_for_tests(read_hf_config(hf_dir).vocab_size)
+    _write_records(tmp_path / "in.jsonl", records)
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
+    scored = warm_cli.run([sys.executable, "-m", "gspo_megatron.cli", "score", "--model", str(megatron_dir), "--input",
+                           str(tmp_path / "in.jsonl"), "--micro-batch-size", "3", "--dtype", "float32"],
+                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert scored.returncode == 0, scored.stderr[-3000:]
+    assert_agrees([json.loads(line) for line in scored.stdout.splitlines()], transformers_loglik(hf_dir, records))
+    home = run_tool("convert_megatron_to_hf.py", "--megatron-dir", str(megatron_dir), "--out", str(back))
+    assert home.returncode == 0, home.stderr[-3000:]
+    assert_same_hf_checkpoint(hf_dir, back)
+    carried = [n for n in SafetensorsDir(back).shapes() if n.startswith(("mtp.", "model.visual."))]
+    assert bool(carried) == (variant != "gpt_oss"), carried
+
+
 def test_command_line_errors_exit_2_naming_the_problem(hf_models, tmp_path):
     out = tmp_path / "out"
     bad = run_tool("convert_hf_to_megatron.py", "--hf-dir", str(hf_models["qwen3_moe"]), "--out", str(out), "--tp", "3")

@@ -112,7 +112,8 @@ def preflight(cfg: Config, rank: int = 0) -> None:
         return
     if not cfg.model.megatron_checkpoint:  # the safetensors' names and shapes against the config (headers only)
         try:
-            Bridge(read_hf_config(hf_dir)).check_hf_tensors(open_hf_dir(hf_dir).shapes())  # as the load reads it
+            shapes = open_hf_dir(hf_dir).shapes()
+            Bridge(read_hf_config(hf_dir).named_as(shapes)).check_hf_tensors(shapes)  # as the load reads it
         except (ValueError, FileNotFoundError) as e:
             raise ConfigError(f"model.hf_dir={cfg.model.hf_dir!r}: {e}") from None
     if cfg.data.prompts:

@@ -53,7 +53,7 @@ def build_policy(cfg: Config, hf_dir: str | Path) -> Policy:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    spec = read_hf_config(Path(hf_dir) / "config.json")
+    spec = read_hf_config(Path(hf_dir) / "config.json").named_as(hf_files.tensor_names(hf_dir))
     dtype = DTYPES[cfg.model.dtype]
     bridge = Bridge(spec)
     # Routers record (or replay) their experts through megatron's RouterReplay only when built for it.
