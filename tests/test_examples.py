@@ -31,6 +31,7 @@ def plan(capsys, tmp_path, monkeypatch):
     ("examples/qwen3_235b_a22b/train.yaml", 16, "235.09B parameters (22.19B active)"),
     ("examples/glm_4_5_355b/train.yaml", 16, "352.80B parameters (33.63B active)"),
     ("examples/deepseek_v3_671b/train.yaml", 32, "671.03B parameters (37.55B active)"),
+    ("examples/minimax_m2_230b/train.yaml", 8, "228.69B parameters (11.03B active)"),
 ])
 def test_cluster_examples_fit(plan, config, nodes, params):
     code, out, err = plan(config, "--nodes", str(nodes), "--gpus-per-node", "8")

@@ -125,7 +125,9 @@ def run_load(model, model_dir: str, calls: list) -> dict:
     out = {"params": {name: p.detach().clone() for name, p in model.named_parameters()}, "routing_bias": {},
            "w_kc": {}, "w_vc": {}, "warnings": captured.messages}
     for i, layer in enumerate(model.model.layers):
-        moe = getattr(layer, "mlp", None) or getattr(layer, "block_sparse_moe", None)  # MiniMax-M2: the latter
+        moe = getattr(layer, "mlp", None)
+        if moe is None:  # MiniMax-M2's layers hold their MoE as block_sparse_moe
+            moe = getattr(layer, "block_sparse_moe", None)
         topk = getattr(moe, "topk", None)
         if topk is not None and topk.topk_config.correction_bias is not None:  # sigmoid routers
             out["routing_bias"][i] = topk.topk_config.correction_bias.detach().clone()
