@@ -34,6 +34,7 @@ def plan(capsys, tmp_path, monkeypatch):
     ("examples/glm_5_744b/train.yaml", 32, "743.91B parameters (41.78B active)"),  # slime's 256 H100
     ("examples/qwen3_5_35b_a3b/train.yaml", 2, "34.66B parameters (3.45B active)"),
     ("examples/qwen3_5_397b_a17b/train.yaml", 16, "396.35B parameters (17.35B active)"),
+    ("examples/minimax_m2_230b/train.yaml", 8, "228.69B parameters (11.03B active)"),
 ])
 def test_cluster_examples_fit(plan, config, nodes, params):
     code, out, err = plan(config, "--nodes", str(nodes), "--gpus-per-node", "8")

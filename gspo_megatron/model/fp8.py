@@ -47,7 +47,9 @@ def block_size(config: dict) -> tuple[int, int] | None:
     quant = config.get("quantization_config")
     if not quant:
         return None
-    if quant.get("quant_method") != "fp8" or quant.get("fmt", "e4m3") != "e4m3" or not quant.get("weight_block_size"):
+    # fmt: DeepSeek's releases say e4m3, MiniMax-M2's float8_e4m3fn (the same format)
+    if (quant.get("quant_method") != "fp8" or quant.get("fmt", "e4m3") not in ("e4m3", "float8_e4m3fn")
+            or not quant.get("weight_block_size")):
         raise UnsupportedModel(f"quantization_config={quant} is not supported: only block-scaled FP8 (quant_method "
                                "fp8, fmt e4m3, weight_block_size) is dequantized on load")
     rows, cols = quant["weight_block_size"]
@@ -142,7 +144,7 @@ def _quantize_kernel():
 _LAYER_WEIGHT = re.compile(r"^model\.layers\.(\d+)\.(.+)\.weight$")
 # Modules of a decoder layer kept in high precision: the routers (their bias is 1-D, kept anyway). SGLang matches
 # these on dotted boundaries (``mlp.gate`` is not ``mlp.gate_up_proj``).
-KEPT_MODULES = ("mlp.gate", "mlp.shared_expert_gate")
+KEPT_MODULES = ("mlp.gate", "mlp.shared_expert_gate", "block_sparse_moe.gate")
 KEPT_OUTSIDE_LAYERS = ("lm_head", "model.embed_tokens")
 
 

@@ -22,6 +22,7 @@ from typing import Any, Iterable
 from .errors import UnsupportedModel
 from .dsa import dsa_fields
 from .gpt_oss import gpt_oss_fields
+from .minimax_m2 import minimax_m2_fields
 
 # Megatron pads the vocabulary so every TP rank holds the same number of rows. The multiple is fixed (not
 # 128 * tp as in Megatron-LM) so that one checkpoint reshards to any TP that divides it; real vocabularies
@@ -69,6 +70,8 @@ class Family:
     # DeepSeek sparse attention (GLM-5, DeepSeek-V3.2): MLA plus an indexer choosing each query's index_topk keys
     # (index_n_heads, index_head_dim); the module that reads its fields is model/dsa.py.
     dsa: bool = False
+    # MiniMax-M2: q/k RMSNorm over the whole projection (all heads together), not per head (model/minimax_m2.py)
+    minimax_m2: bool = False
 
 
 _COMMON_REQUIRES = {"hidden_act": "silu", "use_sliding_window": False}
@@ -112,6 +115,17 @@ FAMILIES: dict[str, Family] = {
                attention="mla", dsa=True, requires={"attention_bias": False, "topk_method": "noaux_tc",
                                                     "scoring_func": "sigmoid"},
                serving_fields={"topk_method": "noaux_tc", "moe_layer_freq": 1, "scoring_func": "sigmoid"}),
+        # MiniMax-M2: the sigmoid router with e_score_correction_bias, no groups or scaling, top-k always renormalised;
+        # intermediate_size is the experts' width (every layer MoE); q/k norm over the whole projection; RoPE on
+        # rotary_dim of each head. SGLang's MiniMaxM2 reads the four serving fields (defaults: off), transformers'
+        # config drops them.
+        Family("minimax_m2", "MiniMaxM2ForCausalLM", qk_norm=True, qkv_bias=False, moe=True, router="sigmoid",
+               partial_rotary=True, minimax_m2=True,
+               requires={"scoring_func": "sigmoid", "use_routing_bias": True, "use_qk_norm": True,
+                         "qk_norm_type": "per_layer", "shared_intermediate_size": 0, "attention_bias": False},
+               implied={"norm_topk_prob": True}, implied_from={"moe_intermediate_size": "intermediate_size"},
+               serving_fields={"scoring_func": "sigmoid", "use_routing_bias": True, "use_qk_norm": True,
+                               "qk_norm_type": "per_layer"}),
     )
 }
 # model types read as another family: Kimi-K2 is the DeepSeek-V3 architecture (transformers has no config class for it)
@@ -213,6 +227,8 @@ class ModelSpec:
     dsa_index_head_dim: int = 0
     dsa_index_topk: int = 0
     dsa_indexer_rope_interleaved: bool = False
+    # MiniMax-M2 (model/minimax_m2.py): q_norm / k_norm over all heads of the projection at once (qk_norm too)
+    qk_norm_whole_projection: bool = False
 
     @property
     def is_moe(self) -> bool:
@@ -351,7 +367,12 @@ def serving_config(config: dict) -> dict:
     wrapper = _wrapper(config)
     if wrapper:
         return {**config, wrapper[0]: serving_config(text_config(config))}
-    out = {**family_of(config).serving_fields, **config}
+    family = family_of(config)
+    derived = {}
+    if family.minimax_m2:  # SGLang's MiniMaxM2 rotates rotary_dim dims of each head (default: all of them)
+        head_dim = int(config.get("head_dim") or _int(config, "hidden_size") // _int(config, "num_attention_heads"))
+        derived["rotary_dim"] = int(head_dim * _rotary_percent(config, family))
+    out = {**family.serving_fields, **derived, **config}
     # SGLang's own Qwen3NextConfig places its layers by full_attention_interval alone (the releases have it);
     # transformers 5.19 saves layer_types instead, which SGLang cannot build from.
     if out.get("model_type") == "qwen3_next" and "full_attention_interval" not in out:
@@ -432,8 +453,12 @@ def _rope(config: dict) -> tuple[float, float | None]:
 
 
 def _rotary_percent(config: dict, family: Family) -> float:
-    """partial_rotary_factor: top level in released GLM configs, inside rope_parameters in transformers-5 saves."""
+    """partial_rotary_factor: top level in released GLM configs, inside rope_parameters in transformers-5 saves;
+    rotary_dim / head_dim in MiniMax-M2's."""
     top, inner = config.get("partial_rotary_factor"), (config.get("rope_parameters") or {}).get("partial_rotary_factor")
+    if top is None and config.get("rotary_dim") is not None:  # MiniMax-M2's release: rotary_dim of head_dim
+        top = int(config["rotary_dim"]) / int(config.get("head_dim") or _int(config, "hidden_size")
+                                              // _int(config, "num_attention_heads"))
     if top is not None and inner is not None and float(top) != float(inner):
         raise UnsupportedModel(f"partial_rotary_factor={top} but rope_parameters.partial_rotary_factor={inner}")
     value = float(inner if inner is not None else top if top is not None else 1.0)
@@ -562,13 +587,14 @@ def read_hf_config(config: dict | str | Path) -> ModelSpec:
         # hub configs say num_nextn_predict_layers (Qwen3-Next / 3.5: mtp_num_hidden_layers), transformers'
         # DeepseekV3Config num_mtp_layers
         mtp_layers=int(config.get("num_nextn_predict_layers") or config.get("num_mtp_layers")
-                       or config.get("mtp_num_hidden_layers") or 0),
+                       or config.get("mtp_num_hidden_layers") or config.get("num_mtp_modules") or 0),
         moe_layers=_moe_layers(config, num_layers, num_experts),
         dtype=str(config.get("dtype") or config.get("torch_dtype") or "float32"),
         **moe,
         **hybrid,
         **(gpt_oss_fields(config, num_layers) if family.gpt_oss else {}),
         **(dsa_fields(config, family.model_type, num_layers) if family.dsa else {}),
+        **(minimax_m2_fields(config, num_layers) if family.minimax_m2 else {}),
     )
 
 

@@ -285,6 +285,24 @@ GPT_OSS_MOE_MLP = (
     Rule(f"{_E}.linear_fc2.bias", (P(f"{_HE}.down_proj.bias", "hidden"),), scope=EXPERT,
          grouped=f"{_GE_FC2}.bias{{expert}}"),
 )
+# MiniMax-M2 (model/minimax_m2.py): q_norm / k_norm over the whole projection, split over TP with the heads (megatron's
+# q/k_layernorm slot holds minimax_m2.WholeProjectionRMSNorm); MoE layers under block_sparse_moe with the routing bias
+# beside the router (not in it), experts per expert as w1 (gate), w3 (up), w2 (down); no shared experts.
+_HB, _HBE = f"{_L}.block_sparse_moe", f"{_L}.block_sparse_moe.experts.{{expert}}"
+MINIMAX_M2_ATTENTION = ATTENTION + (
+    Rule(f"{_M}.self_attention.q_layernorm.weight", (P(f"{_L}.self_attn.q_norm.weight", "q"),), split=COLUMN),
+    Rule(f"{_M}.self_attention.k_layernorm.weight", (P(f"{_L}.self_attn.k_norm.weight", "kv"),), split=COLUMN),
+)
+MINIMAX_M2_MOE_MLP = (
+    MOE_MLP[0],
+    Rule(f"{_M}.mlp.router.weight", (P(f"{_HB}.gate.weight", "experts", "hidden"),), scope=MOE),
+    Rule(f"{_M}.mlp.router.expert_bias", (P(f"{_HB}.e_score_correction_bias", "experts"),), scope=MOE),
+    Rule(f"{_E}.linear_fc1.weight", (P(f"{_HBE}.w1.weight", "moe_ffn", "hidden"), P(f"{_HBE}.w3.weight", "moe_ffn",
+                                                                                   "hidden")),
+         join=GLU, split=COLUMN, scope=EXPERT, grouped=f"{_GE}.linear_fc1.weight{{expert}}"),
+    Rule(f"{_E}.linear_fc2.weight", (P(f"{_HBE}.w2.weight", "hidden", "moe_ffn"),), split=ROW, scope=EXPERT,
+         grouped=f"{_GE}.linear_fc2.weight{{expert}}"),
+)
 # Families whose checkpoints stack each layer's experts into one tensor per projection (gpt-oss): their rules name
 # per-expert tensors, and gpt_oss converts on read (``ExpertsView``) and on export (``fuse_experts``).
 STACKED_EXPERTS = ("gpt_oss",)
@@ -308,6 +326,7 @@ ARCHITECTURES: dict[str, tuple[Rule, ...]] = {
     "gpt_oss": EMBEDDING + GPT_OSS_ATTENTION + GPT_OSS_MOE_MLP + OUTPUT,
     "glm_moe_dsa": EMBEDDING + MLA_ATTENTION + DSA_INDEXER + DENSE_MLP + SIGMOID_MOE_MLP + OUTPUT,
     "deepseek_v32": EMBEDDING + MLA_ATTENTION + DSA_INDEXER + DENSE_MLP + SIGMOID_MOE_MLP + OUTPUT,
+    "minimax_m2": EMBEDDING + MINIMAX_M2_ATTENTION + MINIMAX_M2_MOE_MLP + OUTPUT,
 }
 
 # HF tensors SGLang's ``load_weights`` joins into one parameter only when both arrive in the same call, each a pair
@@ -329,7 +348,7 @@ def ends_no_bucket(name: str) -> bool:
 # (megatron's router.expert_bias, an fp32 buffer, updated in fp32; SGLang's DeepSeek MoEGate and Glm4MoeGate hold it
 # as an fp32 parameter, transformers keeps it fp32 too). Cast to a bf16 engine's dtype, the engine would route with a
 # rounded bias: other experts than the trainer's, silently. Every cast of an export goes through ``export_dtype``.
-KEPT_FP32 = (".mlp.gate.e_score_correction_bias",)
+KEPT_FP32 = (".mlp.gate.e_score_correction_bias", ".block_sparse_moe.e_score_correction_bias")
 
 
 def export_dtype(name: str, tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:

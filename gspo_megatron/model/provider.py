@@ -20,6 +20,8 @@ up (``parallel.groups.init_model_parallel(layout)``). What each family means in 
   rank or none, kv LoRA rank, nope / rope / v head dims, ``qk_layernorm`` for the two latent norms, YaRN as
   ``rope_type="yarn"`` whose mscale_all_dim also sets the softmax scale); the attention builds its own RoPE.
   ``mla_down_proj_fusion`` (megatron-core >= 0.19, q LoRA): the q and kv down projections as one GEMM.
+- MiniMax-M2's q/k norm over the whole projection (``spec.qk_norm_whole_projection``): megatron's q/k norm slots hold
+  ``minimax_m2.WholeProjectionRMSNorm`` (its squares summed over the TP group), under both specs.
 - Experts: with TransformerEngine, megatron's ``TEGroupedMLP`` (``moe_grouped_gemm=True``): each layer's local
   experts run as one grouped GEMM per projection. Without TE, a ``SequentialMLP`` (a Python loop over the local
   experts, with a host sync for the split sizes). The mapping names both layouts, and their dist-checkpoint keys
@@ -361,9 +363,14 @@ def build_gpt_model(spec: ModelSpec, layout: Layout = Layout(), dtype: torch.dty
     grouped_gemm = use_te if grouped_gemm is None else grouped_gemm
     config = transformer_config(spec, layout, dtype=dtype, init=init, grouped_gemm=grouped_gemm and spec.is_moe,
                                 mla_down_proj_fusion=mla_down_proj_fusion, **config_overrides)
+    block = decoder_block_spec(config, use_te)
+    if spec.qk_norm_whole_projection:
+        from .minimax_m2 import whole_projection_norm_spec
+
+        block = whole_projection_norm_spec(block)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=decoder_block_spec(config, use_te),
+        transformer_layer_spec=block,
         vocab_size=vocab,
         max_sequence_length=spec.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(),
@@ -389,6 +396,10 @@ def build_gpt_model(spec: ModelSpec, layout: Layout = Layout(), dtype: torch.dty
         from .dsa import freeze_indexer
 
         freeze_indexer(model)
+    if spec.qk_norm_whole_projection:
+        from .minimax_m2 import fix_megatron_parameters as fix_whole_projection_norm
+
+        fix_whole_projection_norm(model)
     # The real vocabulary: log-probs (hidden_output / the fused op) must leave the padding rows out.
     model.unpadded_vocab_size = spec.vocab_size
     return model

@@ -421,7 +421,7 @@ def micro_batches_per_step(cfg: Config, world_size: int) -> int:
 def _attention_parameters(spec: ModelSpec) -> tuple[int, int]:
     """(split over TP, replicated) parameters of one layer's attention and its two norms (input, pre-MLP).
 
-    GQA: q/k/v/o projections (+ qkv biases) split, q/k norms replicated. Multi-latent attention (DeepSeek-V3): the
+    GQA: q/k/v/o projections (+ qkv biases) split, q/k norms replicated (MiniMax-M2's whole-projection ones split). Multi-latent attention (DeepSeek-V3): the
     q / kv up projections and the output projection split; the down projections and the latent norms replicated (TE's
     duplicated linears; megatron's local spec splits the down projections, then gathers them)."""
     h, d = spec.hidden_size, spec.head_dim
@@ -439,6 +439,8 @@ def _attention_parameters(spec: ModelSpec) -> tuple[int, int]:
     q, kv = spec.num_attention_heads * d, spec.num_key_value_heads * d
     split = h * q + 2 * h * kv + q * h + (q + 2 * kv if spec.qkv_bias else 0)
     split += spec.num_attention_heads if spec.attention_sinks else 0  # a sink logit per head
+    if spec.qk_norm_whole_projection:  # MiniMax-M2: q/k norms over the whole projection, split with the heads
+        return split + q + kv, norms + (h if spec.linear_bias else 0)
     return split, norms + (2 * d if spec.qk_norm else 0) + (h if spec.linear_bias else 0)  # o_proj's bias
 
 

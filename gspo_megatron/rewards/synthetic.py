@@ -185,10 +185,34 @@ def tiny_glm_moe_dsa_config(vocab_size: int = 128, hidden_size: int = 64, num_la
     )
 
 
+def tiny_minimax_m2_config(vocab_size: int = 128, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
+                           num_kv_heads: int = 2, head_dim: int = 16, num_experts: int = 4, top_k: int = 2,
+                           moe_intermediate_size: int = 32, max_position_embeddings: int = 512,
+                           initializer_range: float = 0.1):
+    """MiniMax-M2's architecture at the CPU example's sizes: q/k RMSNorm over the whole projection, a sigmoid router
+    with the score-correction bias (no groups), RoPE on half of each head (``rotary_dim``), every layer MoE (the
+    experts' width is its ``intermediate_size``). The config carries the fields SGLang reads that transformers does
+    not define (``serving_fields``), as MiniMax-M2's release does."""
+    from transformers import MiniMaxM2Config
+
+    from gspo_megatron.model.hf_config import FAMILIES
+
+    return MiniMaxM2Config(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=moe_intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+        head_dim=head_dim, rotary_dim=head_dim // 2, num_local_experts=num_experts, num_experts_per_tok=top_k,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        tie_word_embeddings=False, max_position_embeddings=max_position_embeddings,
+        initializer_range=initializer_range, eos_token_id=0, pad_token_id=0, bos_token_id=None, dtype="float32",
+        **FAMILIES["minimax_m2"].serving_fields,
+    )
+
+
 # model.tiny's ``family``: the architectures a tiny random model can be built in, from the same size fields.
 TINY_FAMILIES = {"qwen3_moe": tiny_qwen3_moe_config, "glm4_moe": tiny_glm4_moe_config,
                  "deepseek_v3": tiny_deepseek_v3_config, "qwen3_5_moe": tiny_qwen3_5_moe_config,
-                 "gpt_oss": tiny_gpt_oss_config, "glm_moe_dsa": tiny_glm_moe_dsa_config}
+                 "gpt_oss": tiny_gpt_oss_config, "glm_moe_dsa": tiny_glm_moe_dsa_config,
+                 "minimax_m2": tiny_minimax_m2_config}
 
 
 def tiny_config(family: str = "qwen3_moe", **sizes):

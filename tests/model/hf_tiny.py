@@ -75,6 +75,13 @@ VARIANTS: dict[str, tuple[str, dict]] = {
                                                       "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                                                       "original_max_position_embeddings": 16},
                                      tie_word_embeddings=False)),
+    # MiniMax-M2: q/k norm over the whole projection (not per head), sigmoid router + bias without groups (4 experts,
+    # top-2, renormalised), RoPE on half of each head, every layer MoE, experts as block_sparse_moe.experts.{e}.w1/w2/w3.
+    "minimax_m2": ("MiniMaxM2Config", dict(_COMMON, vocab_size=100, head_dim=16, num_local_experts=4,
+                                           num_experts_per_tok=2, intermediate_size=16,
+                                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                            "partial_rotary_factor": 0.5},
+                                           tie_word_embeddings=False)),
 }
 # The gated-DeltaNet hybrids (Qwen3.5 dense and MoE as their vision-language checkpoints, Qwen3-Next as a causal LM):
 # four layers, three linear-attention (DeltaNet) and one gated full-attention layer (layer_types' default); 2 key /
@@ -119,7 +126,7 @@ DSA_VARIANTS: dict[str, tuple[str, dict]] = {
 WRAPPER_MODELS = {"Qwen3_5MoeConfig": "Qwen3_5MoeForConditionalGeneration",
                   "Qwen3_5Config": "Qwen3_5ForConditionalGeneration"}
 MOE_VARIANTS = [name for name, (cls, _) in VARIANTS.items()
-                if "Moe" in cls or cls.startswith("DeepseekV3") or cls == "GptOssConfig"]
+                if "Moe" in cls or cls.startswith("DeepseekV3") or cls in ("GptOssConfig", "MiniMaxM2Config")]
 EXPERT_BIAS_VARIANTS = ["gpt_oss"]  # megatron-core splits biased experts only with expert-TP 1
 MLA_VARIANTS = [name for name, (cls, _) in VARIANTS.items() if cls.startswith("DeepseekV3")]  # no fused q/k/v
 UNPADDED_VARIANTS = [name for name, (_, kw) in VARIANTS.items() if kw["vocab_size"] % 128 == 0]

@@ -194,6 +194,7 @@ CONVERT_LAYOUTS = {
     "deepseek_v3": (PP2, Layout(tensor=2, expert=2, expert_tensor=1, sequence_parallel=True)),
     "moonlight": (Layout(pipeline=2, first_stage_layers=1), TP2_SP),  # three layers: uneven stages
     "gpt_oss": (Layout(tensor=2, expert=2, expert_tensor=1, sequence_parallel=True), PP2),  # stacked experts
+    "minimax_m2": (TP2_SP, EP2),  # the whole-projection q/k norms split over TP, resharded to one rank
     hf_tiny.BF16: (TP2_SP, EP2),  # bf16 weights: megatron keeps the norms in fp32; the way back restores bf16
 }
 
@@ -266,6 +267,7 @@ SCORE_LAYOUTS = {  # (on the Megatron checkpoint, on the HF directory)
     "glm4_moe": (PP2, Layout(tensor=2, expert=2, expert_tensor=1, sequence_parallel=True)),
     "deepseek_v3": (Layout(tensor=2, sequence_parallel=True), EP2),
     "gpt_oss": (EP2, Layout(tensor=2, expert_tensor=1, sequence_parallel=True)),  # expert biases: ETP 1
+    "minimax_m2": (Layout(tensor=2, expert=2, expert_tensor=1, sequence_parallel=True), TP2_SP),
 }
 
 

@@ -1,6 +1,7 @@
 """SGLang's own model class built in-process on CPU, and its real ``load_weights`` fed our tensors; run as a script
 in a process of its own, with the CPU stand-ins on PYTHONPATH (``patches.sglang_cpu``), by
-``tests/rollout/test_deepseek_sglang_names.py`` and ``test_gpt_oss_sglang_names.py``:
+``tests/rollout/test_deepseek_sglang_names.py``, ``test_gpt_oss_sglang_names.py`` and
+``test_minimax_m2_sglang_names.py``:
 
     python -m tests.rollout.sglang_load MODEL_DIR LOADS.pt OUT.pt [MODEL_DIR LOADS.pt OUT.pt ...]
 
@@ -124,7 +125,10 @@ def run_load(model, model_dir: str, calls: list) -> dict:
     out = {"params": {name: p.detach().clone() for name, p in model.named_parameters()}, "routing_bias": {},
            "w_kc": {}, "w_vc": {}, "warnings": captured.messages}
     for i, layer in enumerate(model.model.layers):
-        topk = getattr(layer.mlp, "topk", None)
+        moe = getattr(layer, "mlp", None)
+        if moe is None:  # MiniMax-M2's layers hold their MoE as block_sparse_moe
+            moe = getattr(layer, "block_sparse_moe", None)
+        topk = getattr(moe, "topk", None)
         if topk is not None and topk.topk_config.correction_bias is not None:  # sigmoid routers
             out["routing_bias"][i] = topk.topk_config.correction_bias.detach().clone()
         for key in ("w_kc", "w_vc"):

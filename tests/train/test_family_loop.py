@@ -1,7 +1,8 @@
 """The training loop on the other MoE families, through the command line as a user runs it (world 1, local engine):
 ``model.tiny.family`` builds a tiny random GLM-4.5 or DeepSeek-V3 (dense first layer, shared expert, sigmoid
-group-limited router with its score-correction bias; MLA for DeepSeek) or gpt-oss (sliding windows, sinks, biases,
-the clamped GLU, stacked experts), the warm start trains it with transformers,
+group-limited router with its score-correction bias; MLA for DeepSeek), gpt-oss (sliding windows, sinks, biases,
+the clamped GLU, stacked experts) or MiniMax-M2 (q/k norms over the whole projection, sigmoid router with its bias),
+the warm start trains it with transformers,
 and three GSPO steps run with a weight sync after each (8 experts in two groups, the top 2 from the better one). The engine's log-probs of every step's samples equal the
 trainer's (fp32: ``LOGPROB_TOL``; measured ~2e-6), so each sync carried every tensor the engine routes and attends
 with, the frozen expert bias included. Whether the loop learns on them over hundreds of steps: bench/RESULTS.md
@@ -39,7 +40,7 @@ def _every_step_synced(run: Path, names: list[str]) -> list[dict]:
 
 
 @pytest.mark.megatron  # trains the Megatron policy through the CLI
-@pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v3", "gpt_oss"])
+@pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v3", "gpt_oss", "minimax_m2"])
 def test_the_loop_runs_each_family_with_the_engine_in_step(family, tmp_path):
     run = tmp_path / "run"
     command = [sys.executable, "-m", "gspo_megatron.cli", "train", str(ROOT / "examples/tiny_moe_cpu.yaml"),
@@ -58,6 +59,11 @@ def test_the_loop_runs_each_family_with_the_engine_in_step(family, tmp_path):
     if family == "gpt_oss":  # windows shorter than a prompt and its answer, sinks, the experts stacked in the files
         assert config["sliding_window"] < 16 and "sliding_attention" in config["layer_types"]
         assert any(n.endswith("self_attn.sinks") for n in names) and any(n.endswith("gate_up_proj") for n in names)
+    elif family == "minimax_m2":  # q/k norms over the whole projection, the routing bias beside the router
+        assert config["use_qk_norm"] and config["qk_norm_type"] == "per_layer"
+        assert config["rotary_dim"] == config["head_dim"] // 2
+        assert any(n.endswith("self_attn.q_norm.weight") for n in names)
+        assert any(n.endswith("block_sparse_moe.e_score_correction_bias") for n in names)
     else:
         assert config["first_k_dense_replace"] == 1
         assert (config["n_group"], config["topk_group"], config["n_routed_experts"]) == (2, 1, 8)  # a group limit

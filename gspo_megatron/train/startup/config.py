@@ -38,7 +38,7 @@ class ModelConfig:
     tiny: dict = field(default_factory=dict)
     """If set and ``hf_dir`` does not exist yet: build a random model there of these sizes (vocab_size, hidden_size,
     num_layers, num_heads, num_kv_heads, head_dim, num_experts, top_k, moe_intermediate_size) and ``family``:
-    qwen3_moe (the default), glm4_moe, deepseek_v3, gpt_oss, qwen3_5_moe (its text model) or glm_moe_dsa
+    qwen3_moe (the default), glm4_moe, deepseek_v3, gpt_oss, minimax_m2, qwen3_5_moe (its text model) or glm_moe_dsa
     (GLM-5: megatron-core 0.19.2; rewards/synthetic.py)."""
     warm_start_steps: int = 0
     """With ``tiny`` and ``data.task``: this many supervised steps of 32 task demonstrations before RL (the CPU

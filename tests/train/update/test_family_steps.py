@@ -1,4 +1,4 @@
-"""The GSPO update step on the tiny GLM-4.5, DeepSeek-V3 and gpt-oss models equals world=1 under TP2 (+SP; gpt-oss:
+"""The GSPO update step on the tiny GLM-4.5, DeepSeek-V3, gpt-oss and MiniMax-M2 models equals world=1 under TP2 (+SP; gpt-oss:
 expert-TP 1), EP2, PP2 (the dense first layer on stage 0) and TP2 x EP2 (expert-TP 1); on the three-layer Moonlight
 under uneven PP2 (its dense first layer alone on stage 0, two MoE layers on stage 1: ``parallel.first_stage_layers``);
 on the gated-DeltaNet hybrids Qwen3.5-MoE and Qwen3-Next (``hf_tiny.HYBRID_VARIANTS``: TP2 splits the DeltaNet's key
@@ -34,7 +34,7 @@ from gspo_megatron.parallel.launch import run_on_ranks
 from tests.model import hf_tiny, rank_checks
 from tests.model.conftest import hf_models, hybrid_models  # noqa: F401  (the tiny HF models, session-scoped)
 
-FAMILIES = ("glm4_moe", "deepseek_v3", "gpt_oss")
+FAMILIES = ("glm4_moe", "deepseek_v3", "gpt_oss", "minimax_m2")
 HYBRIDS = ("qwen3_5_moe", "qwen3_next")  # softmax routers without expert bias, a gated shared expert
 UNEVEN = "moonlight"  # three layers: PP2 only as uneven stages (its dense first layer alone on stage 0)
 SEQUENCES, SEQ, MICRO = 8, 12, 2
