@@ -7,10 +7,10 @@ sampled. Output: one JSON line per record, in input order, ``{"logprob_sum": flo
 log p(token | prompt and the response before it) at temperature 1, and the number of response tokens.
 
 ``--model`` is an HF directory (converted in memory through the bridge), a Hugging Face repo id (its snapshot in
-huggingface_hub's cache: ``model.hub``) or a Megatron checkpoint written by ``tools/convert_hf_to_megatron.py``. The Megatron path runs ``train.update.schedules.logprob_pass``, the very
-log-prob pass the trainer uses, under any ``--tp/--pp/--ep`` layout: under torchrun it uses the launched
-ranks; from a plain shell it starts the ranks itself. ``--backend transformers`` scores an HF directory with
-``transformers`` instead (one process), for comparison.
+huggingface_hub's cache: ``model.hub``) or a Megatron checkpoint written by ``tools/convert_hf_to_megatron.py``.
+The Megatron path runs ``train.update.schedules.logprob_pass``, the very log-prob pass the trainer uses, under any
+``--tp/--pp/--ep`` layout: under torchrun it uses the launched ranks; from a plain shell it starts the ranks itself.
+``--backend transformers`` scores an HF directory with ``transformers`` instead (one process), for comparison.
 
 Records are sorted by length and packed into micro batches of ``--micro-batch-size`` (right-padded; the
 model is causal, so padding never changes a real token's log-prob); micro batches are spread over
