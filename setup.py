@@ -27,6 +27,9 @@ setup(
         # data.prompts in parquet (verl's layout, most RL sets) and Hugging Face datasets saved to disk
         "pyarrow",
         "datasets",
+        # The math reward's equivalence of answers (rewards/math_answer.py; Apache-2.0; its latex2sympy2_extended is
+        # MIT, sympy BSD, the ANTLR runtime BSD). The extra pins the ANTLR runtime its LaTeX grammar was built for.
+        "math-verify[antlr4_13_2]>=0.9,<0.10",
     ],
     extras_require={
         # GPU-only: TransformerEngine needs CUDA torch and NCCL at build and import time.

@@ -116,15 +116,19 @@ def note_fallbacks() -> None:
 
 # Third-party start-up noise that says nothing a user can act on: (message prefix, category). The first two are
 # megatron-core's on a machine without Apex / with its own deprecated default (note_fallbacks says the one useful
-# thing once); the next two are torch's checkpoint reader's on every resume; the last, torch's on megatron-core's
-# gradient buffers' all-gather, once per rank at the first update of a data-parallel run (no commas or colons: they
-# travel in PYTHONWARNINGS).
+# thing once); the next two are torch's checkpoint reader's on every resume; the next two, torch's on megatron-core's
+# gradient buffers' all-gather and (distributed optimizer, sequence parallelism) reduce-scatter, once per rank at the
+# first update of a data-parallel run; the last, torch's when megatron-core's distributed optimizer zeroes the grads of
+# its shards, views of its buffer, not leaf tensors (parallel.distributed_optimizer, the default), once per rank
+# (no commas or colons: they travel in PYTHONWARNINGS).
 KNOWN_NOISE = (
     ("Apex is not installed", "UserWarning"),
     ("full scope is deprecated", "UserWarning"),
     ("Please use DTensor instead and we are deprecating ShardedTensor", "FutureWarning"),
     ("`load_state_dict` is deprecated and will be removed in future versions", "FutureWarning"),
     ("`torch.distributed.all_gather_into_tensor` is deprecated", "FutureWarning"),
+    ("`torch.distributed.reduce_scatter_tensor` is deprecated", "FutureWarning"),
+    ("The .grad attribute of a Tensor that is not a leaf Tensor is being accessed", "UserWarning"),
 )
 
 

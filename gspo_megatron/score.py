@@ -6,11 +6,11 @@ Input: JSON lines ``{"prompt_ids": [...], "response_ids": [...]}``, or text: ``{
 sampled. Output: one JSON line per record, in input order, ``{"logprob_sum": float, "num_tokens": int}``: the sum over response tokens of
 log p(token | prompt and the response before it) at temperature 1, and the number of response tokens.
 
-``--model`` is an HF directory (converted in memory through the bridge) or a Megatron checkpoint written by
-``tools/convert_hf_to_megatron.py``. The Megatron path runs ``train.update.schedules.logprob_pass``, the very
-log-prob pass the trainer uses, under any ``--tp/--pp/--ep`` layout: under torchrun it uses the launched
-ranks; from a plain shell it starts the ranks itself. ``--backend transformers`` scores an HF directory with
-``transformers`` instead (one process), for comparison.
+``--model`` is an HF directory (converted in memory through the bridge), a Hugging Face repo id (its snapshot in
+huggingface_hub's cache: ``model.hub``) or a Megatron checkpoint written by ``tools/convert_hf_to_megatron.py``.
+The Megatron path runs ``train.update.schedules.logprob_pass``, the very log-prob pass the trainer uses, under any
+``--tp/--pp/--ep`` layout: under torchrun it uses the launched ranks; from a plain shell it starts the ranks itself.
+``--backend transformers`` scores an HF directory with ``transformers`` instead (one process), for comparison.
 
 Records are sorted by length and packed into micro batches of ``--micro-batch-size`` (right-padded; the
 model is causal, so padding never changes a real token's log-prob); micro batches are spread over
@@ -290,9 +290,11 @@ def run(args) -> int:
     from gspo_megatron.parallel.groups import layout_from_args
     from gspo_megatron.parallel.launch import run_on_ranks
 
-    model_dir = Path(args.model)
     layout = layout_from_args(args)
     try:
+        from gspo_megatron.model import hub
+
+        model_dir = Path(hub.resolve(args.model, "--model"))  # a Hugging Face repo id: its snapshot in the hub cache
         if not model_dir.exists():
             raise FileNotFoundError(f"--model {model_dir} does not exist")
         from gspo_megatron.model import checkpoint
@@ -334,8 +336,9 @@ def run(args) -> int:
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--model", required=True, help="HF directory or Megatron checkpoint (a converted model, a "
-                        "training run's checkpoint.dir, its step_N dir or latest)")
+    parser.add_argument("--model", required=True, help="HF directory, Hugging Face repo id (org/name: its snapshot "
+                        "in huggingface_hub's cache, downloaded there if online) or Megatron checkpoint (a converted "
+                        "model, a training run's checkpoint.dir, its step_N dir or latest)")
     parser.add_argument("--input", required=True, help="JSONL with prompt_ids and response_ids, or with prompt "
                         "(or messages) and response as text (tokenized with the model's tokenizer)")
     parser.add_argument("--output", help="where to write the JSONL results (default: stdout)")

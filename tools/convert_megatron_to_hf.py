@@ -29,8 +29,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--megatron-dir", required=True, help="checkpoint written by convert_hf_to_megatron.py")
     parser.add_argument("--out", required=True, help="HF directory to create (must not exist)")
-    parser.add_argument("--hf-config", help="HF directory with config.json and tokenizer files "
-                                            "(default: the checkpoint's stored copy)")
+    parser.add_argument("--hf-config", help="HF directory with config.json and tokenizer files, or a Hugging Face "
+                        "repo id (org/name: those files of its snapshot in huggingface_hub's cache) (default: the "
+                        "checkpoint's stored copy)")
     parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (e.g. 5GB, 500MB)")
     parser.add_argument("--fp8", action="store_true",
                         help="write the decoder layers' linear weights block-FP8 (float8_e4m3fn + weight_scale_inv, "
@@ -60,11 +61,13 @@ def main(argv=None) -> int:
     quiet_start()  # no third-party warnings or progress bars
 
     def convert():
+        from gspo_megatron.model import hub
         from gspo_megatron.model.convert import megatron_to_hf
         from gspo_megatron.model.hf_files import parse_size
 
         block = fp8_block(args)  # before anything is built
-        megatron_to_hf(args.megatron_dir, args.out, args.hf_config, layout_from_args(args),
+        hf_config = hub.resolve(args.hf_config, "--hf-config", hub.CONFIG_FILES) if args.hf_config else None
+        megatron_to_hf(args.megatron_dir, args.out, hf_config, layout_from_args(args),
                        max_shard_bytes=parse_size(args.max_shard_size), fp8_block=block,
                        fp8_keep_layers=args.fp8_keep_layers)
 

@@ -36,6 +36,7 @@ PACKAGES=(
   "tqdm"              # the trainer's progress bar
   "pyarrow"           # data.prompts in parquet
   "datasets"          # data.prompts as a Hugging Face datasets dir (load_from_disk)
+  "math-verify[antlr4_13_2]==0.9.0"  # the math reward (rewards/math_answer.py): pure Python, ~5 MB with its LaTeX parser
 )
 # sglang 0.5.23's dependencies that do not need CUDA (the list measured to serve on CPU). Not in it on purpose:
 # torch (CPU 2.13.0 above), torchvision (PyPI's breaks beside CPU torch 2.13: patches/sglang_cpu stands in), timm (below),

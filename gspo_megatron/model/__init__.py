@@ -7,6 +7,7 @@
     sharding      those joins and splits as tensor functions
     bridge        Bridge.load_hf_weights / Bridge.export_hf_weights: used by conversion, weight sync, local engine
     hf_files      safetensors reading (lazy, sliced) and sharded writing with an index
+    hub           Hugging Face repo ids where a model directory is expected: their huggingface_hub snapshot
     checkpoint    Megatron torch_dist checkpoints with the metadata to rebuild the model
     convert       hf_to_megatron / megatron_to_hf (tools/convert_*.py are their command lines)
     atomic        output directories that appear complete or not at all

@@ -15,6 +15,10 @@ class MappingError(ValueError):
     """Tensors do not match the architecture's mapping: missing, unexpected, or of the wrong shape."""
 
 
+class ModelNotFound(FileNotFoundError):
+    """A model given as a Hugging Face repo id is neither in huggingface_hub's cache nor downloadable (``hub``)."""
+
+
 def listing(title: str, names, limit: int = 8) -> str:
     """'title: a, b, c (and 5 more)' for error messages naming many tensors."""
     names = sorted(names)

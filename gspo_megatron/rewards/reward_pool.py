@@ -99,7 +99,9 @@ class RewardPool(PooledReward):
         # Workers fork from a clean server process that imported the rewards once (a spawned worker would import
         # torch and the rest again: seconds each, and again for every replacement).
         self._ctx = mp.get_context("forkserver")
-        self._ctx.set_forkserver_preload(["gspo_megatron.rewards.rewards"])
+        # The math reward's math-verify too (its import and warm-up, ~3 s, then paid once, not per worker).
+        self._ctx.set_forkserver_preload(["gspo_megatron.rewards.rewards"]
+                                         + (["gspo_megatron.rewards.math_answer"] if spec == "math" else []))
         self._workers: list[_Worker] = []
         self._start_failures = 0
         self._at_exit = None

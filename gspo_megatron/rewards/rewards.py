@@ -3,7 +3,8 @@
 A reward function is ``fn(prompt: str, response: str, label) -> float`` (``label``: the answer, or whatever the
 data set attaches to the prompt). Built in (``load_reward_fn`` by name):
 
-    math          1.0 if the final \\boxed{...} (else the last number) equals the label after normalisation
+    math          1.0 if the final answer (the last \\boxed{...}, else a final expression) equals the label by
+                  math-verify: LaTeX and sympy equivalence (``math_answer``)
     exact_match   1.0 if the stripped response equals the stripped label
     synthetic     the CPU example's tasks (``synthetic.position_credit``): partial credit in [0, 1]
     code_tests    the fraction of the prompt's tests the response's program passes, run in a sandbox
@@ -26,9 +27,7 @@ from __future__ import annotations
 
 import math
 import numbers
-import re
 from dataclasses import dataclass, field
-from fractions import Fraction
 from typing import Any, Callable, Sequence
 
 import torch
@@ -40,57 +39,12 @@ from .user_code import load_named
 
 RewardFn = Callable[[str, str, Any], float]
 
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
-
-
-def last_boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``), braces balanced; None if there is none."""
-    start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
-    if start < 0:
-        return None
-    i = text.index("{", start) + 1
-    depth, j = 1, i
-    while j < len(text) and depth:
-        depth += {"{": 1, "}": -1}.get(text[j], 0)
-        j += 1
-    return text[i:j - 1] if depth == 0 else None
-
-
-def extract_answer(text: str) -> str | None:
-    """The final answer of a solution: the last \\boxed{} content, else the last number in the text."""
-    boxed = last_boxed(text)
-    if boxed is not None:
-        return boxed
-    numbers = _NUMBER.findall(text)
-    return numbers[-1] if numbers else None
-
-
-def normalize_answer(answer: str) -> str:
-    """Canonical form for comparison: LaTeX wrappers, spaces, $, thousands separators and a trailing period go;
-    numbers (integers, decimals, a/b, \\frac{a}{b}) become an exact reduced fraction, so 0.50 == 1/2 == \\frac12."""
-    s = answer.strip()
-    s = re.sub(r"\\text\{([^{}]*)\}", r"\1", s)
-    s = re.sub(r"\\(?:d|t)?frac\{([^{}]*)\}\{([^{}]*)\}", r"(\1)/(\2)", s)
-    s = re.sub(r"\\(?:d|t)?frac(\d)(\d)", r"\1/\2", s)
-    s = s.replace("\\left", "").replace("\\right", "").replace("\\!", "").replace("\\,", "")
-    s = s.replace("$", "").replace(" ", "").rstrip(".")
-    number = re.fullmatch(r"\(?(-?[\d,]*\.?\d+)\)?(?:/\(?(-?\d+)\)?)?", s)
-    if number:
-        try:
-            value = Fraction(number.group(1).replace(",", ""))
-            if number.group(2):
-                value /= Fraction(number.group(2))
-            return str(value)
-        except (ValueError, ZeroDivisionError):
-            pass
-    return s.lower()
-
-
 def math_reward(prompt: str, response: str, label) -> float:
-    predicted = extract_answer(response)
-    if predicted is None:
-        return 0.0
-    return float(normalize_answer(predicted) == normalize_answer(str(label)))
+    """1.0 if the response's final answer equals the label by math-verify (``math_answer``, imported at the first
+    call: sympy and its warm-up take ~3 s, which only a math reward should pay)."""
+    from .math_answer import math_reward as verified
+
+    return verified(prompt, response, label)
 
 
 def exact_match(prompt: str, response: str, label) -> float:

@@ -151,3 +151,15 @@ def test_a_trainer_that_fails_still_exits():
     root = Path(__file__).resolve().parents[2]
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
     assert out.returncode == 1 and "the trainer fails" in out.stderr, out.stderr[-2000:]
+
+
+def test_the_math_reward_in_the_pool_verifies_by_equivalence():
+    """The default path of ``data.reward: math``: a pool worker's main thread, where math-verify's own time limit
+    (SIGALRM) can be set; the fork server imported and warmed math-verify before the worker started."""
+    pool = RewardPool("math", workers=1, timeout_s=60)
+    try:
+        responses = ["\\boxed{x^2+1}", "so \\boxed{\\sqrt{4}}.", "\\boxed{3}"]
+        out = score(pool, _samples(3), ["1+x^2", "2", "2"], ["p"] * 3, responses, on_error="raise")
+        assert out.values.tolist() == [1.0, 1.0, 0.0] and out.valid.all() and out.timed_out == 0
+    finally:
+        pool.close()

@@ -1,5 +1,5 @@
-"""Rewards: the math verifier, exact match, the synthetic tasks, user functions, and failures never reaching
-the loss as NaN."""
+"""Rewards: the math verifier (math-verify's equivalence), exact match, the synthetic tasks, user functions, and
+failures never reaching the loss as NaN."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gspo_megatron.rewards import load_reward_fn, score
-from gspo_megatron.rewards.rewards import extract_answer, math_reward, normalize_answer
+from gspo_megatron.rewards.rewards import math_reward
 from gspo_megatron.rewards.synthetic import TASKS, make_problems, position_credit
 from gspo_megatron.rollout import RewardError, Sample
 
@@ -26,14 +26,48 @@ from gspo_megatron.rollout import RewardError, Sample
     ("\\boxed{41}", "42", 0.0),
     ("no answer here", "42", 0.0),
     ("\\boxed{5", "5", 1.0),  # unbalanced box: falls back to the last number
+    # Equivalence, not equal strings (math-verify): the first four scored 0.0 with the regular expressions before it
+    ("\\boxed{x^2+1}", "1+x^2", 1.0),
+    ("\\boxed{\\sqrt{4}}", "2", 1.0),
+    ("\\boxed{2}", "\\sqrt{4}", 1.0),
+    ("the answer is $x^2+1$.", "1+x^2", 1.0),  # no box: the final expression
+    ("\\boxed{0.333}", "1/3", 0.0),  # rounding is not equality
+    ("\\boxed{x^2+2}", "1+x^2", 0.0),
+    ("\\boxed{1}", None, 0.0),  # no label (a math record without one is refused before training)
 ])
 def test_math_reward(response, label, expected):
     assert math_reward("", response, label) == expected
 
 
-def test_extract_and_normalize():
-    assert extract_answer("a \\boxed{1} b \\boxed{{2}}") == "{2}"
-    assert normalize_answer(" 3.0 ") == "3" and normalize_answer("6/4") == "3/2" and normalize_answer("1/0") == "1/0"
+def test_math_reward_time_limit_in_the_main_thread_and_none_in_others(monkeypatch):
+    """math-verify's SIGALRM limit where a signal can be set (a process's main thread: a reward pool's worker): a
+    comparison past it scores 0.0; in another thread (multi-turn trajectories, the rollout-ahead thread without
+    reward workers) the call runs without one, to its end. The comparison is made slow here (sympy's slow ones
+    depend on the hash seed), in Python code as sympy's are, so that the alarm interrupts it."""
+    import threading
+    import time
+
+    import math_verify.grader
+
+    from gspo_megatron.rewards import math_answer
+
+    def slow_equal(*args, **kwargs):
+        time.sleep(2.5)
+        return True
+
+    monkeypatch.setattr(math_answer, "TIMEOUT_S", 1)
+    monkeypatch.setattr(math_verify.grader, "sympy_expr_eq", slow_equal)
+    start = time.monotonic()
+    assert math_reward("", "\\boxed{3+4}", "7") == 0.0  # (as strings they differ: only sympy could say equal)
+    assert time.monotonic() - start < 2.4  # stopped by the 1 s alarm, not the comparison's end
+    scores = {}
+    thread = threading.Thread(target=lambda: scores.update(threaded=math_reward("", "\\boxed{3+4}", "7")))
+    start = time.monotonic()
+    thread.start()
+    thread.join(60)
+    assert scores == {"threaded": 1.0} and time.monotonic() - start >= 2.5  # no alarm: the comparison's verdict
+    monkeypatch.undo()
+    assert math_reward("", "\\boxed{x^2+1}", "1+x^2") == 1.0  # the process goes on after an alarm
 
 
 def test_exact_match_and_synthetic():

@@ -190,8 +190,8 @@ def test_sigterm_midway_leaves_no_output(tmp_path):
 # ---- the command-line tools, one process each --------------------------------------------------------------
 
 
-def run_tool(script: str, *args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
+def run_tool(script: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, **(env or {})}
     env.pop("WORLD_SIZE", None)
     return warm_cli.run([sys.executable, str(ROOT / "tools" / script), *args], capture_output=True, text=True,
                       cwd=ROOT, env=env, timeout=300)
@@ -199,15 +199,21 @@ def run_tool(script: str, *args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.megatron  # the converters build the Megatron model (reported by the warm CLI's probe)
 def test_command_line_round_trip_in_one_process(hf_models, tmp_path):
+    """The model given as a Hugging Face repo id both ways (--hf-dir, --hf-config): its snapshot in huggingface_hub's
+    cache, laid out here and read offline."""
+    from tests.model.hub_cache import cached_repo, offline_env
+
     megatron_dir, back = tmp_path / "qwen3_moe_megatron", tmp_path / "qwen3_moe_back"
+    cached_repo(tmp_path / "hub", "org/qwen3-moe", hf_models["qwen3_moe"])
+    offline = offline_env(tmp_path / "hub")
     started = time.perf_counter()
-    there = run_tool("convert_hf_to_megatron.py", "--hf-dir", str(hf_models["qwen3_moe"]), "--out", str(megatron_dir))
+    there = run_tool("convert_hf_to_megatron.py", "--hf-dir", "org/qwen3-moe", "--out", str(megatron_dir), env=offline)
     assert there.returncode == 0, there.stderr[-3000:]
     # Without TransformerEngine: our one line, not megatron-core's four import-time warnings.
     assert there.stderr.count("TransformerEngine is not installed") == 1, there.stderr[-3000:]
     assert "Transformer Engine and Apex are not installed" not in there.stderr
     home = run_tool("convert_megatron_to_hf.py", "--megatron-dir", str(megatron_dir), "--out", str(back),
-                    "--hf-config", str(hf_models["qwen3_moe"]))
+                    "--hf-config", "org/qwen3-moe", env=offline)
     assert home.returncode == 0, home.stderr[-3000:]
     assert_same_hf_checkpoint(hf_models["qwen3_moe"], back)
     assert (back / "model.safetensors").is_file() and not (back / INDEX_FILE).exists()  # small: one file
@@ -258,3 +264,14 @@ def test_command_line_errors_exit_2_naming_the_problem(hf_models, tmp_path):
     assert ("num_hidden_layers=3 minus num_layers_in_first_pipeline_stage=3 leaves 0 layers for the other 1 stage(s)"
             in bad.stderr), bad.stderr[-3000:]
     assert no_leftovers(out)
+    # a Hugging Face repo id that is not in the cache, offline: one sentence, no traceback
+    from tests.model.hub_cache import offline_env
+
+    offline = offline_env(tmp_path / "empty_hub")
+    for script, option, more in (("convert_hf_to_megatron.py", "--hf-dir", []),
+                                 ("convert_megatron_to_hf.py", "--hf-config", ["--megatron-dir", str(tmp_path)])):
+        bad = run_tool(script, option, "org/absent", "--out", str(out), *more, env=offline)
+        assert bad.returncode == 2, bad.stderr[-3000:]
+        assert (f"{option} org/absent is not a directory, and as a Hugging Face repo id it is not in the cache and "
+                "this machine is offline (HF_HUB_OFFLINE=1)") in bad.stderr and "Traceback" not in bad.stderr
+        assert no_leftovers(out)

@@ -109,16 +109,25 @@ def test_score_command_starts_ranks_for_a_parallel_layout(hf_models, tmp_path, m
     assert [json.loads(line)["num_tokens"] for line in lines] == list(range(len(records)))
 
 
-def test_transformers_backend_gives_the_same_numbers(hf_models, tmp_path, capsys):
-    """``--backend transformers`` (one process, for comparing against the Megatron path)."""
+def test_transformers_backend_gives_the_same_numbers(hf_models, tmp_path, capsys, monkeypatch):
+    """``--backend transformers`` (one process, for comparing against the Megatron path), the model given as a
+    Hugging Face repo id: its snapshot in huggingface_hub's cache (laid out here, read offline). A repo id not in
+    the cache is one sentence saying so."""
     from gspo_megatron import cli
+    from tests.model.hub_cache import cached_repo, offline_env
 
+    cached_repo(tmp_path / "hub", "org/qwen3", hf_models["qwen3"])
+    for name, value in offline_env(tmp_path / "hub").items():
+        monkeypatch.setenv(name, value)
     records = rank_checks.score_records_for_tests(128)
     _write_records(tmp_path / "in.jsonl", records)
-    assert cli.main(["score", "--model", str(hf_models["qwen3"]), "--input", str(tmp_path / "in.jsonl"),
+    assert cli.main(["score", "--model", "org/qwen3", "--input", str(tmp_path / "in.jsonl"),
                      "--backend", "transformers"]) == 0
     results = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert_agrees(results, transformers_loglik(hf_models["qwen3"], records))
+    assert cli.main(["score", "--model", "org/absent", "--input", str(tmp_path / "in.jsonl")]) == 2
+    assert ("gspo-megatron score: error: --model org/absent is not a directory, and as a Hugging Face repo id it is "
+            "not in the cache and this machine is offline (HF_HUB_OFFLINE=1)") in capsys.readouterr().err
 
 
 def test_score_command_rejects_bad_records_naming_line_and_field(hf_models, tmp_path):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -11,7 +10,8 @@ import torch.distributed as dist
 
 from gspo_megatron.model.bridge import Bridge
 from gspo_megatron.model.hf_config import load_config_json, read_hf_config, text_config
-from gspo_megatron.model import fp8
+from gspo_megatron.model import fp8, hub
+from gspo_megatron.model.errors import ModelNotFound
 from gspo_megatron.model.hf_files import is_quantized, open_hf_dir, plain_copy, quantized_copy
 from gspo_megatron.parallel import control
 from gspo_megatron.rewards import rewards, sandbox
@@ -19,7 +19,7 @@ from gspo_megatron.rewards.code_tests import parse_tests
 from gspo_megatron.rewards.reward_pool import RewardPool
 from gspo_megatron.rewards.synthetic import demonstration, make_problems, save_tiny_model, tiny_config
 from gspo_megatron.rewards.user_code import load_named
-from gspo_megatron.train.startup.config import Config, ConfigError, correction, is_repo_id
+from gspo_megatron.train.startup.config import Config, ConfigError, correction
 from gspo_megatron.train.startup.run_dirs import ENGINE_MODEL
 from gspo_megatron.train.startup.data import (LABEL_KEYS, PromptFormat, PromptStream, check_prompt_lengths,
                                               load_jsonl, task_prompts)
@@ -178,32 +178,16 @@ def _user_line(fn, error: BaseException) -> str:
     return f"{getattr(fn, '__qualname__', code.co_name)} is defined at {code.co_filename}:{code.co_firstlineno}"
 
 
-HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]  # config, weights, tokenizer
-
-
-def resolve_hub_model(cfg: Config, files: list[str] = HUB_FILES) -> None:
+def resolve_hub_model(cfg: Config, files: list[str] = hub.MODEL_FILES) -> None:
     """``model.hf_dir`` given as a Hugging Face repo id (``Qwen/Qwen3-30B-A3B``: nothing at that path, and no
-    ``model.tiny`` to build there) becomes its snapshot in huggingface_hub's cache, downloaded first when the
-    machine is online; offline (``HF_HUB_OFFLINE=1``) a model not in the cache is one sentence saying so."""
-    value = cfg.model.hf_dir
-    if not value or cfg.model.tiny or Path(value).exists() or not is_repo_id(value):
+    ``model.tiny`` to build there) becomes its snapshot in huggingface_hub's cache (``model.hub.resolve``, as
+    ``score --model`` and the converters' model directories are), downloaded first when the machine is online."""
+    if cfg.model.tiny:
         return
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
-
-    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
-    cache = os.environ.get("HF_HUB_CACHE") or None  # read now: huggingface_hub reads it once, at import
     try:
-        cfg.model.hf_dir = snapshot_download(value, allow_patterns=files, cache_dir=cache,
-                                             local_files_only=offline)
-    except LocalEntryNotFoundError:
-        where = "offline (HF_HUB_OFFLINE=1)" if offline else "unable to reach the Hugging Face Hub"
-        raise ConfigError(f"model.hf_dir={value!r} is not a directory, and as a Hugging Face repo id it is not in the "
-                          f"cache and this machine is {where}: download it where there is a network "
-                          f"(`huggingface-cli download {value}`, into the same HF_HOME) or give a local directory") from None
-    except (RepositoryNotFoundError, HfHubHTTPError) as e:
-        raise ConfigError(f"model.hf_dir={value!r} is neither a directory nor a Hugging Face repo the Hub serves "
-                          f"({type(e).__name__})") from None
+        cfg.model.hf_dir = hub.resolve(cfg.model.hf_dir, "model.hf_dir", files)
+    except ModelNotFound as e:
+        raise ConfigError(str(e)) from None
 
 
 def model_hf_config(cfg: Config) -> dict:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
-import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +22,7 @@ from typing import Any
 
 import yaml
 
+from gspo_megatron.model.hub import is_repo_id
 from gspo_megatron.algo.defaults import CORRECTION_HIGH, CORRECTION_LOW, GRPO_AGGREGATION, KL_ESTIMATOR, MAX_LOG_RATIO
 
 
@@ -688,11 +688,6 @@ def _read_yaml(file: Path) -> dict:
     if not isinstance(tree, dict):
         raise ConfigError(f"{file}: the top level must be a mapping of sections")
     return tree
-
-
-def is_repo_id(value: str) -> bool:
-    """``org/name`` as the Hugging Face Hub spells repo ids (not ``./x``, ``/x``, ``~/x`` or a deeper path)."""
-    return re.fullmatch(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*", value) is not None and ".." not in value
 
 
 def _relative_to(tree: dict, folder: Path) -> None:

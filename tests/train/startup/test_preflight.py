@@ -206,14 +206,11 @@ def test_a_hugging_face_repo_id_is_read_from_the_hub_cache_offline(model_dir, tm
     """model.hf_dir=org/name (on the command line or in a YAML), nothing of that name on disk: the snapshot in
     huggingface_hub's cache (a cache laid out here, offline: nothing can be downloaded), read as a directory is (its
     wrong tensor named at its snapshot path); a repo not in the cache is one sentence saying so."""
-    import shutil
+    from tests.model.hub_cache import cached_repo, offline_env
 
-    snapshot = tmp_path / "hub/models--org--tiny/snapshots/0123abc"
-    shutil.copytree(_wrong_shape(model_dir, tmp_path / "bad"), snapshot)
-    (tmp_path / "hub/models--org--tiny/refs").mkdir()
-    (tmp_path / "hub/models--org--tiny/refs/main").write_text("0123abc")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    snapshot = cached_repo(tmp_path / "hub", "org/tiny", _wrong_shape(model_dir, tmp_path / "bad"))
+    for name, value in offline_env(tmp_path / "hub").items():
+        monkeypatch.setenv(name, value)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "run.yaml").write_text("model:\n  hf_dir: org/tiny\ndata:\n  task: reverse\n")
     for args in (["train", EXAMPLE, "model.hf_dir=org/tiny", "model.tiny=null"], ["train", str(tmp_path / "run.yaml")]):
