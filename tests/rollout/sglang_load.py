@@ -1,7 +1,7 @@
 """SGLang's own model class built in-process on CPU, and its real ``load_weights`` fed our tensors; run as a script
 in a process of its own, with the CPU stand-ins on PYTHONPATH (``patches.sglang_cpu``), by
-``tests/rollout/test_deepseek_sglang_names.py``, ``test_gpt_oss_sglang_names.py`` and
-``test_minimax_m2_sglang_names.py``:
+``tests/rollout/test_deepseek_sglang_names.py``, ``test_gpt_oss_sglang_names.py``,
+``test_minimax_m2_sglang_names.py`` and ``test_glm5_sglang_names.py``:
 
     python -m tests.rollout.sglang_load MODEL_DIR LOADS.pt OUT.pt [MODEL_DIR LOADS.pt OUT.pt ...]
 
@@ -27,6 +27,7 @@ halves ``post_load_weights`` derives from ``kv_b_proj``) and ``warnings`` (what 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sys
@@ -40,6 +41,20 @@ from gspo_megatron.parallel.groups import free_port
 # SGLang refuses to build gpt-oss with the CPU's torch_native attention (it has neither sliding windows nor sinks);
 # no attention runs here, so the build names one it accepts.
 BUILD_ATTENTION = {"GptOssForCausalLM": "triton"}
+
+
+def _device_capability(config: dict):
+    """For a DeepSeek-sparse-attention model (GLM-5, DeepSeek-V3.2: ``index_topk``), a CUDA capability while the
+    server args resolve. SGLang 0.5.23's server-args hook (``arg_groups/model_hook.handle_model_specific_adjustments``)
+    asks ``torch.cuda.get_device_capability()`` for every DSA model on a non-NPU/XPU platform, to pick its KV-cache
+    dtype and attention backends: on a CPU that raises ("Torch not compiled with CUDA enabled") before anything is
+    built. Only the server args' resolution runs under it (the model's build and its loader run after, unpatched);
+    what it picks (a KV-cache dtype, backends) holds no weights."""
+    from unittest import mock
+
+    if "index_topk" not in config:
+        return contextlib.nullcontext()
+    return mock.patch("torch.cuda.get_device_capability", return_value=(9, 0))  # a Hopper's: its bf16 KV cache
 
 
 def build_model(model_dir: str):
@@ -59,7 +74,8 @@ def build_model(model_dir: str):
                       load_format="dummy", attention_backend=BUILD_ATTENTION.get(config["architectures"][0],
                                                                                  "torch_native"),
                       skip_tokenizer_init=True)
-    publish(args, role="scheduler", ranks=SpawnRanks(world_rank=0, dp_rank=None, gpu_id=0))  # the last one wins
+    with _device_capability(config):  # publish resolves the server args (``resolve_once``): their hooks run here
+        publish(args, role="scheduler", ranks=SpawnRanks(world_rank=0, dp_rank=None, gpu_id=0))  # the last one wins
     if not torch.distributed.is_initialized():
         init_distributed_environment(backend="gloo", world_size=1, rank=0, local_rank=0,
                                      distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
