@@ -70,10 +70,11 @@ def build_model(model_dir: str):
     # fp32 for exact comparisons; an FP8 checkpoint's layers run in bf16 (SGLang's Fp8Config refuses fp32)
     config = json.loads((Path(model_dir) / "config.json").read_text())
     quantized = "quantization_config" in config
+    # No request is served (no radix cache needed), and SGLang refuses a DeltaNet hybrid's radix cache on the CPU
     args = ServerArgs(model_path=model_dir, device="cpu", dtype="bfloat16" if quantized else "float32",
                       load_format="dummy", attention_backend=BUILD_ATTENTION.get(config["architectures"][0],
                                                                                  "torch_native"),
-                      skip_tokenizer_init=True)
+                      skip_tokenizer_init=True, disable_radix_cache=True)
     with _device_capability(config):  # publish resolves the server args (``resolve_once``): their hooks run here
         publish(args, role="scheduler", ranks=SpawnRanks(world_rank=0, dp_rank=None, gpu_id=0))  # the last one wins
     if not torch.distributed.is_initialized():
@@ -82,12 +83,14 @@ def build_model(model_dir: str):
         initialize_model_parallel()
     initialize_dp_attention(server_args=args)
     model_config = ModelConfig.from_server_args(args)
-    rope = model_config.hf_config.rope_parameters
+    hf_config = model_config.hf_config
+    rope = getattr(hf_config, "rope_parameters", None)
+    if rope is None:  # SGLang's own Qwen3NextConfig: rope_theta and rope_scaling (None: plain RoPE)
+        rope = hf_config.rope_parameters = {"rope_type": "default", "rope_theta": hf_config.rope_theta}
     if rope.get("rope_type", "default") == "default":
         # SGLang's CPU rope factory builds only DeepSeek's YaRN (get_rope_cpu asserts rope_scaling): plain RoPE as
         # YaRN of factor 1. RoPE holds no weights, so the parameters under test are unchanged.
-        rope.update(rope_type="yarn", factor=1.0, original_max_position_embeddings=model_config.hf_config
-                    .max_position_embeddings)
+        rope.update(rope_type="yarn", factor=1.0, original_max_position_embeddings=hf_config.max_position_embeddings)
     return get_model(model_config=model_config, load_config=LoadConfig(load_format="dummy"),
                      device_config=DeviceConfig(device="cpu"))
 
@@ -148,7 +151,7 @@ def run_load(model, model_dir: str, calls: list) -> dict:
         if topk is not None and topk.topk_config.correction_bias is not None:  # sigmoid routers
             out["routing_bias"][i] = topk.topk_config.correction_bias.detach().clone()
         for key in ("w_kc", "w_vc"):
-            if hasattr(layer.self_attn, key):  # MLA only
+            if hasattr(getattr(layer, "self_attn", None), key):  # MLA only (Qwen3-Next's layers hold no self_attn)
                 out[key][i] = getattr(layer.self_attn, key).detach().clone()
     return out
 
