@@ -373,9 +373,10 @@ def serving_config(config: dict) -> dict:
         head_dim = int(config.get("head_dim") or _int(config, "hidden_size") // _int(config, "num_attention_heads"))
         derived["rotary_dim"] = int(head_dim * _rotary_percent(config, family))
     out = {**family.serving_fields, **derived, **config}
-    # SGLang's own Qwen3NextConfig places its layers by full_attention_interval alone (the releases have it);
-    # transformers 5.19 saves layer_types instead, which SGLang cannot build from.
-    if out.get("model_type") == "qwen3_next" and "full_attention_interval" not in out:
+    # SGLang's own Qwen3NextConfig (Qwen3.5's text configs derive from it) places its layers by
+    # full_attention_interval alone (the releases have it); transformers 5.19 saves layer_types instead.
+    if out.get("model_type") in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text") \
+            and "full_attention_interval" not in out:
         full = [i for i, t in enumerate(out.get("layer_types") or []) if t == "full_attention"]
         if full and full == list(range(full[0], len(out["layer_types"]), full[0] + 1)):
             out["full_attention_interval"] = full[0] + 1

@@ -83,7 +83,7 @@ def build_model(model_dir: str):
         initialize_model_parallel()
     initialize_dp_attention(server_args=args)
     model_config = ModelConfig.from_server_args(args)
-    hf_config = model_config.hf_config
+    hf_config = getattr(model_config.hf_config, "text_config", model_config.hf_config)  # a wrapper's: its RoPE
     rope = getattr(hf_config, "rope_parameters", None)
     if rope is None:  # SGLang's own Qwen3NextConfig: rope_theta and rope_scaling (None: plain RoPE)
         rope = hf_config.rope_parameters = {"rope_type": "default", "rope_theta": hf_config.rope_theta}
