@@ -35,6 +35,7 @@ def plan(capsys, tmp_path, monkeypatch):
     ("examples/qwen3_5_35b_a3b/train.yaml", 2, "34.66B parameters (3.45B active)"),
     ("examples/qwen3_5_397b_a17b/train.yaml", 16, "396.35B parameters (17.35B active)"),
     ("examples/minimax_m2_230b/train.yaml", 8, "228.69B parameters (11.03B active)"),
+    ("examples/gpt_oss_120b/train.yaml", 4, "116.83B parameters (5.71B active)"),
 ])
 def test_cluster_examples_fit(plan, config, nodes, params):
     code, out, err = plan(config, "--nodes", str(nodes), "--gpus-per-node", "8")
@@ -115,6 +116,17 @@ def test_rollout_at_scale_tables_match_the_readme(capsys):
     rows = [line for line in out.splitlines() if line.startswith("| `")]
     assert len(rows) == 2 and all(row in readme for row in rows), out
     assert "| bf16, 256 MiB buckets | 1342 | 5000 | 29.8 s | 15.0 s | 0.9-2.3 s | **45.7-47.1 s** |" in out
+
+
+def test_gpt_oss_120b_does_not_fit_one_h100_node(plan):
+    """gpt-oss-120b's full-parameter state (bf16 weights, fp32 gradients, Adam: 18 B x 116.8B = 2.1 TB) is over three
+    times one node's 640 GB: refused on one node with no single change that fits, and at 2 nodes; 4 fit (above)."""
+    code, out, err = plan("examples/gpt_oss_120b/train.yaml", "--nodes", "1", "--gpus-per-node", "8",
+                          "parallel.tensor=1", "parallel.expert=8")
+    assert code == 1 and "DOES NOT FIT" in out and "no single change" in err, out + err
+    code, out, err = plan("examples/gpt_oss_120b/train.yaml", "--nodes", "2", "--gpus-per-node", "8",
+                          "parallel.expert=16")
+    assert code == 1 and "DOES NOT FIT" in out, out + err
 
 
 def test_qwen3_5_sizes_one_node_and_recompute(plan):
