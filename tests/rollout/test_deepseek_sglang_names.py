@@ -54,6 +54,33 @@ def assert_loaded_equal(result: dict, expected: dict[str, torch.Tensor], vocab_s
     assert not result["warnings"], result["warnings"]
 
 
+def export_and_load(work: Path, variant: str, seed: int) -> dict:
+    """One tiny ``variant`` (hf_tiny.save_variant) converted and exported on one rank, then loaded by SGLang's own
+    model class in a process of its own (tests/rollout/sglang_load.py): the export as one call, the weight-sync
+    stream one tensor per call. -> config, stream, buckets, exported, and SGLang's load results."""
+    require_sglang()
+    from gspo_megatron.model.hf_files import SafetensorsDir
+    from gspo_megatron.parallel.groups import Layout
+    from gspo_megatron.parallel.launch import run_on_ranks
+    from gspo_megatron.rollout.server import node_env
+    from gspo_megatron.rollout.weight_sync import buckets
+
+    hf_dir = hf_tiny.save_variant(variant, work, seed=seed)
+    export_dir = work / "export"
+    ((stream,),) = run_on_ranks(_convert_and_stream, 1, Layout(), [(str(hf_dir), str(work / "megatron"),
+                                                                     str(export_dir))], timeout=300)
+    files = SafetensorsDir(export_dir)
+    loads = {"export": ["files"], "sync": list(buckets(stream, bucket_bytes=1))}
+    torch.save(loads, work / "loads.pt")
+    run = subprocess.run([sys.executable, "-m", "tests.rollout.sglang_load", str(export_dir), str(work / "loads.pt"),
+                          str(work / "sglang.pt")], cwd=REPO, env=node_env("cpu"), capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return dict(config=json.loads((export_dir / "config.json").read_text()), stream=dict(stream), buckets=loads["sync"],
+                exported={name: files.read(name) for name in files.shapes()},
+                sglang=torch.load(work / "sglang.pt", weights_only=False))
+
+
 def _convert_and_stream(dirs: list[tuple[str, str, str]]) -> list[list]:
     """On one rank, per (hf_dir, megatron_dir, export_dir): conversion's export to ``export_dir``, and the policy's
     weight-sync stream (name, tensor)."""

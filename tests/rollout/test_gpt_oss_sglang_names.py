@@ -17,20 +17,10 @@ reads them so), ``w2_weight`` = ``down_proj`` transposed, the biases as stacked.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-from tests.model import hf_tiny
-
-from .helpers import require_sglang
-from .test_deepseek_sglang_names import _convert_and_stream, assert_loaded_equal
-
-REPO = Path(__file__).resolve().parents[2]
+from .test_deepseek_sglang_names import assert_loaded_equal, export_and_load
 
 
 def expected_params(named: dict[str, torch.Tensor], layers: int) -> dict[str, torch.Tensor]:
@@ -56,28 +46,7 @@ def expected_params(named: dict[str, torch.Tensor], layers: int) -> dict[str, to
 
 @pytest.fixture(scope="module")
 def loaded(tmp_path_factory):
-    require_sglang()
-    from gspo_megatron.model.hf_files import SafetensorsDir
-    from gspo_megatron.parallel.groups import Layout
-    from gspo_megatron.parallel.launch import run_on_ranks
-    from gspo_megatron.rollout.server import node_env
-    from gspo_megatron.rollout.weight_sync import buckets
-
-    work = tmp_path_factory.mktemp("gpt_oss")
-    hf_dir = hf_tiny.save_variant("gpt_oss", work, seed=13)
-    export_dir = work / "export"
-    ((stream,),) = run_on_ranks(_convert_and_stream, 1, Layout(), [(str(hf_dir), str(work / "megatron"),
-                                                                     str(export_dir))], timeout=300)
-    files = SafetensorsDir(export_dir)
-    loads = {"export": ["files"], "sync": list(buckets(stream, bucket_bytes=1))}
-    torch.save(loads, work / "loads.pt")
-    run = subprocess.run([sys.executable, "-m", "tests.rollout.sglang_load", str(export_dir), str(work / "loads.pt"),
-                          str(work / "sglang.pt")], cwd=REPO, env=node_env("cpu"), capture_output=True, text=True,
-                         timeout=300)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    return dict(config=json.loads((export_dir / "config.json").read_text()), stream=dict(stream), buckets=loads["sync"],
-                exported={name: files.read(name) for name in files.shapes()},
-                sglang=torch.load(work / "sglang.pt", weights_only=False))
+    return export_and_load(tmp_path_factory.mktemp("gpt_oss"), "gpt_oss", seed=13)
 
 
 @pytest.mark.megatron  # converts and builds the Megatron policy

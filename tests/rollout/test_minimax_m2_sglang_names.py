@@ -11,20 +11,10 @@ top-k routes with. The export's config.json carries the fields SGLang's class re
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-from tests.model import hf_tiny
-
-from .helpers import require_sglang
-from .test_deepseek_sglang_names import VOCAB_PARAMS, _convert_and_stream
-
-REPO = Path(__file__).resolve().parents[2]
+from .test_deepseek_sglang_names import assert_loaded_equal, export_and_load
 
 
 def expected_params(named: dict[str, torch.Tensor], layers: int, experts: int) -> dict[str, torch.Tensor]:
@@ -48,28 +38,7 @@ def expected_params(named: dict[str, torch.Tensor], layers: int, experts: int) -
 
 @pytest.fixture(scope="module")
 def loaded(tmp_path_factory):
-    require_sglang()
-    from gspo_megatron.model.hf_files import SafetensorsDir
-    from gspo_megatron.parallel.groups import Layout
-    from gspo_megatron.parallel.launch import run_on_ranks
-    from gspo_megatron.rollout.server import node_env
-    from gspo_megatron.rollout.weight_sync import buckets
-
-    work = tmp_path_factory.mktemp("minimax_m2")
-    hf_dir = hf_tiny.save_variant("minimax_m2", work, seed=17)
-    export_dir = work / "export"
-    ((stream,),) = run_on_ranks(_convert_and_stream, 1, Layout(), [(str(hf_dir), str(work / "megatron"),
-                                                                     str(export_dir))], timeout=300)
-    files = SafetensorsDir(export_dir)
-    loads = {"export": ["files"], "sync": list(buckets(stream, bucket_bytes=1))}
-    torch.save(loads, work / "loads.pt")
-    run = subprocess.run([sys.executable, "-m", "tests.rollout.sglang_load", str(export_dir), str(work / "loads.pt"),
-                          str(work / "sglang.pt")], cwd=REPO, env=node_env("cpu"), capture_output=True, text=True,
-                         timeout=300)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    return dict(config=json.loads((export_dir / "config.json").read_text()), stream=dict(stream), buckets=loads["sync"],
-                exported={name: files.read(name) for name in files.shapes()},
-                sglang=torch.load(work / "sglang.pt", weights_only=False))
+    return export_and_load(tmp_path_factory.mktemp("minimax_m2"), "minimax_m2", seed=17)
 
 
 @pytest.mark.megatron  # converts and builds the Megatron policy
@@ -81,15 +50,7 @@ def test_sglang_loads_every_minimax_m2_tensor_we_send(loaded, source):
     assert config["use_routing_bias"] and config["use_qk_norm"] and config["rotary_dim"] == config["head_dim"] // 2
     assert source == "export" or len(loaded["buckets"]) == len(named)  # every tensor a call of its own
     expected = expected_params(named, config["num_hidden_layers"], config["num_local_experts"])
-    params = result["params"]
-    assert set(params) == set(expected), (sorted(set(params) - set(expected)), sorted(set(expected) - set(params)))
-    unwritten = [name for name, p in params.items() if p.isnan().any()]
-    assert not unwritten, f"SGLang parameters {source} left (partly) unwritten: {unwritten}"
-    params = {name: p[: config["vocab_size"]] if name in VOCAB_PARAMS else p for name, p in params.items()}
-    wrong = {name: (tuple(p.shape), tuple(expected[name].shape)) for name, p in params.items()
-             if p.shape != expected[name].shape or not torch.equal(p, expected[name])}
-    assert not wrong, wrong
-    assert not result["warnings"], result["warnings"]
+    assert_loaded_equal(result, expected, config["vocab_size"], source)
     for i in range(config["num_hidden_layers"]):  # the bias its top-k routes with: ours, in fp32
         bias = named[f"model.layers.{i}.block_sparse_moe.e_score_correction_bias"]
         assert bias.dtype == torch.float32 and torch.equal(result["routing_bias"][i], bias), i
