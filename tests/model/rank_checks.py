@@ -271,6 +271,31 @@ SCORE_LAYOUTS = {  # (on the Megatron checkpoint, on the HF directory)
 }
 
 
+def quantized_round_trip_case(quantized: str, megatron_dir: str, back: str) -> list:
+    """A quantized checkpoint (block FP8, MXFP4) converted to Megatron and back at world 1, then scored on this rank
+    from the quantized directory itself (the tests compare ``back`` and the scores with its dequantized twin)."""
+    from gspo_megatron.model.convert import hf_to_megatron, megatron_to_hf
+    from gspo_megatron.model.hf_config import read_hf_config
+    from gspo_megatron.score import score_on_this_rank
+
+    hf_to_megatron(quantized, megatron_dir, Layout())
+    megatron_to_hf(megatron_dir, back, None, Layout())
+    return score_on_this_rank(quantized, score_records_for_tests(read_hf_config(quantized).vocab_size), Layout(), 2,
+                              None)
+
+
+def assert_export_is_dequantized_twin(back: Path, twin: Path) -> None:
+    """The quantized checkpoint's round trip ``back`` is its dequantized ``twin`` bit for bit, with no
+    quantization_config left (exports are in the dequantized dtype)."""
+    from gspo_megatron.model.hf_files import SafetensorsDir
+
+    exported, plain = SafetensorsDir(back), SafetensorsDir(twin)
+    assert exported.shapes() == plain.shapes()
+    for name in plain.shapes():
+        assert hf_tiny.same_bits(exported.read(name), plain.read(name)), name
+    assert "quantization_config" not in json.loads((Path(back) / "config.json").read_text())
+
+
 def score_records_for_tests(vocab_size: int):
     """Prompts of 1-6 tokens, responses of 0-9 tokens (one empty), 7 records: micro batches of 2 with a pad row."""
     from gspo_megatron.score import Record

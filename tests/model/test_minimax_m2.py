@@ -23,7 +23,7 @@ from gspo_megatron.model.errors import UnsupportedModel
 from gspo_megatron.model.hf_config import read_hf_config, serving_config
 from gspo_megatron.model.hf_files import SafetensorsDir, open_hf_dir
 from gspo_megatron.parallel.groups import Layout
-from tests.model import hf_tiny
+from tests.model import hf_tiny, rank_checks
 
 MATTERS = 1e-2  # a feature the tiny model exercises moves its logits by more than this
 BLOCK = (16, 12)  # partial edge blocks on the tiny shapes (32 x 32, 64 x 32, 16 x 32, 32 x 16)
@@ -138,17 +138,6 @@ def test_fp8_weights_read_dequantized(fp8_models, hf_models):
     assert 0 < error < 0.1, f"the quantization is not a quantization of the model ({error:.3f})"
 
 
-def _convert_and_score(quantized: str, megatron_dir: str, back: str) -> list:
-    from gspo_megatron.model.convert import hf_to_megatron, megatron_to_hf
-    from gspo_megatron.score import score_on_this_rank
-    from tests.model.rank_checks import score_records_for_tests
-
-    hf_to_megatron(quantized, megatron_dir, Layout())
-    megatron_to_hf(megatron_dir, back, None, Layout())
-    return score_on_this_rank(quantized, score_records_for_tests(read_hf_config(quantized).vocab_size), Layout(), 2,
-                              None)
-
-
 @pytest.mark.megatron
 def test_fp8_checkpoint_converts_and_scores_as_transformers_on_its_dequantized_twin(fp8_models, tmp_path):
     from gspo_megatron.parallel.launch import run_on_ranks
@@ -157,11 +146,7 @@ def test_fp8_checkpoint_converts_and_scores_as_transformers_on_its_dequantized_t
 
     quantized, twin = fp8_models
     back = tmp_path / "back"
-    (scores,) = run_on_ranks(_convert_and_score, 1, Layout(), str(quantized), str(tmp_path / "megatron"), str(back),
+    (scores,) = run_on_ranks(rank_checks.quantized_round_trip_case, 1, Layout(), str(quantized), str(tmp_path / "megatron"), str(back),
                              timeout=300)
-    exported, plain = SafetensorsDir(back), SafetensorsDir(twin)
-    assert exported.shapes() == plain.shapes()
-    for name in plain.shapes():
-        assert hf_tiny.same_bits(exported.read(name), plain.read(name)), name
-    assert "quantization_config" not in json.loads((back / "config.json").read_text())
+    rank_checks.assert_export_is_dequantized_twin(back, twin)
     assert_agrees(scores, transformers_loglik(twin, score_records_for_tests(read_hf_config(twin).vocab_size)))
