@@ -271,6 +271,25 @@ SCORE_LAYOUTS = {  # (on the Megatron checkpoint, on the HF directory)
 }
 
 
+def assert_bridge_layout(results, key: tuple, atol: float, attention_class: str, names: set[str]) -> None:
+    """A ``bridge_case`` result under one layout: logits within ``atol`` of transformers', every rank's export and
+    weight-sync export bit for bit with export_names() agreeing, ``attention_class`` built, and the ranks' exports
+    together exactly ``names`` (split between the stages under PP2, whole on every rank otherwise)."""
+    kind = key[-1]
+    per_rank = result(results, key)
+    diffs = [r["logits_diff"] for r in per_rank if "logits_diff" in r]
+    assert diffs and max(diffs) <= atol, f"{kind}: logits differ by {max(diffs):.2e} > {atol}"
+    for rank, r in enumerate(per_rank):
+        assert not r["not_bitwise"] and not r["to_sender_not_bitwise"], (kind, rank, r["not_bitwise"])
+        assert r["export_names_match"] and r["attention_class"] == attention_class, (kind, rank)
+        assert r["to_sender"] == (r["exported"] if r["sender"] else []), (kind, rank)
+    exported = [set(r["exported"]) for r in per_rank]
+    if kind == "pp2":
+        assert exported[0].isdisjoint(exported[1]) and exported[0] | exported[1] == names, kind
+    else:
+        assert all(e == names for e in exported), kind
+
+
 def quantized_round_trip_case(quantized: str, megatron_dir: str, back: str) -> list:
     """A quantized checkpoint (block FP8, MXFP4) converted to Megatron and back at world 1, then scored on this rank
     from the quantized directory itself (the tests compare ``back`` and the scores with its dequantized twin)."""

@@ -182,18 +182,7 @@ def test_logits_equal_transformers_and_export_is_bitwise(variant, dsa_models, ds
     names = set(SafetensorsDir(dsa_models[variant]).shapes())
     assert sum(INDEXER in n for n in names) == 2 * 5  # wq_b, wk, k_norm weight and bias, weights_proj per layer
     for kind in BRIDGE_LAYOUTS:
-        per_rank = rank_checks.result(results, ("bridge", variant, kind))
-        diffs = [r["logits_diff"] for r in per_rank if "logits_diff" in r]
-        assert diffs and max(diffs) <= ATOL, f"{kind}: logits differ by {max(diffs):.2e} > {ATOL}"
-        for rank, r in enumerate(per_rank):
-            assert not r["not_bitwise"] and not r["to_sender_not_bitwise"], (kind, rank, r["not_bitwise"])
-            assert r["export_names_match"] and r["attention_class"] == "AbsorbedMLASelfAttention", (kind, rank)
-            assert r["to_sender"] == (r["exported"] if r["sender"] else []), (kind, rank)
-        exported = [set(r["exported"]) for r in per_rank]
-        if kind == "pp2":
-            assert exported[0].isdisjoint(exported[1]) and exported[0] | exported[1] == names, kind
-        else:
-            assert all(e == names for e in exported), kind
+        rank_checks.assert_bridge_layout(results, ("bridge", variant, kind), ATOL, "AbsorbedMLASelfAttention", names)
     flipped = [r["logits_diff"] for r in rank_checks.result(results, ("bridge", variant, "rope_flipped"))]
     assert min(flipped) > MATTERS, f"the indexer's RoPE layout does not matter ({min(flipped):.1e})"
 

@@ -265,18 +265,7 @@ def test_logits_equal_transformers_and_export_is_bitwise(variant, hybrid_models,
     trained = {n for n in names if not mapping.is_carried(spec, n)}
     kinds = BRIDGE_LAYOUTS if variant in MOES else DENSE_LAYOUTS
     for kind in kinds:
-        per_rank = rank_checks.result(results, ("bridge", variant, kind))
-        diffs = [r["logits_diff"] for r in per_rank if "logits_diff" in r]
-        assert diffs and max(diffs) <= ATOL, f"{kind}: logits differ by {max(diffs):.2e} > {ATOL}"
-        for rank, r in enumerate(per_rank):
-            assert not r["not_bitwise"] and not r["to_sender_not_bitwise"], (kind, rank, r["not_bitwise"])
-            assert r["export_names_match"] and r["attention_class"] == "PackedGatedDeltaNet", (kind, rank)
-            assert r["to_sender"] == (r["exported"] if r["sender"] else []), (kind, rank)
-        exported = [set(r["exported"]) for r in per_rank]
-        if kind == "pp2":
-            assert exported[0].isdisjoint(exported[1]) and exported[0] | exported[1] == trained, kind
-        else:
-            assert all(e == trained for e in exported), kind
+        rank_checks.assert_bridge_layout(results, ("bridge", variant, kind), ATOL, "PackedGatedDeltaNet", trained)
 
 
 @pytest.mark.megatron  # converts through Megatron models
