@@ -9,12 +9,20 @@ of that step (``latest``), stop the servers and exit 0; ``--resume`` continues e
 (the step's weights, optimizer, RNG and data position are in the checkpoint). A second signal on the same rank
 exits at once (``SystemExit``: the loop's ``finally`` still stops the servers it launched; SGLang servers run in
 sessions of their own and reward workers ignore these signals, so Ctrl-C reaches only the trainer).
+
+Two ways a second Ctrl-C used to hang the run instead (both while megatron's async checkpoint writer forks its
+workers): a forked child inherits this handler, so a worker got the second SIGINT, exited, and the trainer waited on
+its queue forever; and a signal handled inside a fork callback raises its ``SystemExit`` where Python only prints
+it ("Exception ignored in ..."), so the trainer went on. Forked children now ignore these signals (the trainer decides;
+a writer finishes its piece), and a swallowed exit is delivered again.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
+import threading
 
 import torch
 import torch.distributed as dist
@@ -23,6 +31,7 @@ from gspo_megatron.parallel import control
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 _requested: int | None = None  # the signal this rank got first
+_hooks_installed = False
 
 
 def describe(signum: int) -> str:
@@ -41,14 +50,35 @@ def _handler(signum, frame) -> None:
           f"({again} to stop at once)", file=sys.stderr, flush=True)
 
 
+def _forked_child_ignores_stops() -> None:
+    for number in SIGNALS:
+        signal.signal(number, signal.SIG_IGN)
+
+
+def _deliver_swallowed_exit_again(unraisable, previous=sys.unraisablehook) -> None:
+    """A second signal's ``SystemExit`` raised where Python cannot raise (a fork callback, ``__del__``) is only
+    printed; send the signal again once the main thread is out of there (a moment later, from another thread: raised
+    from this hook, it would be swallowed too), so the handler raises it where it propagates."""
+    previous(unraisable)
+    exit_code = getattr(unraisable.exc_value, "code", None)
+    if (_requested is not None and isinstance(unraisable.exc_value, SystemExit) and isinstance(exit_code, int)
+            and exit_code - 128 in SIGNALS):
+        threading.Timer(0.05, os.kill, (os.getpid(), exit_code - 128)).start()
+
+
 def install() -> None:
     """Catch SIGTERM, SIGUSR1 and SIGINT (Ctrl-C: a terminal sends it to the whole process group, every rank) in this
     process from now on (main thread only). A SIGINT this process was started ignoring (a background job: ``&`` in a
-    script, nohup) stays ignored."""
+    script, nohup) stays ignored. Children this process forks ignore all three."""
+    global _hooks_installed
     for number in SIGNALS:
         if number == signal.SIGINT and signal.getsignal(number) == signal.SIG_IGN:
             continue
         signal.signal(number, _handler)
+    if not _hooks_installed:
+        os.register_at_fork(after_in_child=_forked_child_ignores_stops)
+        sys.unraisablehook = _deliver_swallowed_exit_again
+        _hooks_installed = True
 
 
 def requested() -> int | None:

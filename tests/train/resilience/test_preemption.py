@@ -174,3 +174,43 @@ def test_a_process_started_ignoring_ctrl_c_keeps_ignoring_it():
         out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env(), capture_output=True, text=True,
                              timeout=120, preexec_fn=start)
         assert out.stdout.split() == expected.split(), out.stderr[-2000:]
+
+
+def _run_python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env(), capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_a_forked_child_ignores_ctrl_c_and_leaves_the_decision_to_the_trainer():
+    """Megatron's async checkpoint writer forks its workers while the trainer saves; a Ctrl-C (to the whole group)
+    that killed a worker left the trainer waiting on the worker's queue forever (a CI run hung on it). A child forked after
+    ``install`` ignores SIGINT, SIGTERM and SIGUSR1; the trainer itself still catches them."""
+    code = ("import os, signal, time; from gspo_megatron.train.resilience import preemption; preemption.install()\n"
+            "child = os.fork()\n"
+            "if child == 0:\n"
+            "    for number in (signal.SIGINT, signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):\n"
+            "        os.kill(os.getpid(), number); time.sleep(0.05)\n"
+            "    os._exit(7)\n"
+            "print(os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]), signal.getsignal(signal.SIGINT) is "
+            "preemption._handler)")
+    out = _run_python(code)
+    assert out.stdout.split() == ["7", "True"], out.stderr[-2000:]
+
+
+def test_a_second_ctrl_c_swallowed_where_python_cannot_raise_still_stops_the_run():
+    """A second Ctrl-C handled inside a ``__del__`` or a fork callback raises its ``SystemExit`` where Python only
+    prints it ("Exception ignored in"); the signal is delivered again and stops the process (130) right after, not
+    at the end of the step."""
+    code = ("import signal, time; from gspo_megatron.train.resilience import preemption; preemption.install()\n"
+            "signal.raise_signal(signal.SIGINT)\n"  # the first: finish the step
+            "class Finalized:\n"
+            "    def __del__(self):\n"
+            "        signal.raise_signal(signal.SIGINT)\n"  # the second, handled inside __del__
+            "        sum(range(100))\n"
+            "Finalized()\n"
+            "time.sleep(5)\n"  # the rest of the step
+            "print('went on')")
+    out = _run_python(code)
+    assert out.returncode == 128 + signal.SIGINT and "went on" not in out.stdout, (out.stdout, out.stderr[-2000:])
+    assert "Exception ignored in" in out.stderr  # the swallowed one, then the delivered one
+    assert out.stderr.count("Ctrl-C (SIGINT) again: stopping now") == 2
