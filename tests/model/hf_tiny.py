@@ -95,7 +95,7 @@ _NO_DENSE_MLP = {k: v for k, v in _HYBRID_TEXT.items() if k != "intermediate_siz
 _MROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 0],
           "mrope_interleaved": True}
 _VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=4,
-               num_position_embeddings=16)
+               num_position_embeddings=64, deepstack_visual_indexes=[])
 _MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24)
 HYBRID_VARIANTS: dict[str, tuple[str, dict]] = {
     # as Qwen3.5-MoE's releases: no intermediate_size (no dense MLP)

@@ -14,8 +14,12 @@ the stream has none.
 The export's config.json carries ``full_attention_interval`` (``hf_config.serving_config``): SGLang's own
 ``Qwen3NextConfig`` places its layers by it alone (Qwen3.5's text configs derive from it: in its ``text_config``).
 
-Qwen3.5-MoE's vision tower (carried, not trained) is left out of both loads and the comparison: SGLang builds the
-tiny's with a 64-row ``pos_embed`` (ours 16) and deepstack mergers the tiny lacks, not examined yet.
+Qwen3.5-MoE's vision tower (carried, not trained) is in the export and must load whole too: ``model.visual.*`` as
+SGLang's ``visual.*``, its attention's ``qkv`` as ``qkv_proj``. The tiny's vision config is the releases' shape:
+``deepstack_visual_indexes: []`` (absent, SGLang's Qwen3-VL default builds three deepstack mergers no Qwen3.5
+checkpoint has) and 64 position embeddings (SGLang pads ``pos_embed``'s rows to a multiple of 64, as the releases'
+2304 already are). The weight sync sends the language model only, so the servers keep the vision tower they started
+with.
 """
 
 from __future__ import annotations
@@ -72,6 +76,9 @@ def expected_params(named: dict[str, torch.Tensor], layers: int, experts: int) -
                                                          for e in range(experts)])
         out[f"{ours}.experts.w2_weight"] = torch.stack(take(*(f"{moe}.experts.{e}.down_proj.weight"
                                                                for e in range(experts))))
+    # the vision tower one level up, its attention's qkv as SGLang's qkv_proj (SGLang's Qwen3_VisionBlock)
+    for name in [name for name in named if name.startswith(VISION)]:
+        out[name.removeprefix("model.").replace(".attn.qkv.", ".attn.qkv_proj.")] = take(name)[0]
     # the rest as they are, a wrapper's language model under model. (SGLang's Qwen3_5MoeForConditionalGeneration)
     out.update((name.replace("model.language_model.", "model."), tensor) for name, tensor in named.items()
                if name not in used)
@@ -98,10 +105,8 @@ def loaded(tmp_path_factory):
     for variant, stream in zip(VARIANTS, streams):
         export_dir = work[variant] / "export"
         files = SafetensorsDir(export_dir)
-        exported = {name: files.read(name) for name in files.shapes() if not name.startswith(VISION)}
-        # Qwen3.5-MoE's vision tower (carried, not trained) is left out: see the module's docstring
-        export = ["files"] if len(exported) == len(files.shapes()) else [list(exported.items())]
-        loads = {"export": export, "sync": list(buckets(stream, bucket_bytes=1))}
+        exported = {name: files.read(name) for name in files.shapes()}
+        loads = {"export": ["files"], "sync": list(buckets(stream, bucket_bytes=1))}
         torch.save(loads, work[variant] / "loads.pt")
         args += [str(export_dir), str(work[variant] / "loads.pt"), str(work[variant] / "sglang.pt")]
         out[variant] = dict(config=text_config(json.loads((export_dir / "config.json").read_text())),
@@ -126,7 +131,10 @@ def test_sglang_loads_every_tensor_we_send(loaded, variant, source):
     assert source == "export" or len(case["buckets"]) == len(named)  # every tensor a call of its own
     expected, dropped = expected_params(named, config["num_hidden_layers"], config["num_experts"])
     assert bool(dropped) == (source == "export")  # the MTP layer: carried by the export, not in the policy
-    result = {**result, "params": {n: p for n, p in result["params"].items() if not n.startswith("visual.")}}
+    vision = [n for n in result["params"] if n.startswith("visual.")]
+    assert bool(vision) == (variant == "qwen3_5_moe")
+    if source == "sync":  # the language model only: the vision tower is not trained, so not synced (left NaN here)
+        result = {**result, "params": {n: p for n, p in result["params"].items() if n not in vision}}
     assert_loaded_equal(result, expected, config["vocab_size"], source)
     print(f"{variant} {source}: {len(named) - len(dropped)} names -> {len(result['params'])} SGLang parameters, "
           f"max diff 0.0, {len(dropped)} MTP names dropped by design")
@@ -136,5 +144,5 @@ def test_sglang_loads_every_tensor_we_send(loaded, variant, source):
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_the_sync_sends_the_exports_names(loaded, variant):
     stream = loaded[variant]["stream"]
-    exported = {n: t for n, t in loaded[variant]["exported"].items() if not n.startswith("mtp.")}
+    exported = {n: t for n, t in loaded[variant]["exported"].items() if not n.startswith(("mtp.", VISION))}
     assert sorted(stream) == sorted(exported) and all(torch.equal(stream[n], exported[n]) for n in exported)
