@@ -133,7 +133,8 @@ def test_gpt_oss_120b_does_not_fit_one_h100_node(plan):
 def test_gpt_oss_120b_fits_one_h100_node_with_the_optimizer_in_host_memory(plan):
     """train_one_node.yaml: the optimizer state in host memory and bf16 gradients leave 4 B per parameter on the GPUs
     (65.0 GiB per GPU at TP 4 x EP 8) and need 1805 GiB of a DGX H100's 2048 GiB per node; a node with 1 TiB is
-    refused by its host memory, naming it. Without them the same layout needs 265.5 GiB per GPU, and the refusal names them."""
+    refused by its host memory, naming it. Without them the same layout needs 265.5 GiB per GPU, and the refusal
+    names them."""
     one_node = ("examples/gpt_oss_120b/train_one_node.yaml", "--nodes", "1", "--gpus-per-node", "8")
     code, out, err = plan(*one_node)
     assert code == 0, err

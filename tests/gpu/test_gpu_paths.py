@@ -114,7 +114,8 @@ def test_offloaded_optimizer_step_equals_the_step_on_the_gpu(runs):
             assert rel(run["loss"], plain["loss"]) <= 1e-6, (dtype, fraction)
             # megatron's norm over the hybrid optimizer's bf16 gradients is a bf16 norm per tensor (2^-8)
             norm_rtol = 1e-5 if dtype == "fp32" else 1e-2
-            assert rel(run["grad_norm"], plain["grad_norm"]) <= norm_rtol and plain["grad_norm"] > 0.05, (dtype, fraction)
+            assert plain["grad_norm"] > 0.05, dtype  # clipped (clip_grad 0.05)
+            assert rel(run["grad_norm"], plain["grad_norm"]) <= norm_rtol, (dtype, fraction)
             if dtype == "fp32":
                 scale = max(step.abs().max().item() for step in plain["step"].values())
                 diff = max((run["step"][k] - plain["step"][k]).abs().max().item() for k in plain["step"])

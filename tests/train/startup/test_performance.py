@@ -10,11 +10,11 @@ loss and gradient norm of each step and every parameter after both steps equal t
   relative, fp64 routing within 1e-5 (the router's logits round differently);
 - the bias/SwiGLU and residual fusions (torch.compile'd on CPU too): within 1e-6;
 - DDP's overlapped gradient reduction, and the distributed optimizer's overlapped parameter all-gather (against
-  the distributed optimizer without it): within 1e-6;
+  the distributed optimizer without it): within 1e-6. With the overlapped all-gather the parameters after a step
+  are stale until the next forward or ``performance.params_current`` (checked: weight sync and checkpoints call it);
 - bf16 gradient buffers (``optimizer.grad_reduce_in_fp32=false``: megatron's main_grad in bf16) against fp32 ones, in
   bf16 training with the distributed optimizer: the first step's loss identical, gradient norms and the parameters
-  after both steps within 1e-2 relative (micro batches accumulate and ranks reduce in bf16). With the overlapped all-gather the parameters after a step
-  are stale until the next forward or ``performance.params_current`` (checked: weight sync and checkpoints call it).
+  after both steps within 1e-2 relative (micro batches accumulate and ranks reduce in bf16).
 
 The TE/CUDA/apex-only options cannot run here: they are checked to reach megatron's config on a machine that has
 them in the GPU check; here a ``true`` is a named ConfigError and ``null`` resolves to off.
