@@ -15,9 +15,10 @@
 #                                  torch backend's step; the weight sync into an in-process receiver (bytes/s)
 #   tests/gpu/test_gpu_paths.py    a tiny Qwen3-MoE's log-prob pass and clipped update step on the GPU equal to the
 #                                  CPU's (fp32, TF32 off), every parameter and result where it should be, a bf16
-#                                  step, `score` against transformers, packed rows against padded, the trainer for
-#                                  two steps on NCCL with the local engine (TE's grouped GEMM and fusions: skipped
-#                                  without TransformerEngine)
+#                                  step, `score` against transformers, packed rows against padded, the optimizer
+#                                  state in host memory (optimizer.offload_fraction 1 and 0.5) against the same
+#                                  step without offload, the trainer for two steps on NCCL with the local engine
+#                                  (TE's grouped GEMM and fusions: skipped without TransformerEngine)
 #   tests/gpu/test_gpu_deltanet.py a tiny Qwen3.5-MoE (gated-DeltaNet hybrid) with megatron's GatedDeltaNet on fla's
 #                                  Triton kernels: fp32 log-prob pass and clipped step equal the CPU's torch rule's,
 #                                  a bf16 step finite and close (skipped without fla's carried wheels)

@@ -17,7 +17,7 @@ import sys
 def _train(args) -> int:
     from gspo_megatron.train.startup.bootstrap import model_hf_config, resolve_hub_model
     from gspo_megatron.train.startup.config import load_config
-    from gspo_megatron.train.startup.validate import validate, validate_megatron
+    from gspo_megatron.train.startup.validate import validate, validate_machine, validate_megatron
 
     cfg = load_config(args.config, args.overrides)
     resolve_hub_model(cfg)  # model.hf_dir=Qwen/Qwen3-30B-A3B: its snapshot in huggingface_hub's cache
@@ -25,6 +25,7 @@ def _train(args) -> int:
     hf = model_hf_config(cfg)
     validate(cfg, int(os.environ.get("WORLD_SIZE", "1")), hf)
     validate_megatron(hf)
+    validate_machine(cfg)
     # Output dirs: writable, and never a used one without --resume (before anything is built or written).
     from gspo_megatron.train.resilience import elastic
     from gspo_megatron.train.startup.run_dirs import check_run_dirs
@@ -86,17 +87,22 @@ def _plan(args) -> int:
         raise ConfigError(f"--nodes {args.nodes} needs --gpus-per-node (the world is nodes x GPUs per node)")
     if args.gpu_memory_gib <= 0:
         raise ConfigError(f"--gpu-memory-gib {args.gpu_memory_gib:g} must be a positive number of GiB")
+    if args.host_memory_gib <= 0:
+        raise ConfigError(f"--host-memory-gib {args.host_memory_gib:g} must be a positive number of GiB")
     cfg = load_config(args.config, args.overrides)
     resolve_hub_model(cfg, ["config.json"])  # a Hub repo id: its config is all a plan reads
     world = (args.nodes or 1) * args.gpus_per_node if args.gpus_per_node else int(os.environ.get("WORLD_SIZE", "1"))
-    print(format_plan(cfg, world, args.gpu_memory_gib, impl=args.layer_spec))
-    if fits(cfg, world, args.gpu_memory_gib, impl=args.layer_spec):
+    node = {"gpus_per_node": args.gpus_per_node, "host_memory_gib": args.host_memory_gib}
+    print(format_plan(cfg, world, args.gpu_memory_gib, impl=args.layer_spec, **node))
+    if fits(cfg, world, args.gpu_memory_gib, impl=args.layer_spec, **node):
         return 0
-    options = fit_options(cfg, world, args.gpu_memory_gib, impl=args.layer_spec, gpus_per_node=args.gpus_per_node)
-    print(f"gspo-megatron plan: this layout does not fit in {args.gpu_memory_gib:g} GiB per GPU; "
+    options = fit_options(cfg, world, args.gpu_memory_gib, impl=args.layer_spec, **node)
+    where = f"{args.gpu_memory_gib:g} GiB per GPU" + (
+        f" and {args.host_memory_gib:g} GiB of host memory per node" if cfg.optimizer.offload_fraction else "")
+    print(f"gspo-megatron plan: this layout does not fit in {where}; "
           + (f"each of these would make it fit: {'; '.join(options)}" if options else
-             "no single change of recompute, parallel sizes, micro batch, response length or node count makes it "
-             "fit: combine them, or use GPUs with more memory"), file=sys.stderr)
+             "no single change of recompute, parallel sizes, micro batch, response length, optimizer offload or node "
+             "count makes it fit: combine them, or use GPUs with more memory"), file=sys.stderr)
     return 1
 
 
@@ -130,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
         "configured recompute and padded length, the peak working set, allocator slack and CUDA/NCCL overhead, "
         "with the assumptions it rests on.",
     )
-    from gspo_megatron.plan.layouts import H100_GIB
+    from gspo_megatron.plan.layouts import DGX_H100_HOST_GIB, H100_GIB
 
     plan.add_argument("config")
     plan.add_argument("overrides", nargs="*", help="section.field=value overrides")
@@ -138,6 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--gpus-per-node", type=int, default=0, help="default: $WORLD_SIZE (or 1) ranks in all")
     plan.add_argument("--gpu-memory-gib", type=float, default=H100_GIB,
                       help=f"per-GPU memory as torch reports it (H100 80 GB: {H100_GIB})")
+    plan.add_argument("--host-memory-gib", type=float, default=DGX_H100_HOST_GIB,
+                      help=f"host memory per node, for optimizer.offload_fraction > 0 (DGX H100: {DGX_H100_HOST_GIB:g})")
     plan.add_argument("--layer-spec", choices=("te", "local"), default="te",
                       help="te: TransformerEngine layers, what GPU runs build (default); local: megatron's local "
                       "spec (torch norms, unfused attention), what CPU runs build")

@@ -95,6 +95,7 @@ def test_235b_on_8_nodes_does_not_fit_and_each_named_change_fits(plan):
     (["--nodes", "-2", "--gpus-per-node", "8"], "--nodes -2: the number of nodes must be at least 1"),
     (["--gpus-per-node", "-8"], "--gpus-per-node -8: must be at least 1"),
     (["--gpus-per-node", "8", "--gpu-memory-gib", "0"], "--gpu-memory-gib 0 must be a positive number of GiB"),
+    (["--gpus-per-node", "8", "--host-memory-gib", "-1"], "--host-memory-gib -1 must be a positive number of GiB"),
 ])
 def test_bad_plan_arguments_are_sentences(plan, args, message):
     code, out, err = plan("examples/qwen3_30b_a3b/train.yaml", *args)
@@ -127,6 +128,28 @@ def test_gpt_oss_120b_does_not_fit_one_h100_node(plan):
     code, out, err = plan("examples/gpt_oss_120b/train.yaml", "--nodes", "2", "--gpus-per-node", "8",
                           "parallel.expert=16")
     assert code == 1 and "DOES NOT FIT" in out, out + err
+
+
+def test_gpt_oss_120b_fits_one_h100_node_with_the_optimizer_in_host_memory(plan):
+    """train_one_node.yaml: the optimizer state in host memory and bf16 gradients leave 4 B per parameter on the GPUs
+    (65.0 GiB per GPU at TP 4 x EP 8) and need 1805 GiB of a DGX H100's 2048 GiB per node; a node with 1 TiB is
+    refused by its host memory, naming it. Without them the same layout needs 265.5 GiB per GPU, and the refusal
+    names them."""
+    one_node = ("examples/gpt_oss_120b/train_one_node.yaml", "--nodes", "1", "--gpus-per-node", "8")
+    code, out, err = plan(*one_node)
+    assert code == 0, err
+    assert "gradients       27.72 GiB  (bf16 buffer)" in out, out
+    assert "optimizer        0.00 GiB  (distributed: dense over DP x CP 2, experts over expert-DP 1; 100% of it in " \
+           "host memory)" in out, out
+    assert "total           64.95 GiB of 79.1 GiB: fits" in out, out
+    assert "optimizer      217.69 GiB per rank" in out and "total         1805.50 GiB of 2048 GiB" in out, out
+    code, out, err = plan(*one_node, "--host-memory-gib", "1024")
+    assert code == 1 and "1805.50 GiB of 1024 GiB (--host-memory-gib): DOES NOT FIT" in out, out
+    assert "does not fit in 79.1 GiB per GPU and 1024 GiB of host memory per node" in err, err
+    code, out, err = plan(*one_node, "optimizer.offload_fraction=0", "optimizer.grad_reduce_in_fp32=true")
+    assert code == 1 and "total          265.48 GiB of 79.1 GiB: DOES NOT FIT" in out, out
+    # Named as the change that fits: both fields together.
+    assert "optimizer.offload_fraction=1 optimizer.grad_reduce_in_fp32=false" in err, err
 
 
 def test_qwen3_5_sizes_one_node_and_recompute(plan):

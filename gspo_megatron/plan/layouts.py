@@ -19,6 +19,8 @@ from gspo_megatron.plan.memory import (
 
 H100_GIB = 79.1
 """What torch reports as an H100 80 GB's total capacity (``torch.cuda.get_device_properties(0).total_memory``)."""
+DGX_H100_HOST_GIB = 2048.0
+"""A DGX H100's system memory (2 TiB: 32 x 64 GiB DIMMs), what ``plan`` checks an offloaded optimizer against."""
 
 ACTIVATION_GROUPS = {
     "routed experts": ("mlp.router", "mlp.routed_tokens", "mlp.experts"),
@@ -90,8 +92,15 @@ def _activation_breakdown(stage: StageMemory) -> str:
     return ", ".join(parts)
 
 
-def memory_lines(cfg: Config, estimate: MemoryEstimate, world_size: int, gpu_memory_gib: float) -> list[str]:
-    """The assumptions, the most loaded rank's components, and the verdict."""
+def grad_dtype(cfg: Config) -> str:
+    """The gradient buffer's dtype: fp32 (optimizer.grad_reduce_in_fp32), else the parameters'."""
+    return "fp32" if cfg.optimizer.grad_reduce_in_fp32 or cfg.model.dtype != "bfloat16" else "bf16"
+
+
+def memory_lines(cfg: Config, estimate: MemoryEstimate, world_size: int, gpu_memory_gib: float,
+                 gpus_per_node: int = 0, host_memory_gib: float = DGX_H100_HOST_GIB) -> list[str]:
+    """The assumptions, the most loaded rank's components, and the verdict (and, with the optimizer offloaded, the
+    host memory per node against ``host_memory_gib``)."""
     p = cfg.parallel
     o = estimate.overhead
     worst = estimate.worst
@@ -127,8 +136,9 @@ def memory_lines(cfg: Config, estimate: MemoryEstimate, world_size: int, gpu_mem
     lines += [
         f"memory per GPU, most loaded rank ({worst.stage} pipeline stage):",
         f"  parameters   {_gib(worst.params)}",
-        f"  gradients    {_gib(worst.grads)}  (fp32 buffer)",
-        f"  optimizer    {_gib(worst.optimizer)}  ({optimizer})",
+        f"  gradients    {_gib(worst.grads)}  ({grad_dtype(cfg)} buffer)",
+        f"  optimizer    {_gib(worst.optimizer)}  ({optimizer}"
+        + (f"; {f:.0%} of it in host memory" if (f := cfg.optimizer.offload_fraction) else "") + ")",
     ]
     if worst.reference:
         lines.append(f"  reference    {_gib(worst.reference)}  (KL reference model)")
@@ -148,11 +158,24 @@ def memory_lines(cfg: Config, estimate: MemoryEstimate, world_size: int, gpu_mem
     others = [st for st in estimate.stages if st is not worst]
     for st in others:
         lines.append(f"  ({st.stage} stage: tensors {st.tensors / GIB:.2f} GiB)")
+    if cfg.optimizer.offload_fraction:
+        node = gpus_per_node or world_size
+        host = estimate.host_bytes_per_node(node)
+        offloaded = max(st.host_optimizer for st in estimate.stages)
+        lines += [
+            f"host memory per node ({node} ranks; optimizer.offload_fraction={cfg.optimizer.offload_fraction:g}):",
+            f"  optimizer    {_gib(offloaded)} per rank (fp32 master, Adam's moments, fp32 gradient copy: 16 B per "
+            "offloaded element of its shard)",
+            f"  processes    {_gib(o.host_process_gib * GIB)} per rank (plan.memory.Overhead.host_process_gib)",
+            f"  total        {_gib(host)} of {host_memory_gib:.0f} GiB (--host-memory-gib): "
+            + ("fits" if host <= host_memory_gib * GIB else "DOES NOT FIT"),
+        ]
     return lines
 
 
 def format_plan(cfg: Config, world_size: int, gpu_memory_gib: float = H100_GIB, impl: str = "te",
-                overhead: Overhead = Overhead()) -> str:
+                overhead: Overhead = Overhead(), gpus_per_node: int = 0,
+                host_memory_gib: float = DGX_H100_HOST_GIB) -> str:
     from gspo_megatron.model.hf_config import read_hf_config as model_spec
     from gspo_megatron.train.startup.validate import validate
 
@@ -179,7 +202,7 @@ def format_plan(cfg: Config, world_size: int, gpu_memory_gib: float = H100_GIB, 
 
         shown = ", ".join(fmt(g) for g in ranks[:4]) + (f", ... ({len(ranks)} groups)" if len(ranks) > 4 else "")
         lines.append(f"  {name:<14} groups: {shown}")
-    lines += memory_lines(cfg, estimate, world_size, gpu_memory_gib)
+    lines += memory_lines(cfg, estimate, world_size, gpu_memory_gib, gpus_per_node, host_memory_gib)
     lines += server_lines(spec, cfg)
     if cfg.rollout.colocate:  # [colocate hook] both sides' memory per phase (plan/colocated.py)
         from gspo_megatron.plan import colocated
@@ -233,11 +256,15 @@ def server_lines(spec, cfg: Config) -> list[str]:
 
 
 def fits(cfg: Config, world_size: int, gpu_memory_gib: float = H100_GIB, impl: str = "te",
-         overhead: Overhead = Overhead()) -> bool:
+         overhead: Overhead = Overhead(), gpus_per_node: int = 0, host_memory_gib: float = DGX_H100_HOST_GIB) -> bool:
+    """The most loaded rank within ``gpu_memory_gib`` (and the colocated servers beside it), and an offloaded
+    optimizer's host memory within ``host_memory_gib`` per node of ``gpus_per_node`` ranks (0: all on one)."""
     from gspo_megatron.model.hf_config import read_hf_config as model_spec
 
     spec = model_spec(read_hf_config(cfg))
     estimate = estimate_memory(spec, cfg, world_size, padded_length(cfg), impl=impl, overhead=overhead)
+    if estimate.host_bytes_per_node(gpus_per_node or world_size) > host_memory_gib * GIB:
+        return False
     if cfg.rollout.colocate:  # [colocate hook] the servers' share too, in every phase (plan/colocated.py)
         from gspo_megatron.plan import colocated
         if not colocated.colocated_plan(cfg, spec, estimate, gpu_memory_gib).fits:
@@ -255,10 +282,11 @@ def _changed(cfg: Config, **fields) -> Config:
 
 
 def fit_options(cfg: Config, world_size: int, gpu_memory_gib: float = H100_GIB, impl: str = "te",
-                overhead: Overhead = Overhead(), gpus_per_node: int = 0) -> list[str]:
+                overhead: Overhead = Overhead(), gpus_per_node: int = 0,
+                host_memory_gib: float = DGX_H100_HOST_GIB) -> list[str]:
     """Single changes that make a layout that does not fit fit (each checked like the layout itself): recompute,
     more expert/pipeline/tensor parallelism, a smaller micro batch or token budget, shorter responses, the
-    distributed optimizer, twice the nodes."""
+    distributed optimizer, the optimizer in host memory with bf16 gradients, twice the nodes."""
     from gspo_megatron.train.startup.validate import validate
 
     p, r = cfg.parallel, cfg.recompute
@@ -276,6 +304,12 @@ def fit_options(cfg: Config, world_size: int, gpu_memory_gib: float = H100_GIB, 
                       world_size))
     if not p.distributed_optimizer:
         tries.append(("parallel.distributed_optimizer=true", _changed(cfg, parallel__distributed_optimizer=True),
+                      world_size))
+    o = cfg.optimizer
+    if cfg.model.dtype == "bfloat16" and (o.offload_fraction < 1 or o.grad_reduce_in_fp32):
+        # What a GPU keeps of a parameter drops from 18 B to 4 B (bf16 weight and gradient): both fields together.
+        tries.append(("optimizer.offload_fraction=1 optimizer.grad_reduce_in_fp32=false",
+                      _changed(cfg, optimizer__offload_fraction=1.0, optimizer__grad_reduce_in_fp32=False),
                       world_size))
     for name in ("expert", "pipeline", "tensor"):
         for factor in (2, 4):
@@ -298,7 +332,7 @@ def fit_options(cfg: Config, world_size: int, gpu_memory_gib: float = H100_GIB, 
     for label, changed, world in tries:
         try:
             validate(changed, world, hf)
-            if fits(changed, world, gpu_memory_gib, impl, overhead):
+            if fits(changed, world, gpu_memory_gib, impl, overhead, gpus_per_node, host_memory_gib):
                 found.append(label)
         except (ConfigError, ValueError):
             continue

@@ -13,9 +13,11 @@ One module although long: the terms below are one table, each term a short funct
 state (``StageMemory``)
   params     a B per local parameter: attention, dense MLP, embedding / output layer split over t (norms and
              routers replicated), experts over e*x, layers over p.
-  grads      4 B per local parameter: DDP's fp32 gradient buffer (grad_reduce_in_fp32).
+  grads      4 B per local parameter: DDP's fp32 gradient buffer (optimizer.grad_reduce_in_fp32), or a B without.
   optimizer  Adam's fp32 moments, and an fp32 master copy when parameters are bf16 (8 or 12 B per parameter),
-             sharded over d*c (dense) and expert-DP (experts) by the distributed optimizer.
+             sharded over d*c (dense) and expert-DP (experts) by the distributed optimizer, and with bf16
+             gradients the fp32 copy of them it steps on (4 B more); the share
+             optimizer.offload_fraction of it is in host memory instead (``host_optimizer``).
   reference  the frozen KL reference model (algo.kl_coef > 0): a second a-byte copy of the local parameters.
   workspace  (local spec) megatron's global buffer, left at its largest request: the unfused attention's scores.
 activations  what autograd keeps for backward per micro batch (``layer_activations``, tensor by tensor, for the
@@ -32,6 +34,12 @@ working      the largest transient on top of them, at the point of the step wher
              recomputed chunk's backward, or the fused loss op (last stage). See ``_stage_activations``.
 overhead     GPU-only, fixed: the CUDA context with cuBLAS/TE workspaces, NCCL's communicator buffers, and the
              caching allocator's slack (see ``Overhead``).
+
+host memory (``optimizer.offload_fraction`` f > 0 only): megatron's HybridDeviceOptimizer keeps, per offloaded
+             element of the rank's optimizer shard, the fp32 master weight and Adam's two moments (pinned) and an fp32
+             copy of the gradient it steps on: 16 B, f of the shard (by elements; it offloads whole tensors in order
+             until f is reached, so within one tensor of f). Per node: the ranks on it, each with its process's own
+             memory (``Overhead.host_process_gib``).
 
 Checked against live tensor bytes of real CPU steps (``memory_probe``, bench/plan_memory.py) for the local spec;
 the te tables follow TransformerEngine's code and have not been measured (no GPU).
@@ -70,11 +78,14 @@ class Overhead:
       (NCCL_NVLS_ENABLE=0 trades them for bandwidth).
     - allocator_slack: PyTorch's caching allocator reserves more than it hands out; with
       PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (examples/launch_cluster.sh) fragmentation stays small.
+    - host_process_gib: with the optimizer offloaded, each rank's process's own host memory beside the offloaded
+      state (Python, torch and CUDA's host side, NCCL's host buffers, a safetensors shard being read): an allowance.
     """
 
     cuda_context_gib: float = 1.0
     nccl_gib: float = 2.0
     allocator_slack: float = 0.05  # of the tensors' peak
+    host_process_gib: float = 8.0
 
 
 @dataclass
@@ -360,6 +371,7 @@ class StageMemory:
     activation_terms: dict = field(default_factory=dict)  # one micro batch, all its layers, by tensor
     working_what: str = ""
     workspace: float = 0.0  # buffers the first step leaves allocated (megatron's global buffer, local spec)
+    host_optimizer: float = 0.0  # the offloaded optimizer state in host memory (optimizer.offload_fraction)
 
     @property
     def state(self) -> float:
@@ -397,6 +409,14 @@ class MemoryEstimate:
     def total_bytes(self) -> float:
         """Per-GPU total: the tensors' peak, allocator slack and the fixed overhead."""
         return self.worst.tensors + self.slack_bytes + self.fixed_bytes
+
+    def host_bytes_per_node(self, gpus_per_node: int) -> float:
+        """Host memory a node needs for the offloaded optimizer state: its ranks (each counted as the stage that
+        offloads most) with their processes' allowance. 0 without offload."""
+        offloaded = max(st.host_optimizer for st in self.stages)
+        if not offloaded:
+            return 0.0
+        return gpus_per_node * (offloaded + self.overhead.host_process_gib * GIB)
 
 
 def padded_length(cfg: Config) -> int:
@@ -529,21 +549,35 @@ def parameter_counts(spec: ModelSpec, cfg: Config, stage: int) -> tuple[float, f
     return split / t + replicated, experts
 
 
-def _state(cfg: Config, dense: float, experts: float, world_size: int) -> tuple[float, float, float, float]:
+@dataclass
+class State:
+    """What stays allocated between steps on one rank, in bytes: on its GPU, and the offloaded optimizer's in host
+    memory."""
+
+    params: float
+    grads: float
+    optimizer: float
+    reference: float
+    host_optimizer: float
+
+
+def _state(cfg: Config, dense: float, experts: float, world_size: int) -> State:
     p = cfg.parallel
     a = 2 if cfg.model.dtype == "bfloat16" else 4
     etp = p.expert_tensor or p.tensor
     dp_cp = world_size // (p.tensor * p.pipeline)  # the distributed optimizer shards dense state over DP x CP
     edp = world_size // (etp * p.expert * p.pipeline)
     params = (dense + experts) * a
-    grads = (dense + experts) * 4
+    grads = (dense + experts) * (4 if cfg.optimizer.grad_reduce_in_fp32 else a)
     per_param = 12 if a == 2 else 8  # (fp32 master +) exp_avg + exp_avg_sq
-    if p.distributed_optimizer:
-        optimizer = per_param * (dense / dp_cp + experts / edp)
-    else:
-        optimizer = per_param * (dense + experts)
+    if a < 4 and not cfg.optimizer.grad_reduce_in_fp32:
+        per_param += 4  # the fp32 copy of its bf16 gradient that the optimizer steps on (kept until zero_grad)
+    shard = dense / dp_cp + experts / edp if p.distributed_optimizer else dense + experts
+    f = cfg.optimizer.offload_fraction
+    # Offloaded: fp32 master, exp_avg, exp_avg_sq and the fp32 gradient copy the CPU's Adam steps on.
+    host = f * shard * 16
     reference = params if cfg.algo.kl_coef > 0 else 0.0
-    return params, grads, optimizer, reference
+    return State(params, grads, (1 - f) * per_param * shard, reference, host)
 
 
 def _split(terms: dict[str, float]) -> tuple[float, float]:
@@ -668,7 +702,7 @@ def estimate_memory(spec: ModelSpec, cfg: Config, world_size: int, seq_len: int 
     stages = []
     for stage in kinds:
         dense, experts = parameter_counts(spec, cfg, stage)
-        params, grads, optimizer, reference = _state(cfg, dense, experts, world_size)
+        state = _state(cfg, dense, experts, world_size)
         terms, working, what = _stage_activations(spec, cfg, m, stage, impl)
         in_flight = min(p.pipeline - stage, micro)
         workspace = 0.0
@@ -682,7 +716,8 @@ def estimate_memory(spec: ModelSpec, cfg: Config, world_size: int, seq_len: int 
         if p.pipeline == 1:
             name = "only"
         stages.append(StageMemory(
-            stage=name, params=params, grads=grads, optimizer=optimizer, reference=reference,
+            stage=name, params=state.params, grads=state.grads, optimizer=state.optimizer, reference=state.reference,
+            host_optimizer=state.host_optimizer,
             activations=in_flight * sum(terms.values()), working=working, micro_batches_in_flight=in_flight,
             activation_terms=terms, working_what=what, workspace=workspace,
         ))

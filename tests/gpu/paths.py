@@ -14,7 +14,9 @@ Runs on whatever ``environment.device()`` is: the GPU test runs it once on the G
 - ``score`` (Megatron) on the HF directory, against ``transformers``;
 - the fp32 policy on packed rows (``pack=True``: TE's THD attention with TransformerEngine, else the mask);
 - with TransformerEngine: the fp32 policy run again with grouped-GEMM experts and with SequentialMLP, and with
-  TE's fusions (``performance``: permutation, RoPE) on and off.
+  TE's fusions (``performance``: permutation, RoPE) on and off;
+- under CUDA: the distributed optimizer's step with the optimizer state in host memory (``optimizer.offload_fraction``
+  1, and 0.5 in bf16, with bf16 gradient buffers) and without (0), where each run's Adam state lives recorded.
 Where every tensor lives is recorded too (parameters, what the passes return). ``policy``: the fp32 and bf16 policy
 runs only (the gated-DeltaNet hybrid's check, ``tests/gpu/test_gpu_deltanet.py``), with the module of the delta rule
 megatron called (fla's Triton kernel on the GPU, ``ops.gated_delta_rule`` on the CPU).
@@ -89,7 +91,37 @@ def policy_run(hf_dir: str, dtype: str, overrides: tuple[str, ...] = (), pack: b
         "update_successful": out["update_successful"],
         "seq_log_ratio": out["seq_log_ratio"].float(),
         "step": {name: end[name] - start[name] for name in start},  # the clipped update of every weight
+        "end": end,
+        "optimizer_state": optimizer_placement(policy.optimizer),
     }
+
+
+def optimizer_placement(optimizer) -> dict:
+    """The inner optimizers' classes and the elements of Adam's first moment on each device type."""
+    inner = [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])]
+    elements: dict[str, int] = {}
+    for o in inner:
+        for state in o.state.values():
+            if torch.is_tensor(state.get("exp_avg")):
+                kind = state["exp_avg"].device.type
+                elements[kind] = elements.get(kind, 0) + state["exp_avg"].numel()
+    return {"classes": sorted({type(o).__name__ for o in inner}), "exp_avg_elements": elements}
+
+
+OFFLOAD = {  # the distributed optimizer (world 1: nothing to shard, the same code path), bf16 with bf16 gradients
+    "fp32": ("float32", ()),
+    "bf16": ("bfloat16", ("optimizer.grad_reduce_in_fp32=false",)),
+}
+
+
+def offload_runs(hf_dir: str) -> dict:
+    """The offloaded step against the same step on the GPU (``tests/gpu/test_gpu_paths.py``): fp32 with fraction 0
+    and 1 (below 1 is refused for fp32), bf16 with 0, 0.5 and 1."""
+    fractions = {"fp32": (0, 1), "bf16": (0, 0.5, 1)}
+    return {name: {f: policy_run(hf_dir, dtype, ("parallel.distributed_optimizer=true", *extra,
+                                                 f"optimizer.offload_fraction={f}"))
+                   for f in fractions[name]}
+            for name, (dtype, extra) in OFFLOAD.items()}
 
 
 def score_run(hf_dir: str) -> dict:
@@ -138,6 +170,8 @@ def main(hf_dir: str, out: str, scope: str = "all") -> None:
                               for grouped in ("true", "false")}
         results["te_fusions"] = {on: policy_run(hf_dir, "float32", tuple(f"performance.{f}={on}" for f in TE_FUSIONS))
                                  for on in ("true", "false")}
+    if torch.cuda.is_available():  # megatron's HybridDeviceOptimizer runs on CUDA streams only
+        results["offload"] = offload_runs(hf_dir)
     torch.save(results, out)
     groups.destroy()
 

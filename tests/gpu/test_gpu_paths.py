@@ -13,7 +13,14 @@ megatron-core patched for the CPU as in every other test). Compared (fp32, TF32 
   CPU) equal padded rows in log-probs, loss, gradient norm and step, on each device;
 - with TransformerEngine: grouped-GEMM experts (TEGroupedMLP) give SequentialMLP's fp32 passes and step, and so
   do TE's fused permutation and RoPE (``performance``) against the unfused ones;
-- the fusions that default to on under CUDA (torch.compile'd SwiGLU and residual add) are on in the GPU run.
+- the fusions that default to on under CUDA (torch.compile'd SwiGLU and residual add) are on in the GPU run;
+- the optimizer state in host memory (``optimizer.offload_fraction``, megatron's HybridDeviceOptimizer; CUDA only):
+  the distributed optimizer's step with the whole state offloaded equals the step without offload in fp32 (loss
+  1e-6 and gradient norm 1e-5 relative, every weight's step 1e-5 of the largest: Adam on the host and on the GPU,
+  the same fp32 arithmetic but for rounding), and in bf16 with bf16 gradient buffers, the whole state or half of it
+  offloaded, every updated weight within one bf16 ulp (2^-7 relative) of the step without offload (gradient norm
+  1e-2: megatron takes it over the hybrid optimizer's bf16 gradients in bf16); Adam's moments
+  sit on the CPU for the offloaded share and on the GPU for the rest.
 Then the trainer itself for two steps on the GPU (local engine, NCCL world of one).
 
 Skipped without CUDA. ``GSPO_GPU_TESTS_ON_CPU=1`` runs the harness with both sides on the CPU, to check it
@@ -86,6 +93,38 @@ def test_fp32_passes_and_step_equal_the_cpu(runs):
     scale = max(step.abs().max().item() for step in c["step"].values())
     diff = max((d["step"][k] - c["step"][k]).abs().max().item() for k in c["step"])
     assert scale > 1e-3 and diff <= 1e-3 * scale, (diff, scale)
+
+
+def test_offloaded_optimizer_step_equals_the_step_on_the_gpu(runs):
+    device, _ = runs
+    if "offload" not in device:
+        pytest.skip("the offloaded optimizer runs on CUDA streams only: not run in CPU mode")
+    runs_by_dtype = device["offload"]
+    for dtype, by_fraction in runs_by_dtype.items():
+        plain = by_fraction[0]
+        assert plain["optimizer_state"]["exp_avg_elements"].keys() == {"cuda"}, plain["optimizer_state"]
+        for fraction, run in by_fraction.items():
+            if not fraction:
+                continue
+            where = run["optimizer_state"]
+            assert where["classes"] == ["HybridDeviceOptimizer"], (dtype, fraction, where)
+            on = where["exp_avg_elements"]
+            assert on.get("cpu", 0) > 0 and (fraction == 1) == ("cuda" not in on), (dtype, fraction, on)
+            assert run["update_successful"] and plain["update_successful"]
+            assert rel(run["loss"], plain["loss"]) <= 1e-6, (dtype, fraction)
+            # megatron's norm over the hybrid optimizer's bf16 gradients is a bf16 norm per tensor (2^-8)
+            norm_rtol = 1e-5 if dtype == "fp32" else 1e-2
+            assert plain["grad_norm"] > 0.05, dtype  # clipped (clip_grad 0.05)
+            assert rel(run["grad_norm"], plain["grad_norm"]) <= norm_rtol, (dtype, fraction)
+            if dtype == "fp32":
+                scale = max(step.abs().max().item() for step in plain["step"].values())
+                diff = max((run["step"][k] - plain["step"][k]).abs().max().item() for k in plain["step"])
+                assert scale > 1e-3 and diff <= 1e-5 * scale, (fraction, diff, scale)
+            else:
+                for name, weight in plain["end"].items():
+                    gap = (run["end"][name] - weight).abs()
+                    assert (gap <= 2**-7 * weight.abs()).all(), (fraction, name, gap.max().item())
+                assert any(step.abs().max() > 0 for step in run["step"].values())
 
 
 def test_bf16_step_is_finite_and_close(runs):

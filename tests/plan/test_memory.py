@@ -326,3 +326,69 @@ def test_hybrid_servers_cache_keys_in_attention_layers_and_a_state_per_sequence(
     state = 45 * (64 * 128 * 128 * 4 + (2 * 2048 + 8192) * 3 * 2)
     assert deltanet_state_bytes_per_sequence(QWEN3_5_397B) == state and state / 2**20 == pytest.approx(183.2, abs=0.1)
     assert deltanet_state_bytes_per_sequence(DEEPSEEK_V3) == 0
+
+
+# ---- the optimizer in host memory (optimizer.offload_fraction) and bf16 gradients -------------------------------
+
+TINY_MOE = read_hf_config(dict(
+    model_type="qwen3_moe", hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, intermediate_size=128, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+    vocab_size=256, tie_word_embeddings=False,
+))
+GPT_OSS_120B = read_hf_config(ROOT / "examples/gpt_oss_120b/hf_config/config.json")
+
+
+def test_offloaded_optimizer_moves_its_share_to_host_memory():
+    """A tiny Qwen3-MoE at TP 2 x EP 2 on 4 ranks (DP 2, expert-DP 2), bf16, counted by hand from its shapes: the
+    offloaded share of the optimizer's shard leaves the GPU and takes 16 B per element in host memory (fp32 master,
+    two moments, the gradient's fp32 copy); bf16 gradient buffers halve the gradients and add the fp32 copy the
+    optimizer steps on (4 B per element kept on the GPU)."""
+    h, layers = 64, 2
+    attention = h * 64 + 2 * h * 32 + 64 * h  # q, k, v, o, split over TP
+    dense = (layers * attention + 2 * 256 * h) / 2 + layers * (2 * h + 2 * 16 + 4 * h) + h  # + norms, q/k norms, router
+    experts = layers * 4 * 3 * h * 32 / 2  # 4 experts over EP 2
+    shard = (dense + experts) / 2  # the distributed optimizer: dense over DP 2, experts over expert-DP 2
+    layout = ["parallel.tensor=2", "parallel.expert=2", "parallel.expert_tensor=1"]
+    plain = estimate(4, *layout, spec=TINY_MOE).worst
+    assert plain.params == (dense + experts) * 2 and plain.grads == (dense + experts) * 4
+    assert plain.optimizer == pytest.approx(12 * shard) and plain.host_optimizer == 0
+    half = estimate(4, *layout, "optimizer.offload_fraction=0.5", "optimizer.grad_reduce_in_fp32=false",
+                    spec=TINY_MOE)
+    st = half.worst
+    assert st.grads == st.params == (dense + experts) * 2
+    assert st.optimizer == pytest.approx(0.5 * 16 * shard) and st.host_optimizer == pytest.approx(0.5 * 16 * shard)
+    assert half.host_bytes_per_node(4) == pytest.approx(4 * (0.5 * 16 * shard + 8 * GIB))
+    whole = estimate(4, *layout, "optimizer.offload_fraction=1", spec=TINY_MOE).worst
+    assert whole.optimizer == 0 and whole.host_optimizer == pytest.approx(16 * shard) and whole.grads == plain.grads
+    assert estimate(4, *layout, spec=TINY_MOE).host_bytes_per_node(4) == 0  # nothing offloaded: no host line
+
+
+def test_gpt_oss_120b_fits_one_h100_node_with_the_optimizer_on_the_host():
+    """gpt-oss-120b at TP 4 x EP 8 on one node of 8 (DP 2, expert-DP 1), counted by hand from its config: 116.83B
+    parameters; a GPU keeps its bf16 weights and bf16 gradients (4 B per local parameter, 55.4 GiB) and the node's
+    host memory the whole optimizer (16 B per parameter of each rank's shard, 1741 GiB, + 8 ranks x 8 GiB)."""
+    from gspo_megatron.plan.memory import model_parameters
+
+    h, layers, vocab = 2880, 36, 201088
+    attention = h * 4096 + 2 * h * 512 + 4096 * h + 4096 + 2 * 512 + 64  # q, k, v, o, their biases, a sink per head
+    expert = 3 * h * 2880 + 2 * 2880 + h  # gate, up, down and their biases
+    replicated = layers * (2 * h + h + 128 * h + 128) + h  # norms, o_proj's bias, router and its bias; final norm
+    assert model_parameters(GPT_OSS_120B)[0] == layers * (attention + 128 * expert) + 2 * vocab * h + replicated
+    dense = (layers * attention + 2 * vocab * h) / 4 + replicated
+    experts = layers * 128 * expert / 8
+    shard = dense / 2 + experts
+    one_node = ["parallel.tensor=4", "parallel.expert=8", "parallel.expert_tensor=1", "parallel.sequence_parallel=true",
+                "recompute.granularity=selective", "recompute.modules=[moe]", "rollout.max_new_tokens=4096"]
+    e = estimate(8, *one_node, "optimizer.offload_fraction=1", "optimizer.grad_reduce_in_fp32=false",
+                 spec=GPT_OSS_120B)
+    st = e.worst
+    assert st.params == st.grads == (dense + experts) * 2 and st.optimizer == 0
+    assert (st.params + st.grads) / GIB == pytest.approx(55.44, abs=0.01)
+    assert st.host_optimizer == pytest.approx(16 * shard)
+    assert 16 * shard * 8 / GIB == pytest.approx(1741.5, abs=0.1)
+    assert e.host_bytes_per_node(8) == pytest.approx(8 * (16 * shard + 8 * GIB))
+    assert e.host_bytes_per_node(8) < 2048 * GIB
+    assert e.total_bytes < 79.1 * GIB
+    # Without the offload the same layout needs the 12 B of Adam state per shard element on the GPU as well.
+    plain = estimate(8, *one_node, spec=GPT_OSS_120B).worst
+    assert plain.optimizer == pytest.approx(12 * shard) and plain.grads == 2 * plain.params

@@ -311,6 +311,11 @@ def _init_optimizer_state(optimizer) -> None:
         inner = opt.optimizer
         if _has_optimizer_state(opt):
             continue
+        if opt.init_state_fn is None and hasattr(inner, "dummy_step"):
+            # optimizer.offload_fraction: megatron's HybridDeviceOptimizer has no init function; its state comes from
+            # a step on random gradients (what megatron's own load does), whose weights the load then overwrites.
+            inner.dummy_step()
+            continue
         opt.init_state_fn(inner, opt.config)
         for group in inner.param_groups:
             for p in group["params"]:

@@ -388,6 +388,18 @@ class OptimizerSection:
     """Adam's epsilon."""
     clip_grad: float = 1.0
     """Gradients are clipped to this global norm (over every rank's shard); 0: no clipping."""
+    offload_fraction: float = 0.0
+    """Share of the optimizer's state (fp32 master weights, Adam's moments) kept in pinned host memory and stepped
+    by the CPU (megatron's HybridDeviceOptimizer: OptimizerConfig.optimizer_cpu_offload, optimizer_offload_fraction,
+    with its precision-aware optimizer and overlapped copies, as slime and verl run it). 0: off; 1: all of it. Per
+    offloaded parameter the host holds 16 B (master, moments and an fp32 copy of the gradient), the GPU saves 12 B
+    (bf16) or 8 B (fp32). Needs parallel.distributed_optimizer=true and CUDA (the copies run on CUDA streams);
+    a fraction below 1 needs model.dtype=bfloat16. ``plan`` counts both sides (--host-memory-gib)."""
+    grad_reduce_in_fp32: bool = True
+    """DDP's gradient buffer (megatron's main_grad) in fp32: micro batches accumulate and data-parallel ranks reduce
+    in fp32. false (model.dtype=bfloat16 only): in bf16, 2 B per parameter instead of 4, at the cost of bf16
+    rounding in the accumulation and the reduction (Megatron-LM's default without
+    --accumulate-allreduce-grads-in-fp32)."""
 
 
 @dataclass

@@ -60,19 +60,20 @@ def build_policy(cfg: Config, hf_dir: str | Path) -> Policy:
     records_routing = bool(cfg.algo.routing_replay) or measures_volatility(cfg, spec)
     model = _starting_model(cfg, hf_dir, spec, bridge, dtype, routing_replay=records_routing)
     model.config.finalize_model_grads_func = finalize_model_grads
+    o = cfg.optimizer
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, use_distributed_optimizer=cfg.parallel.distributed_optimizer,
+        grad_reduce_in_fp32=o.grad_reduce_in_fp32, use_distributed_optimizer=cfg.parallel.distributed_optimizer,
         **performance.ddp_config_fields(cfg),
     )
     ddp = DistributedDataParallel(model.config, ddp_config, model)
     performance.wire_ddp(ddp)
-    o = cfg.optimizer
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
             optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
             adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad,
             bf16=dtype == torch.bfloat16, params_dtype=dtype,
             use_distributed_optimizer=cfg.parallel.distributed_optimizer,
+            **offload_fields(cfg),
         ),
         [ddp],
     )
@@ -84,6 +85,18 @@ def build_policy(cfg: Config, hf_dir: str | Path) -> Policy:
         wd_incr_style="constant",
     )
     return Policy(ddp, optimizer, scheduler, bridge, spec, Path(hf_dir), dtype, layout_of(cfg))
+
+
+def offload_fields(cfg: Config) -> dict:
+    """OptimizerConfig's fields for ``optimizer.offload_fraction`` (none when it is 0). Megatron-LM requires its
+    precision-aware optimizer with the offload (the distributed optimizer then hands the hybrid optimizer the bf16
+    shards and their gradients, and the hybrid one keeps the fp32 masters: on the host for the offloaded share);
+    the copies to and from the host overlap the CPU's steps, as slime and verl run it."""
+    fraction = cfg.optimizer.offload_fraction
+    if not fraction:
+        return {}
+    return dict(optimizer_cpu_offload=True, optimizer_offload_fraction=fraction, use_precision_aware_optimizer=True,
+                overlap_cpu_optimizer_d2h_h2d=True, pin_cpu_grads=True, pin_cpu_params=True)
 
 
 def build_reference(cfg: Config, policy: Policy) -> torch.nn.Module:

@@ -117,6 +117,46 @@ def validate_megatron(hf: dict | None) -> None:
             raise ConfigError(problem)
 
 
+def validate_optimizer(cfg: Config) -> None:
+    """The optimizer's host offload and the gradient buffer's dtype (``optimizer.offload_fraction``,
+    ``optimizer.grad_reduce_in_fp32``): what megatron's HybridDeviceOptimizer runs correctly."""
+    o = cfg.optimizer
+    if not 0 <= o.offload_fraction <= 1:
+        raise ConfigError(f"optimizer.offload_fraction={o.offload_fraction:g} must be in [0, 1] (0: off, 1: the whole "
+                          "optimizer state in host memory)")
+    if not o.grad_reduce_in_fp32 and cfg.model.dtype != "bfloat16":
+        raise ConfigError(f"optimizer.grad_reduce_in_fp32=false with model.dtype={cfg.model.dtype}: the gradient "
+                          "buffer takes the parameters' dtype, fp32 either way; set optimizer.grad_reduce_in_fp32=true")
+    if not o.offload_fraction:
+        return
+    if not cfg.parallel.distributed_optimizer:
+        raise ConfigError(f"optimizer.offload_fraction={o.offload_fraction:g} needs parallel.distributed_optimizer=true "
+                          "(megatron offloads under its precision-aware optimizer, which shards the state "
+                          "over data-parallel ranks)")
+    if o.offload_fraction < 1 and cfg.model.dtype != "bfloat16":
+        # HybridDeviceOptimizer hands a kept fp32 parameter no gradient: it reads .grad, the distributed optimizer
+        # sets .decoupled_grad, and only bf16 parameters (given fp32 copies) or offloaded ones get theirs copied.
+        raise ConfigError(f"optimizer.offload_fraction={o.offload_fraction:g} with model.dtype={cfg.model.dtype}: "
+                          "megatron's HybridDeviceOptimizer would not update the fp32 parameters kept on the GPU; "
+                          "set optimizer.offload_fraction=1 or model.dtype=bfloat16")
+    if cfg.rollout.colocate_offload != "none":
+        raise ConfigError(f"optimizer.offload_fraction={o.offload_fraction:g} with rollout.colocate_offload="
+                          f"{cfg.rollout.colocate_offload}: the optimizer state is offloaded once already; set "
+                          "rollout.colocate_offload=none (or optimizer.offload_fraction=0)")
+
+
+def validate_machine(cfg: Config) -> None:
+    """What this machine must have for ``train`` (not ``plan``, which sizes the cluster from anywhere): the
+    optimizer's host offload runs on CUDA streams only."""
+    import torch
+
+    if cfg.optimizer.offload_fraction and not torch.cuda.is_available():
+        raise ConfigError(f"optimizer.offload_fraction={cfg.optimizer.offload_fraction:g} needs CUDA (megatron's "
+                          "HybridDeviceOptimizer copies gradients and weights over CUDA streams) and this machine "
+                          "has none: set optimizer.offload_fraction=0 (on the CPU the state is in host memory "
+                          "anyway)")
+
+
 def validate_timeouts(cfg: Config) -> None:
     """Each wait must end with the error that explains it: the limits of rank 0's own work (a rollout, a weight-sync
     call) are shorter than the collective timeouts of the ranks waiting for it."""
@@ -380,6 +420,7 @@ def validate(cfg: Config, world_size: int, hf: dict | None = None) -> None:
         raise ConfigError(f"train.max_consecutive_nonfinite={cfg.train.max_consecutive_nonfinite} must be >= 0 "
                           "(0: never stop on non-finite steps)")
     _positive(o.lr, "optimizer.lr") if o.lr != 0 else None
+    validate_optimizer(cfg)
     validate_timeouts(cfg)
     dp = validate_layout(cfg, world_size)
     if hf is not None:

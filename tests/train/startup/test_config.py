@@ -129,11 +129,34 @@ def test_bad_fields_are_named(overrides, message):
         (["rollout.fp8=true", "rollout.engine=local"], 1, None, r"rollout.fp8=true needs rollout.engine=sglang"),
         (["rollout.fp8=true", "rollout.server_args={dtype: float32}"], 1, None,
          r"rollout.server_args.dtype=float32: SGLang's FP8 layers compute in bfloat16 or float16"),
+        # the optimizer in host memory and bf16 gradients (train/startup/policy.py's offload_fields)
+        (["optimizer.offload_fraction=1.5"], 1, None, r"optimizer.offload_fraction=1.5 must be in \[0, 1\]"),
+        (["model.dtype=float32", "optimizer.grad_reduce_in_fp32=false"], 1, None,
+         r"optimizer.grad_reduce_in_fp32=false with model.dtype=float32: the gradient buffer takes the parameters'"),
+        (["optimizer.offload_fraction=1", "parallel.distributed_optimizer=false"], 1, None,
+         r"optimizer.offload_fraction=1 needs parallel.distributed_optimizer=true"),
+        (["optimizer.offload_fraction=0.5", "model.dtype=float32"], 1, None,
+         r"optimizer.offload_fraction=0.5 with model.dtype=float32: megatron's HybridDeviceOptimizer would not "
+         r"update the fp32 parameters kept on the GPU"),
+        (["optimizer.offload_fraction=1", "rollout.colocate=true", "rollout.colocate_offload=optimizer"], 1, None,
+         r"optimizer.offload_fraction=1 with rollout.colocate_offload=optimizer: the optimizer state is offloaded"),
     ],
 )
 def test_incompatibilities_name_the_field(overrides, world, hf, message):
     with pytest.raises(ConfigError, match=message):
         validate(cfg(*overrides), world, hf)
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the refusal of a machine without CUDA")
+def test_the_offloaded_optimizer_is_refused_without_cuda_before_anything_is_built(capsys, monkeypatch):
+    """``train`` with optimizer.offload_fraction > 0 on a CPU-only machine stops at the config check, naming the
+    field (megatron's HybridDeviceOptimizer runs on CUDA streams); ``plan`` of the same config runs anywhere."""
+    from gspo_megatron.cli import main
+
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    example = str(Path(__file__).resolve().parents[3] / "examples/gpt_oss_120b/train_one_node.yaml")
+    assert main(["train", example]) == 2
+    assert "optimizer.offload_fraction=1 needs CUDA (megatron's HybridDeviceOptimizer" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("overrides", [

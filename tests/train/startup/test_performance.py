@@ -11,7 +11,10 @@ loss and gradient norm of each step and every parameter after both steps equal t
 - the bias/SwiGLU and residual fusions (torch.compile'd on CPU too): within 1e-6;
 - DDP's overlapped gradient reduction, and the distributed optimizer's overlapped parameter all-gather (against
   the distributed optimizer without it): within 1e-6. With the overlapped all-gather the parameters after a step
-  are stale until the next forward or ``performance.params_current`` (checked: weight sync and checkpoints call it).
+  are stale until the next forward or ``performance.params_current`` (checked: weight sync and checkpoints call it);
+- bf16 gradient buffers (``optimizer.grad_reduce_in_fp32=false``: megatron's main_grad in bf16) against fp32 ones, in
+  bf16 training with the distributed optimizer: the first step's loss identical, gradient norms and the parameters
+  after both steps within 1e-2 relative (micro batches accumulate and ranks reduce in bf16).
 
 The TE/CUDA/apex-only options cannot run here: they are checked to reach megatron's config on a machine that has
 them in the GPU check; here a ``true`` is a named ConfigError and ``null`` resolves to off.
@@ -34,6 +37,8 @@ SEQ = 48
 BASE = ["data.task=reverse", "model.dtype=float32", "rollout.prompts_per_step=2", "rollout.group_size=4",
         "algo.minibatches=2", "parallel.micro_batch_size=2", "parallel.expert=2",
         "parallel.distributed_optimizer=false", "algo.eps_low=0.2", "algo.eps_high=0.2"]
+BF16 = ["model.dtype=bfloat16", "parallel.distributed_optimizer=true", "optimizer.lr=1.0", "optimizer.adam_eps=1.0"]
+RTOL_BF16_GRADS = 1e-2
 # (name, overrides, the case it must equal)
 CASES = [
     ("default", [], None),
@@ -45,6 +50,10 @@ CASES = [
     ("distopt", ["parallel.distributed_optimizer=true"], None),
     ("distopt_overlap", ["parallel.distributed_optimizer=true", "performance.overlap_grad_reduce=true",
                          "performance.overlap_param_gather=true"], "distopt"),
+    # bf16 with DDP's gradient buffer in fp32 and in bf16 (Adam with eps 1: a step continuous in the gradient, and
+    # large enough for bf16 weights to show it)
+    ("bf16", BF16, None),
+    ("bf16_grads", BF16 + ["optimizer.grad_reduce_in_fp32=false"], "bf16"),
 ]
 
 
@@ -74,7 +83,8 @@ def run_cases(hf_dir: str) -> dict:
         ddp = policy.model.ddp_config
         reached.update(overlap_grad_reduce=ddp.overlap_grad_reduce, overlap_param_gather=ddp.overlap_param_gather,
                        no_sync_func=gpt.config.no_sync_func is not None,
-                       dispatcher=type(gpt.decoder.layers[0].mlp.token_dispatcher).__name__)
+                       dispatcher=type(gpt.decoder.layers[0].mlp.token_dispatcher).__name__,
+                       grad_dtype=next(p.main_grad.dtype for p in gpt.parameters() if hasattr(p, "main_grad")))
         rows = row_plan(batch["input_ids"].shape[0], cfg)
         batch["old_logprobs"] = batch["rollout_logprobs"]
         start = _params(policy.model)
@@ -106,7 +116,7 @@ def test_settings_reach_megatron_and_leave_the_step_unchanged(moe_then_dense_dir
                 assert got["steps"][0][1] > 0, where
                 continue
             ref = results[reference]
-            tol = RTOL_FP64_ROUTER if name == "router_fp64" else RTOL
+            tol = {"router_fp64": RTOL_FP64_ROUTER, "bf16_grads": RTOL_BF16_GRADS}.get(name, RTOL)
             for (loss, norm, _), (ref_loss, ref_norm, _) in zip(got["steps"], ref["steps"]):
                 assert abs(loss - ref_loss) <= tol * abs(ref_loss), (where, loss, ref_loss)
                 assert abs(norm - ref_norm) <= tol * ref_norm, (where, norm, ref_norm)
@@ -127,6 +137,9 @@ def test_settings_reach_megatron_and_leave_the_step_unchanged(moe_then_dense_dir
         assert reached["fusions"]["bias_activation_fusion"] and reached["fusions"]["bias_dropout_fusion"]
         assert reached["overlap_grad"]["overlap_grad_reduce"] and reached["overlap_grad"]["no_sync_func"]
         assert reached["distopt_overlap"]["overlap_param_gather"]
+        assert default["grad_dtype"] == reached["bf16"]["grad_dtype"] == torch.float32
+        assert reached["bf16_grads"]["grad_dtype"] == torch.bfloat16  # optimizer.grad_reduce_in_fp32=false
+        assert results["bf16_grads"]["steps"][0][0] == results["bf16"]["steps"][0][0]  # the same first forward
         # The steps moved the weights; with the overlapped all-gather the last step's were stale until gathered.
         assert _rel(results["default"]["params"], results["distopt"]["params"]) <= RTOL
         assert all(r["moved"] for r in results.values())
