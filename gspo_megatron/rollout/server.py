@@ -108,7 +108,7 @@ def server_env(config: SGLangConfig, gpus: list[int]) -> dict[str, str]:
     if config.dtype == "float32":
         # SGLang keeps a gated-DeltaNet's convolution states in bfloat16 unless told otherwise (its recurrent state is
         # fp32): every decode then reads the last three inputs rounded, and fp32 rollouts' log-probs drift from the
-        # trainer's by ~1e-2 (5e-6 with fp32 states, tests/rollout/test_gdn_sglang.py)
+        # trainer's by ~1e-2 (5e-6 with fp32 states, tests/train/test_family_loop.py)
         env.setdefault("SGLANG_MAMBA_CONV_DTYPE", "float32")
     return env
 

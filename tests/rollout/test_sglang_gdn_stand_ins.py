@@ -4,7 +4,7 @@
 conventions: states in pools indexed per request (padding rows skipped and left alone, the other slots untouched),
 varlen prefills from initial states, more value heads than key heads. fp32 inputs; the chunked prefill rule is
 compared with the token-by-token reference (``STATE_TOL``). No server: the whole path is
-tests/rollout/test_gdn_sglang.py."""
+tests/train/test_family_loop.py (the CLI loop on a launched server)."""
 
 from __future__ import annotations
 
