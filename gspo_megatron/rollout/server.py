@@ -17,6 +17,7 @@ import ctypes
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -66,6 +67,11 @@ def launch_command(config: SGLangConfig, port: int, gpus: list[int]) -> list[str
         cmd.append("--enable-return-routed-experts")
     if config.colocate and config.device == "cuda":  # release_memory_occupation frees memory only with it
         cmd.append("--enable-memory-saver")
+    if config.device == "cpu" and "--disable-radix-cache" not in config.extra_args \
+            and gated_deltanet(config.model_path):
+        # SGLang's radix cache keeps a gated-DeltaNet's states per prefix in snapshots that only its GPU, NPU and
+        # XPU platforms take ("extra_buffer requires platform support for Mamba cache state snapshots")
+        cmd.append("--disable-radix-cache")
     for flag, value in (("--max-total-tokens", config.max_total_tokens),
                         ("--max-running-requests", config.max_running_requests),
                         ("--mem-fraction-static", config.mem_fraction_static),
@@ -99,6 +105,11 @@ def server_env(config: SGLangConfig, gpus: list[int]) -> dict[str, str]:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
     if config.device == "cpu" and config.cpu_threads is not None:
         env["OMP_NUM_THREADS"] = str(config.cpu_threads)
+    if config.dtype == "float32":
+        # SGLang keeps a gated-DeltaNet's convolution states in bfloat16 unless told otherwise (its recurrent state is
+        # fp32): every decode then reads the last three inputs rounded, and fp32 rollouts' log-probs drift from the
+        # trainer's by ~1e-2 (5e-6 with fp32 states, tests/train/test_family_loop.py)
+        env.setdefault("SGLANG_MAMBA_CONV_DTYPE", "float32")
     return env
 
 
@@ -332,16 +343,29 @@ def start_servers(config: SGLangConfig, keep: bool = False) -> list[ServerProces
     return servers
 
 
+def gated_deltanet(model_path: str) -> bool:
+    """Whether the model in ``model_path`` (config.json) is a gated-DeltaNet hybrid (Qwen3.5, Qwen3-Next)."""
+    from gspo_megatron.model.errors import UnsupportedModel
+    from gspo_megatron.model.hf_config import family_of, text_config
+
+    try:
+        return family_of(text_config(json.loads((Path(model_path) / "config.json").read_text()))).gated_deltanet
+    except (OSError, ValueError, UnsupportedModel):  # not ours to judge here: SGLang says what it cannot load
+        return False
+
+
 def serving_model_dir(config: SGLangConfig, log_dir: Path) -> str:
-    """The model directory launched servers load: ``config.model_path``, or for FP8 rollouts (``weight_sync.fp8``)
-    one whose config.json has the scheme's ``quantization_config``, so that SGLang builds FP8 layers (its
-    ``Fp8Config``) into which every weight sync then loads FP8 tensors: ``model_path`` itself where it is such a
-    copy (``train`` serves one: ``bootstrap.engine_model_dir``), else its block-FP8 copy under ``log_dir`` (written
-    once, ``hf_files.quantized_copy``)."""
+    """The model directory launched servers load: ``config.model_path``; or, where its config.json lacks fields
+    SGLang reads that the family's releases have (``hf_config.serving_config``: a directory transformers saved),
+    a copy under ``log_dir`` of its files (links) with them added (the user's directory is never edited); or for
+    FP8 rollouts (``weight_sync.fp8``) one whose config.json has the scheme's ``quantization_config``, so that SGLang
+    builds FP8 layers (its ``Fp8Config``) into which every weight sync then loads FP8 tensors: ``model_path`` itself
+    where it is such a copy (``train`` serves one: ``bootstrap.engine_model_dir``), else its block-FP8 copy under
+    ``log_dir`` (written once, ``hf_files.quantized_copy``)."""
     scheme = config.weight_sync.fp8
-    if scheme is None:
-        return config.model_path
     model_config = json.loads((Path(config.model_path) / "config.json").read_text())
+    if scheme is None:
+        return serving_fields_copy(config.model_path, model_config, log_dir / "serving_model")
     if model_config.get("quantization_config") == scheme.config(model_config)["quantization_config"]:
         return config.model_path
     from gspo_megatron.model.hf_files import quantized_copy
@@ -350,6 +374,42 @@ def serving_model_dir(config: SGLangConfig, log_dir: Path) -> str:
     out = quantized_copy(config.model_path, log_dir / "fp8_model", scheme)
     log.info("FP8 copy of %s for the servers: %s (%.1f s)", config.model_path, out, time.perf_counter() - started)
     return str(out)
+
+
+def serving_fields_copy(model_path: str, model_config: dict, out: Path) -> str:
+    """``model_path``, or where ``serving_config`` adds to its config.json, ``out``: links to its files and that
+    config.json (SGLang's Qwen3NextConfig, which Qwen3.5's text configs derive from, places its layers by
+    ``full_attention_interval`` alone, which transformers 5.19 does not save)."""
+    from gspo_megatron.model.errors import UnsupportedModel
+    from gspo_megatron.model.hf_config import serving_config
+
+    try:
+        serving = serving_config(model_config)
+    except UnsupportedModel:  # not ours to judge here: SGLang says what it cannot load
+        return model_path
+    if serving == model_config:
+        return model_path
+    source = Path(model_path).absolute()
+    if out.is_dir() and json.loads((out / "config.json").read_text()) == serving \
+            and all(f.resolve() == (source / f.name).resolve() for f in out.iterdir() if f.name != "config.json"):
+        return str(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    for f in source.iterdir():
+        if f.name != "config.json":
+            (tmp / f.name).symlink_to(f.resolve())
+    (tmp / "config.json").write_text(json.dumps(serving, indent=2) + "\n")
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    added = sorted(k for k in _flat(serving) if k not in _flat(model_config))
+    log.info("the servers load %s: %s with %s added to its config.json", out, source, ", ".join(added))
+    return str(out)
+
+
+def _flat(config: dict) -> set[str]:
+    return {k for k, v in config.items() if not isinstance(v, dict)} | {
+        f"{k}.{inner}" for k, v in config.items() if isinstance(v, dict) for inner in _flat(v)}
 
 
 def wait_all_ready(servers: list[ServerProcess], timeout: float, stop: Stop = None) -> None:

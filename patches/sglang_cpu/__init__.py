@@ -1,4 +1,4 @@
-"""sglang 0.5.23 serving on CPU: two stand-in modules and three patches on the *server's* PYTHONPATH (never the
+"""sglang 0.5.23 serving on CPU: two stand-in modules and four patches on the *server's* PYTHONPATH (never the
 trainer's).
 
 Measured in shared/notes/sglang-on-cpu.md. ``python -m sglang.launch_server --device cpu`` (torch_native attention,
@@ -21,6 +21,11 @@ pytorch sampling) needs, in the CPU environment ``tools/install.sh`` builds:
 - ``sitecustomize`` (``site/_gspo_cpu_host_alloc.py``): host buffers on a CPU device unpinned. Without it a server
   started with ``--enable-return-routed-experts`` (rollout routing replay) dies at start-up: the routed-experts
   capture's host cache is pinned and cudaHostRegistered ("Torch not compiled with CUDA enabled").
+
+- ``sitecustomize`` (``site/_gspo_gated_deltanet.py``): pure-torch stand-ins for the Triton kernels of the
+  gated-DeltaNet hybrids (Qwen3.5, Qwen3-Next): the causal convolution, the gates, the chunked and recurrent delta
+  rules, the gated norms, the projection splits and the sigmoid gates, bound where sglang defines each (its GDN
+  backend takes the Triton path off ``SGLANG_USE_CPU_ENGINE``), so that a CPU server serves those families.
 
 The stand-ins refuse any sglang other than 0.5.23 when imported. ``server_env`` adds them only when no CUDA device is
 present; on GPUs SGLang is installed normally with its real dependencies and nothing here applies.

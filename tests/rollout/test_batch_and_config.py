@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -133,6 +136,38 @@ def test_launched_servers_do_not_inherit_the_trainers_torchrun_env(monkeypatch, 
     env = server_env(SGLangConfig(model_path=str(tmp_path), device="cpu", cpu_threads=1), [])
     assert not {"RANK", "WORLD_SIZE", "MASTER_PORT", "LOCAL_RANK"} & env.keys()
     assert env["GSPO_UNRELATED"] == "kept" and env["OMP_NUM_THREADS"] == "1"
+
+
+def test_launched_servers_of_a_gated_deltanet_hybrid_get_what_sglang_needs(tmp_path):
+    """A Qwen3.5 directory as transformers saves it (``layer_types``, no ``full_attention_interval``): the servers
+    load a copy of links with the field added (the user's directory untouched), and on CPU run without the radix
+    cache (SGLang snapshots DeltaNet states per prefix only on GPUs); fp32 servers keep the convolution states in
+    fp32. A Qwen3-MoE directory is served as it is, with the radix cache."""
+    import json
+
+    from gspo_megatron.rewards.synthetic import tiny_config
+    from gspo_megatron.rollout.server import launch_command, server_env, serving_model_dir
+
+    def saved_dir(name, family):  # config.json as transformers writes it, beside a weights file
+        tiny_config(family).save_pretrained(tmp_path / name)
+        (tmp_path / name / "model.safetensors").write_bytes(b"weights")
+        return tmp_path / name
+
+    hybrid = saved_dir("hybrid", "qwen3_5_moe")
+    saved = (hybrid / "config.json").read_text()
+    config = SGLangConfig(model_path=str(hybrid), device="cpu", dtype="float32")
+    served = Path(serving_model_dir(config, tmp_path / "logs"))
+    assert served == tmp_path / "logs" / "serving_model" and (hybrid / "config.json").read_text() == saved
+    assert json.loads((served / "config.json").read_text()) == {**json.loads(saved), "full_attention_interval": 2}
+    assert (served / "model.safetensors").resolve() == (hybrid / "model.safetensors").resolve()
+    assert serving_model_dir(config, tmp_path / "logs") == str(served)  # kept for the next start
+    assert "--disable-radix-cache" in launch_command(replace(config, model_path=str(served)), 1, [])
+    assert launch_command(replace(config, device="cuda"), 1, [0]).count("--disable-radix-cache") == 0
+    assert server_env(config, [])["SGLANG_MAMBA_CONV_DTYPE"] == "float32"
+    assert "SGLANG_MAMBA_CONV_DTYPE" not in server_env(replace(config, dtype="bfloat16"), [])
+    plain = SGLangConfig(model_path=str(saved_dir("plain", "qwen3_moe")), device="cpu")
+    assert serving_model_dir(plain, tmp_path / "logs2") == plain.model_path
+    assert "--disable-radix-cache" not in launch_command(plain, 1, [])
 
 
 def test_server_capacity_from_server_info():

@@ -129,7 +129,8 @@ def test_batched_decode_equals_the_per_request_loop():
 
 def test_server_processes_get_the_batched_decode(tmp_path):
     """The site folder's sitecustomize patches sglang's torch_native backend when (and only when) it is imported,
-    and its host-buffer allocator for CPU devices (unpinned: the routed-experts capture's host cache)."""
+    its host-buffer allocator for CPU devices (unpinned: the routed-experts capture's host cache), and binds the
+    gated-DeltaNet stand-ins where the GDN kernel module imports its Triton kernels from."""
     import os
     import subprocess
     import sys
@@ -142,10 +143,15 @@ def test_server_processes_get_the_batched_decode(tmp_path):
             "from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend as B; "
             "print(getattr(B._run_sdpa_forward_decode, '_gspo_batched', False)); "
             "from sglang.srt.mem_cache.pool_host import common as C; "
-            "print(C.ALLOC_MEMORY_FUNCS['cpu'].__name__, C.ALLOC_MEMORY_FUNCS['cuda'].__name__)")
+            "print(C.ALLOC_MEMORY_FUNCS['cpu'].__name__, C.ALLOC_MEMORY_FUNCS['cuda'].__name__); "
+            "from sglang.srt.layers.attention.linear.kernels import gdn_triton as T; "
+            "from sglang.kernels.ops.mamba import causal_conv1d_triton as K; "
+            "print(T.chunk_gated_delta_rule.__module__, T.fused_recurrent_gated_delta_rule_packed_decode.__module__, "
+            "T.fused_sigmoid_gating_delta_rule_update.__module__, K.causal_conv1d_update.__module__)")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-2:] == ["True", "alloc_unpinned alloc_with_host_register"], out.stdout
+    assert out.stdout.strip().splitlines()[-3:] == ["True", "alloc_unpinned alloc_with_host_register",
+                                                    " ".join(["_gspo_gated_deltanet"] * 4)], out.stdout
 
 
 def _library_base(pid: int, name: str) -> int:

@@ -1,4 +1,5 @@
-"""The training loop on the other MoE families, through the command line as a user runs it (world 1, local engine):
+"""The training loop on the other MoE families, through the command line as a user runs it (world 1; the local
+engine, and for the gated-DeltaNet hybrid a launched CPU SGLang server):
 ``model.tiny.family`` builds a tiny random GLM-4.5 or DeepSeek-V3 (dense first layer, shared expert, sigmoid
 group-limited router with its score-correction bias; MLA for DeepSeek), gpt-oss (sliding windows, sinks, biases,
 the clamped GLU, stacked experts) or MiniMax-M2 (q/k norms over the whole projection, sigmoid router with its bias),
@@ -76,15 +77,18 @@ def test_the_loop_runs_each_family_with_the_engine_in_step(family, tmp_path):
 @pytest.mark.megatron  # trains the Megatron policy through the CLI
 def test_the_loop_runs_the_gated_deltanet_hybrid_with_the_engine_in_step(tmp_path):
     """``model.tiny.family=qwen3_5_moe``: Qwen3.5-MoE's text model (a DeltaNet layer, then a gated full-attention
-    layer; gated shared expert, zero-centred norms), the local engine (SGLang's CPU server has no DeltaNet kernels:
-    docs/models.md), with packed sequences in token-budget micro batches (``parallel.pack_sequences``,
+    layer; gated shared expert, zero-centred norms), served by a launched CPU SGLang server (SGLang's own
+    Qwen3.5 model on the pure-torch stand-ins of patches/sglang_cpu for its Triton kernels; the directory
+    transformers saved served through a copy with ``full_attention_interval``, without the radix cache, fp32
+    convolution states), with packed sequences in token-budget micro batches (``parallel.pack_sequences``,
     ``parallel.max_tokens_per_micro_batch``: several samples per row, no padding). The engine's log-probs of every
-    step's samples (each run alone) equal the trainer's packed ones, so each sync carried every tensor the DeltaNet,
-    the gated attention and the shared expert's gate compute with, and each packed sample's DeltaNet state started
-    fresh (tests/model/test_gated_deltanet.py checks packed against padded directly)."""
+    step's samples (its prefill, then its recurrent decode over each response's tokens) equal the trainer's packed
+    ones (measured <= 1e-5), so each sync carried every tensor the DeltaNet, the gated attention and the shared
+    expert's gate compute with, and each packed sample's DeltaNet state started fresh
+    (tests/model/test_gated_deltanet.py checks packed against padded directly)."""
     run = tmp_path / "run"
     command = [sys.executable, "-m", "gspo_megatron.cli", "train", str(ROOT / "examples/tiny_moe_cpu.yaml"),
-               "model.tiny.family=qwen3_5_moe", "rollout.engine=local", f"train.steps={STEPS}", "train.eval_every=0",
+               "model.tiny.family=qwen3_5_moe", "rollout.engine=sglang", f"train.steps={STEPS}", "train.eval_every=0",
                "model.warm_start_steps=2", f"model.hf_dir={tmp_path / 'model'}", f"logging.dir={run}",
                f"checkpoint.dir={run / 'ck'}", "logging.plot_every=0", "rollout.prompts_per_step=4",
                "parallel.micro_batch_size=8", "data.reward_workers=0", "optimizer.lr=3e-3",
@@ -100,6 +104,7 @@ def test_the_loop_runs_the_gated_deltanet_hybrid_with_the_engine_in_step(tmp_pat
     assert any(".linear_attn.in_proj_qkv." in n for n in names) and any("shared_expert_gate" in n for n in names)
     steps = _every_step_synced(run, names)
     assert all(s["padding_frac"] == 0.0 for s in steps), "packed rows of whole samples"
+    assert all(s["response_length_mean"] > 2 for s in steps), "responses of several tokens: the decode path ran"
 
 
 @pytest.mark.megatron  # trains the Megatron policy through the CLI, or is refused it (megatron-core 0.16.1)
