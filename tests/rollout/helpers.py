@@ -3,8 +3,10 @@ states), prompts, and the sglang requirement."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
+import sys
 
 import pytest
 import torch
@@ -45,3 +47,15 @@ def require_sglang() -> None:
         pytest.fail("sglang is not importable but CI=true: tools/install.sh must install it, the rollout tests "
                     "need a real SGLang server", pytrace=False)
     pytest.skip("sglang is not installed: run `bash tools/install.sh`")
+
+
+def import_from_cpu_site(module: str):
+    """A module of ``patches/sglang_cpu/site`` (the CPU server's stand-ins), imported here as the server imports it:
+    with that folder leading sys.path, for the import only."""
+    from patches import sglang_cpu
+
+    sys.path.insert(0, str(sglang_cpu.SITE))
+    try:
+        return importlib.import_module(module)
+    finally:
+        sys.path.remove(str(sglang_cpu.SITE))

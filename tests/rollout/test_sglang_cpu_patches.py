@@ -3,7 +3,6 @@ refused; the stand-ins reach only a CPU server's PYTHONPATH."""
 
 from __future__ import annotations
 
-import importlib
 import subprocess
 import sys
 
@@ -12,15 +11,7 @@ import torch
 
 import patches.sglang_cpu as sglang_cpu
 
-from .helpers import require_sglang
-
-
-def _custom_ops():
-    sys.path.insert(0, str(sglang_cpu.SITE))
-    try:
-        return importlib.import_module("vllm._custom_ops")
-    finally:
-        sys.path.remove(str(sglang_cpu.SITE))
+from .helpers import import_from_cpu_site, require_sglang
 
 
 def _reference(positions, x, head_size, cos_sin_cache, is_neox):
@@ -44,7 +35,7 @@ def _reference(positions, x, head_size, cos_sin_cache, is_neox):
 @pytest.mark.parametrize("rotary_dim", [16, 8])  # full and partial rotary
 def test_rotary_stand_in_equals_sglang_formula(is_neox, rotary_dim):
     require_sglang()
-    ops = _custom_ops()
+    ops = import_from_cpu_site("vllm._custom_ops")
     g = torch.Generator().manual_seed(0)
     T, head_size = 7, 16
     inv = 1.0 / 10000 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim)

@@ -8,14 +8,11 @@ tests/train/test_family_loop.py (the CLI loop on a launched server)."""
 
 from __future__ import annotations
 
-import importlib
-import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-import patches.sglang_cpu as sglang_cpu
+from .helpers import import_from_cpu_site
 
 modeling = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
 
@@ -27,11 +24,7 @@ SLOTS = 6
 
 @pytest.fixture(scope="module")
 def gdn():
-    sys.path.insert(0, str(sglang_cpu.SITE))
-    try:
-        return importlib.import_module("_gspo_gated_deltanet")
-    finally:
-        sys.path.remove(str(sglang_cpu.SITE))
+    return import_from_cpu_site("_gspo_gated_deltanet")
 
 
 def _gen(seed=0):
