@@ -4,7 +4,8 @@
 into; on success rank 0 renames it to ``out`` (one ``os.replace``, atomic on a POSIX file system), on an
 exception it is removed. A run killed outright (SIGKILL, power loss) can leave the hidden ``.partial``
 directory behind, never a half-written ``out``. SIGTERM is turned into an exception by the tools so that it
-cleans up too.
+cleans up too. ``replaced_dir(out)`` does the same for one process refreshing a copy of its own (the servers'
+model directories), replacing an ``out`` already there.
 """
 
 from __future__ import annotations
@@ -72,6 +73,24 @@ def atomic_output_dir(out: str | Path):
     except BaseException:
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+@contextlib.contextmanager
+def replaced_dir(out: str | Path):
+    """For this process alone (no ranks, no collectives: a copy rank 0 writes for its servers): yield a temporary
+    sibling of ``out`` that replaces it on success (an ``out`` already there is removed then); on an exception the
+    temporary directory is removed and ``out`` is left as it was."""
+    out = Path(out).absolute()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        yield tmp
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 

@@ -15,13 +15,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Iterable, Mapping
 
 import torch
 
 from . import fp8, gpt_oss
+from .atomic import replaced_dir
 from .tensor_source import TensorSource
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -166,16 +166,10 @@ def _copy(directory: str | Path, out: str | Path, tensors, config_of, announce=N
     if announce is not None:
         announce(out)
     source = open_hf_dir(directory)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    try:
+    with replaced_dir(out) as tmp:
         copy_hf_metadata(directory, tmp)
         write_safetensors(tensors((name, source.read(name)) for name in source.shapes()), tmp)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

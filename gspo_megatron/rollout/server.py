@@ -17,7 +17,6 @@ import ctypes
 import json
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -380,6 +379,7 @@ def serving_fields_copy(model_path: str, model_config: dict, out: Path) -> str:
     """``model_path``, or where ``serving_config`` adds to its config.json, ``out``: links to its files and that
     config.json (SGLang's Qwen3NextConfig, which Qwen3.5's text configs derive from, places its layers by
     ``full_attention_interval`` alone, which transformers 5.19 does not save)."""
+    from gspo_megatron.model.atomic import replaced_dir
     from gspo_megatron.model.errors import UnsupportedModel
     from gspo_megatron.model.hf_config import serving_config
 
@@ -393,15 +393,11 @@ def serving_fields_copy(model_path: str, model_config: dict, out: Path) -> str:
     if out.is_dir() and json.loads((out / "config.json").read_text()) == serving \
             and all(f.resolve() == (source / f.name).resolve() for f in out.iterdir() if f.name != "config.json"):
         return str(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    for f in source.iterdir():
-        if f.name != "config.json":
-            (tmp / f.name).symlink_to(f.resolve())
-    (tmp / "config.json").write_text(json.dumps(serving, indent=2) + "\n")
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+    with replaced_dir(out) as tmp:
+        for f in source.iterdir():
+            if f.name != "config.json":
+                (tmp / f.name).symlink_to(f.resolve())
+        (tmp / "config.json").write_text(json.dumps(serving, indent=2) + "\n")
     added = sorted(k for k in _flat(serving) if k not in _flat(model_config))
     log.info("the servers load %s: %s with %s added to its config.json", out, source, ", ".join(added))
     return str(out)

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gspo_megatron.model.atomic import atomic_output_dir
+from gspo_megatron.model.atomic import atomic_output_dir, replaced_dir
 from gspo_megatron.model.checkpoint import HF_DIR, METADATA_FILE
 from gspo_megatron.model.convert import hf_to_megatron, megatron_to_hf
 from gspo_megatron.model.errors import MappingError, UnsupportedModel
@@ -173,6 +173,22 @@ def test_a_failure_midway_leaves_no_output(tmp_path):
     with atomic_output_dir(out) as tmp:
         (tmp / "done").write_text("ok")
     assert (out / "done").read_text() == "ok" and no_leftovers(tmp_path / "other")
+
+
+def test_a_replaced_copy_stays_whole_when_its_refresh_fails(tmp_path):
+    """``replaced_dir`` (one process refreshing its own copy, e.g. the servers' model directory): a failure midway
+    leaves the previous copy as it was and no .partial directory; a success replaces it whole."""
+    out = tmp_path / "copy"
+    with replaced_dir(out) as tmp:
+        (tmp / "config.json").write_text("old")
+    with pytest.raises(RuntimeError, match="disk full"):
+        with replaced_dir(out) as tmp:
+            (tmp / "config.json").write_text("new")
+            raise RuntimeError("disk full")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["copy"] and (out / "config.json").read_text() == "old"
+    with replaced_dir(out) as tmp:
+        (tmp / "config.json").write_text("new")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["copy"] and (out / "config.json").read_text() == "new"
 
 
 def test_sigterm_midway_leaves_no_output(tmp_path):
