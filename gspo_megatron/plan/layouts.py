@@ -161,10 +161,9 @@ def memory_lines(cfg: Config, estimate: MemoryEstimate, world_size: int, gpu_mem
     if cfg.optimizer.offload_fraction:
         node = gpus_per_node or world_size
         host = estimate.host_bytes_per_node(node)
-        offloaded = max(st.host_optimizer for st in estimate.stages)
         lines += [
             f"host memory per node ({node} ranks; optimizer.offload_fraction={cfg.optimizer.offload_fraction:g}):",
-            f"  optimizer    {_gib(offloaded)} per rank (fp32 master, Adam's moments, fp32 gradient copy: 16 B per "
+            f"  optimizer    {_gib(estimate.host_optimizer)} per rank (fp32 master, Adam's moments, fp32 gradient copy: 16 B per "
             "offloaded element of its shard)",
             f"  processes    {_gib(o.host_process_gib * GIB)} per rank (plan.memory.Overhead.host_process_gib)",
             f"  total        {_gib(host)} of {host_memory_gib:.0f} GiB (--host-memory-gib): "

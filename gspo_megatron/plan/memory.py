@@ -410,13 +410,17 @@ class MemoryEstimate:
         """Per-GPU total: the tensors' peak, allocator slack and the fixed overhead."""
         return self.worst.tensors + self.slack_bytes + self.fixed_bytes
 
+    @property
+    def host_optimizer(self) -> float:
+        """The offloaded optimizer state of one rank in host memory: the stage that offloads most."""
+        return max(st.host_optimizer for st in self.stages)
+
     def host_bytes_per_node(self, gpus_per_node: int) -> float:
         """Host memory a node needs for the offloaded optimizer state: its ranks (each counted as the stage that
         offloads most) with their processes' allowance. 0 without offload."""
-        offloaded = max(st.host_optimizer for st in self.stages)
-        if not offloaded:
+        if not self.host_optimizer:
             return 0.0
-        return gpus_per_node * (offloaded + self.overhead.host_process_gib * GIB)
+        return gpus_per_node * (self.host_optimizer + self.overhead.host_process_gib * GIB)
 
 
 def padded_length(cfg: Config) -> int:
