@@ -194,6 +194,31 @@ class Fp8Scheme:
         mtp = int(config.get("num_nextn_predict_layers") or 0)
         return {**config, "quantization_config": self.quantization_config(mtp)}
 
+    def unservable_size(self, text_config: dict, tp_size: int = 1) -> str | None:
+        """Why SGLang would refuse this model's FP8 layers at start-up, in a sentence naming the config field, or
+        None. Its block-FP8 layers hold whole scale blocks per shard: each part of a merged projection (q, k and v;
+        gate and up, in the dense MLP, the experts and the shared expert) must be a multiple of the block's rows on
+        each of the server's ``tp_size`` ranks (``Fp8LinearMethod.validate_block_quant_shapes``,
+        ``Fp8MoEMethod.create_weights``)."""
+        if len(self.kept_layers) == self.num_layers:
+            return None  # nothing quantized
+        parts = {}
+        if not text_config.get("kv_lora_rank"):  # MLA's projections are not merged q, k, v parts
+            heads = text_config["num_attention_heads"]
+            head_dim = text_config.get("head_dim") or text_config["hidden_size"] // heads
+            parts["num_attention_heads x head_dim"] = heads * head_dim
+            parts["num_key_value_heads x head_dim"] = text_config.get("num_key_value_heads", heads) * head_dim
+        parts.update({field: text_config.get(field) for field in
+                      ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size")})
+        rows = self.block[0]
+        for field, size in parts.items():
+            if size and size % (rows * tp_size):
+                smaller_tp = " or a smaller rollout.server_args.tp_size" if size % rows == 0 else ""
+                return (f"{field} = {size}, not a multiple of the FP8 block's {rows} rows on each of {tp_size} "
+                        f"server TP rank(s): SGLang's block-FP8 layers refuse a projection part that is not whole "
+                        f"blocks per rank; set rollout.fp8=false{smaller_tp}")
+        return None
+
 
 def quantized_stream(named_tensors: Iterable[tuple[str, torch.Tensor]], scheme: Fp8Scheme
                      ) -> Iterator[tuple[str, torch.Tensor]]:

@@ -26,6 +26,8 @@ pytorch sampling) needs, in the CPU environment ``tools/install.sh`` builds:
   gated-DeltaNet hybrids (Qwen3.5, Qwen3-Next): the causal convolution, the gates, the chunked and recurrent delta
   rules, the gated norms, the projection splits and the sigmoid gates, bound where sglang defines each (its GDN
   backend takes the Triton path off ``SGLANG_USE_CPU_ENGINE``), so that a CPU server serves those families.
+- ``sitecustomize`` (``site/_gspo_fp8_block.py``): block-FP8 linear and expert layers (FP8 rollouts) through a torch
+  stand-in of SGLang's W8A8 block GEMM, which SGLang runs on GPUs or AMX CPUs only; the same numbers, not the speed.
 
 The stand-ins refuse any sglang other than 0.5.23 when imported. ``server_env`` adds them only when no CUDA device is
 present; on GPUs SGLang is installed normally with its real dependencies and nothing here applies.

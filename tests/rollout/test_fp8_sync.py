@@ -3,8 +3,8 @@
 What each sync path sends, produced by our code, fed to SGLang 0.5.23's real ``load_weights`` of a model built from
 the FP8 model directory our launched servers start from (``server.serving_model_dir``: SGLang reads its
 ``quantization_config`` and builds ``Fp8LinearMethod`` / ``Fp8MoEMethod`` layers holding float8_e4m3fn weights and
-fp32 ``weight_scale_inv``), in a process of its own (``tests/rollout/sglang_load.py``; no server: SGLang's FP8 GEMM
-cannot run on this CPU, docs/weight-sync.md):
+fp32 ``weight_scale_inv``), in a process of its own (``tests/rollout/sglang_load.py``; a launched server serving
+them, its GEMMs on patches/sglang_cpu's stand-in: tests/rollout/test_sglang_fp8_serving.py):
 
 - ``start``: the FP8 directory's files, as a launched server's start-up load reads them;
 - ``distributed``: ``DistributedSender``'s packed buckets (FP8 buckets are always flattened: gloo has no float8
@@ -229,6 +229,7 @@ def _engine_dirs(example: str, plain: str, fp8_checkpoint: str, run_dir: str) ->
     import os
     import shutil
 
+    from gspo_megatron.model import fp8
     from gspo_megatron.rollout.server import serving_model_dir
     from gspo_megatron.train.sampling.engine import sglang_config
     from gspo_megatron.train.startup.bootstrap import engine_model_dir
@@ -238,6 +239,9 @@ def _engine_dirs(example: str, plain: str, fp8_checkpoint: str, run_dir: str) ->
         return load_config(example, [f"model.hf_dir={hf_dir}", f"logging.dir={run_dir}", "data.reward_workers=0",
                                      *overrides])
 
+    # The tiny Qwen3's q, k, v and MLP parts are 16-64 rows, which SGLang's FP8 layers would refuse (pre-flight says
+    # so); the copies' files are under test here, servability in test_sglang_fp8_serving.
+    fp8.Fp8Scheme.unservable_size = lambda *args: None
     out = {}
     fp8_plain = cfg(plain, "rollout.fp8=true")
     served = engine_model_dir(fp8_plain, Path(plain))

@@ -121,7 +121,8 @@ def test_batched_decode_equals_the_per_request_loop():
 def test_server_processes_get_the_batched_decode(tmp_path):
     """The site folder's sitecustomize patches sglang's torch_native backend when (and only when) it is imported,
     its host-buffer allocator for CPU devices (unpinned: the routed-experts capture's host cache), and binds the
-    gated-DeltaNet stand-ins where the GDN kernel module imports its Triton kernels from."""
+    gated-DeltaNet stand-ins where the GDN kernel module imports its Triton kernels from, and the block-FP8 layers'
+    stand-in into SGLang's FP8 linear and MoE methods."""
     import os
     import subprocess
     import sys
@@ -138,11 +139,14 @@ def test_server_processes_get_the_batched_decode(tmp_path):
             "from sglang.srt.layers.attention.linear.kernels import gdn_triton as T; "
             "from sglang.kernels.ops.mamba import causal_conv1d_triton as K; "
             "print(T.chunk_gated_delta_rule.__module__, T.fused_recurrent_gated_delta_rule_packed_decode.__module__, "
-            "T.fused_sigmoid_gating_delta_rule_update.__module__, K.causal_conv1d_update.__module__)")
+            "T.fused_sigmoid_gating_delta_rule_update.__module__, K.causal_conv1d_update.__module__); "
+            "from sglang.srt.layers.quantization import fp8 as F; "
+            "print(F.Fp8LinearMethod.apply.__module__, F.Fp8MoEMethod.apply.__module__)")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-3:] == ["True", "alloc_unpinned alloc_with_host_register",
-                                                    " ".join(["_gspo_gated_deltanet"] * 4)], out.stdout
+    assert out.stdout.strip().splitlines()[-4:] == ["True", "alloc_unpinned alloc_with_host_register",
+                                                    " ".join(["_gspo_gated_deltanet"] * 4),
+                                                    "_gspo_fp8_block _gspo_fp8_block"], out.stdout
 
 
 def _library_base(pid: int, name: str) -> int:

@@ -228,8 +228,12 @@ def rollout_fp8_scheme(cfg: Config, config: dict) -> fp8.Fp8Scheme | None:
     config.json), None when off."""
     if not cfg.rollout.fp8:
         return None
-    layers = int(text_config(config)["num_hidden_layers"])
-    return fp8.Fp8Scheme(layers, keep_layers=cfg.rollout.fp8_keep_layers)
+    text = text_config(config)
+    scheme = fp8.Fp8Scheme(int(text["num_hidden_layers"]), keep_layers=cfg.rollout.fp8_keep_layers)
+    unservable = scheme.unservable_size(text, int(cfg.rollout.server_args.get("tp_size") or 1))
+    if unservable:
+        raise ConfigError(f"rollout.fp8=true: model.hf_dir's config.json has {unservable}")
+    return scheme
 
 
 def engine_model_dir(cfg: Config, hf_dir: Path) -> Path:

@@ -235,8 +235,9 @@ class RolloutConfig:
     ``weight_scale_inv`` per 128 x 128 block, quantized bucket by bucket as they stream), and servers we launch start
     from an FP8 copy of the model (``quantization_config`` in its config.json, so SGLang builds FP8 layers; attached
     servers must serve such a copy: ``tools/convert_megatron_to_hf.py --fp8``). Embeddings, lm_head, norms and
-    routers stay in the trainer's dtype. Needs SGLang's FP8 GEMMs: GPUs (its CPU build needs AMX and sgl-kernel's CPU
-    wheel, docs/weight-sync.md)."""
+    routers stay in the trainer's dtype. Each part of a merged projection (q, k, v; gate, up) must be whole 128-row
+    blocks per server TP rank, as SGLang requires (checked at start-up). Serving runs SGLang's FP8 GEMMs on GPUs; on
+    CPU servers a torch stand-in of them (patches/sglang_cpu: the same numbers, no speed-up; docs/weight-sync.md)."""
     fp8_keep_layers: int = 0
     """With fp8: the first and last N decoder layers stay in high precision (NeMo-RL's option; 0: all quantized)."""
     server_args: dict = field(default_factory=dict)

@@ -8,6 +8,8 @@ sglang but 0.5.23 nothing is patched.
   (``--enable-return-routed-experts``, rollout routing replay) allocates its host cache this way.
 - the modules of the Triton kernels the gated-DeltaNet hybrids (Qwen3.5, Qwen3-Next) run: pure-torch stand-ins
   (``_gspo_gated_deltanet``), bound where sglang defines each kernel, before its GDN backend and models import it.
+- ``layers.quantization.fp8``: block-FP8 linear and expert layers (FP8 rollouts, ``rollout.fp8``) compute through a
+  torch stand-in of SGLang's W8A8 block GEMM (``_gspo_fp8_block``): SGLang runs that GEMM on GPUs or AMX CPUs only.
 - ``entrypoints.engine``: the scheduler and detokenizer processes are forked, not spawned (``_gspo_fork_children``):
   a spawned child imports sglang, torch and transformers again, two thirds of a CPU server's start.
 """
@@ -35,6 +37,12 @@ def _gated_deltanet(module):
     _gspo_gated_deltanet.install(module)
 
 
+def _fp8_block(module):
+    import _gspo_fp8_block
+
+    _gspo_fp8_block.install(module)
+
+
 def _fork_children(module):
     import _gspo_fork_children
 
@@ -52,6 +60,7 @@ _GATED_DELTANET_MODULES = (
 _TARGETS = {
     **{name: _gated_deltanet for name in _GATED_DELTANET_MODULES},
     "sglang.srt.entrypoints.engine": _fork_children,
+    "sglang.srt.layers.quantization.fp8": _fp8_block,
     "sglang.srt.layers.attention.torch_native_backend": _batched_decode,
     "sglang.srt.mem_cache.pool_host.common": _cpu_host_alloc,
 }
