@@ -140,12 +140,18 @@ def _quantize_kernel():
     return kernel
 
 
-# A decoder layer's weight: model.layers.<i>.<module>.weight
-_LAYER_WEIGHT = re.compile(r"^model\.layers\.(\d+)\.(.+)\.weight$")
-# Modules of a decoder layer kept in high precision: the routers (their bias is 1-D, kept anyway). SGLang matches
-# these on dotted boundaries (``mlp.gate`` is not ``mlp.gate_up_proj``).
-KEPT_MODULES = ("mlp.gate", "mlp.shared_expert_gate", "block_sparse_moe.gate")
-KEPT_OUTSIDE_LAYERS = ("lm_head", "model.embed_tokens")
+# A decoder layer's weight: model.layers.<i>.<module>.weight, or model.language_model.layers.<i>.<module>.weight in a
+# vision-language checkpoint (Qwen3.5's)
+_LAYER_WEIGHT = re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.(.+)\.weight$")
+# Modules of a decoder layer kept in high precision: the routers (their bias is 1-D, kept anyway), and the gated
+# DeltaNet's beta and decay projections (Qwen3.5's in_proj_b / in_proj_a, Qwen3-Next's in_proj_ba, as NeMo-RL
+# keeps them): one row per value head, which SGLang fuses into a projection of two parts far below a 128-row block.
+# SGLang matches these on dotted boundaries (``mlp.gate`` is not ``mlp.gate_up_proj``).
+KEPT_MODULES = ("mlp.gate", "mlp.shared_expert_gate", "block_sparse_moe.gate", "linear_attn.in_proj_b",
+                "linear_attn.in_proj_a", "linear_attn.in_proj_ba")
+# Outside the decoder layers nothing is quantized; these are named in quantization_config so that SGLang builds them
+# unquantized too: the embeddings, lm_head, a vision tower (Qwen3.5's) and MTP layers stored apart (Qwen3.5's mtp.*)
+KEPT_OUTSIDE_LAYERS = ("lm_head", "model.embed_tokens", "model.visual", "mtp")
 
 
 @dataclass(frozen=True)
@@ -203,6 +209,11 @@ class Fp8Scheme:
         if len(self.kept_layers) == self.num_layers:
             return None  # nothing quantized
         parts = {}
+        if text_config.get("linear_num_value_heads"):  # the gated DeltaNet's in_proj_qkvz: q, k, v and z parts
+            parts["linear_num_key_heads x linear_key_head_dim"] = \
+                text_config["linear_num_key_heads"] * text_config["linear_key_head_dim"]
+            parts["linear_num_value_heads x linear_value_head_dim"] = \
+                text_config["linear_num_value_heads"] * text_config["linear_value_head_dim"]
         if not text_config.get("kv_lora_rank"):  # MLA's projections are not merged q, k, v parts
             heads = text_config["num_attention_heads"]
             head_dim = text_config.get("head_dim") or text_config["hidden_size"] // heads

@@ -87,12 +87,21 @@ def test_scheme_quantizes_the_decoder_linear_weights_only():
     quantized = [
         "model.layers.1.self_attn.q_proj.weight", "model.layers.2.mlp.experts.3.down_proj.weight",
         "model.layers.1.self_attn.kv_a_proj_with_mqa.weight", "model.layers.2.mlp.shared_experts.gate_proj.weight",
+        # Qwen3.5's vision-language checkpoint: its text model's layers; the DeltaNet's q, k, v, z and output
+        "model.language_model.layers.1.linear_attn.in_proj_qkv.weight",
+        "model.language_model.layers.2.linear_attn.out_proj.weight", "model.layers.1.linear_attn.in_proj_qkvz.weight",
     ]
     kept = [
         "model.embed_tokens.weight", "lm_head.weight", "model.norm.weight", "model.layers.1.mlp.gate.weight",
         "model.layers.1.mlp.gate.e_score_correction_bias", "model.layers.1.input_layernorm.weight",
         "model.layers.0.self_attn.q_proj.weight", "model.layers.3.mlp.down_proj.weight",  # first / last layer
         "model.layers.1.self_attn.q_proj.bias", "model.layers.4.eh_proj.weight",  # a bias; an MTP layer
+        # the DeltaNet's per-value-head beta / decay projections (Qwen3.5 apart, Qwen3-Next fused), Qwen3.5's
+        # shared-expert gate, vision tower and MTP layer
+        "model.language_model.layers.1.linear_attn.in_proj_b.weight",
+        "model.language_model.layers.1.linear_attn.in_proj_a.weight", "model.layers.2.linear_attn.in_proj_ba.weight",
+        "model.language_model.layers.2.mlp.shared_expert_gate.weight", "model.visual.blocks.0.attn.qkv.weight",
+        "mtp.layers.0.self_attn.q_proj.weight",
     ]
     for name in quantized:
         assert scheme.quantizes(name, (256, 128)), name
@@ -104,7 +113,8 @@ def test_scheme_quantizes_the_decoder_linear_weights_only():
     assert config["quant_method"] == "fp8" and config["fmt"] == "e4m3"
     assert config["weight_block_size"] == [128, 128] and config["activation_scheme"] == "dynamic"
     kept = config["modules_to_not_convert"]
-    assert {"model.layers.0", "model.layers.3", "lm_head", "model.embed_tokens", "mlp.gate"} <= set(kept)
+    assert {"model.layers.0", "model.layers.3", "lm_head", "model.embed_tokens", "mlp.gate", "model.visual",
+            "linear_attn.in_proj_a", "linear_attn.in_proj_b", "linear_attn.in_proj_ba"} <= set(kept)
     assert "model.layers.1" not in kept
     assert fp8.block_size({"quantization_config": config}) == (128, 128)
 

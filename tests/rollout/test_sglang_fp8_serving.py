@@ -3,10 +3,10 @@ its W8A8 block GEMM (``_gspo_fp8_block``), and what it serves is FP8's arithmeti
 
 - the stand-in's linear equals SGLang's own Triton ``w8a8_block_fp8_matmul`` (run by Triton's interpreter on CPU
   tensors, partial blocks) to fp32 summation order, and its activation groups and experts equal the naive formulas;
-- a launched fp32 server on the block-FP8 copy of a tiny Qwen3-MoE (sizes in multiples of the 128 x 128 block, as
-  SGLang requires of merged projections) answers log-probs equal to W8A8 done by hand on transformers' model
-  (weights quantized per block and back, each quantized linear's input per 1 x 128 group and back) within
-  ``W8A8_MEAN_TOL`` / ``W8A8_MAX_TOL``,
+- a launched fp32 server on the block-FP8 copy of a tiny Qwen3-MoE or Qwen3.5-MoE (sizes in multiples of the 128 x 128
+  block, as SGLang requires of merged projections) answers log-probs equal to W8A8 done by hand on transformers' model
+  (weights quantized per block and back, each quantized linear's input per 1 x 128 group and back): the median token
+  within ``W8A8_MEDIAN_TOL``, 90% of them within ``W8A8_TOL``,
   while the unquantized model is far off (FP8 changes the numbers; a server computing in high precision fails);
 - after FP8 weight syncs of a trained model (distributed and disk), the server answers the new weights' W8A8
   log-probs: every update lands in the FP8 layers.
@@ -36,12 +36,13 @@ from .test_weight_sync import _train_step
 
 REPO = Path(__file__).resolve().parents[2]
 BLOCK = (128, 128)
-# fp32 server against fp32 transformers, both W8A8, per response token: the mean (measured 4e-7 to 8e-6) and the
-# max. The max is looser: an activation within float32 rounding of the midpoint of two float8 values rounds either
-# way depending on the order of summation, and one flipped element moves its token's log-prob by ~1e-4 to 1e-3
-# (measured max 1.2e-6 to 7.5e-4).
-W8A8_MEAN_TOL, W8A8_MAX_TOL = 1e-4, 1e-2
-FP8_GAP = 1e-2  # the unquantized model's (or the old weights') mean distance from the server must exceed this
+# fp32 server against fp32 transformers, both W8A8, per response token. Most tokens agree to float32 rounding
+# (measured median 2e-7 to 5e-7, max 4e-6), but not all: an activation within float32 rounding of the midpoint of two
+# float8 values rounds either way depending on the order of summation, and one flipped element moves its token's
+# log-prob and, through attention or the DeltaNet's state, the rest of its sequence (measured up to 0.15, 0-2% of
+# tokens). So: the median within W8A8_MEDIAN_TOL and at least W8A8_SHARE of the tokens within W8A8_TOL.
+W8A8_MEDIAN_TOL, W8A8_TOL, W8A8_SHARE = 1e-5, 1e-4, 0.9
+FP8_GAP = 1e-2  # the unquantized model's (or the old weights') median distance from the server must exceed this
 # Sizes in multiples of 128: SGLang refuses a merged projection (qkv, gate_up) whose parts are not whole blocks.
 SIZES = dict(vocab_size=128, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=4, head_dim=32,
              num_experts=4, top_k=2, moe_intermediate_size=128)
@@ -139,14 +140,16 @@ def _w8a8_logprobs(model_dir: Path, state: dict | None, samples) -> list[torch.T
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, experts_implementation="eager")
     if state is not None:
         model.load_state_dict(state)
+    scheme = Fp8Scheme(model.config.num_hidden_layers)
     quantized = set()
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if ".layers." not in name or param.dim() < 2 or name.endswith("mlp.gate.weight"):
-                continue  # what Fp8Scheme keeps: embeddings, lm_head, norms, routers
             # transformers fuses the experts in memory ([E, out, in]; gate_up as two halves); the files (and the
             # sync) carry each expert's gate, up and down apart, each quantized in its own blocks
-            pieces = [param] if param.dim() == 2 else \
+            experts = param.dim() == 3 and ".mlp.experts." in name
+            if not (experts or scheme.quantizes(name, param.shape)):
+                continue  # what the scheme keeps: embeddings, lm_head, norms, routers, the DeltaNet's a / b, conv1d
+            pieces = [param] if not experts else \
                 [half for expert in param for half in expert.chunk(2 if "gate_up" in name else 1)]
             for piece in pieces:
                 piece.copy_(dequantize(*quantize_reference(piece, BLOCK), BLOCK))
@@ -174,19 +177,26 @@ def _w8a8_logprobs(model_dir: Path, state: dict | None, samples) -> list[torch.T
 
 
 def _gaps(samples, reference) -> tuple[float, float]:
-    """(max, mean) |server - reference| over every response token."""
+    """(median |server - reference|, the share of tokens within W8A8_TOL) over every response token."""
     diffs = torch.cat([(torch.tensor(s.logprobs) - r).abs() for s, r in zip(samples, reference)])
-    return diffs.max().item(), diffs.mean().item()
+    return diffs.median().item(), (diffs <= W8A8_TOL).float().mean().item()
 
 
-@pytest.fixture(scope="module")
-def fp8_server(tmp_path_factory):
+def _w8a8_equal(gaps: tuple[float, float]) -> bool:
+    return gaps[0] <= W8A8_MEDIAN_TOL and gaps[1] >= W8A8_SHARE
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "qwen3_5_moe"])
+def fp8_server(request, tmp_path_factory):
+    """A launched fp32 server on the block-FP8 copy of a tiny Qwen3-MoE, and of Qwen3.5-MoE's text model (a gated
+    DeltaNet layer, then gated attention; a gated shared expert): its DeltaNet q, k, v, z and output projections
+    FP8, the beta / decay projections kept (SGLang fuses them into parts of one row per value head)."""
     require_sglang()
     from gspo_megatron.model.hf_files import quantized_copy
     from gspo_megatron.rewards import synthetic
 
-    root = tmp_path_factory.mktemp("fp8_serving")
-    plain = synthetic.save_tiny_model(root / "plain", seed=5, **SIZES)
+    root = tmp_path_factory.mktemp(f"fp8_serving_{request.param}")
+    plain = synthetic.save_tiny_model(root / "plain", seed=5, family=request.param, **SIZES)
     scheme = Fp8Scheme(SIZES["num_layers"])
     served = quantized_copy(plain, root / "fp8", scheme)
     config = server_config(served, root / "logs", context_length=64,
@@ -210,9 +220,9 @@ def test_fp8_server_answers_w8a8_logprobs(fp8_server):
     samples = flatten(engine.generate(prompts(6, seed=3), n=2, sampling=SAMPLING))
     w8a8 = _gaps(samples, _w8a8_logprobs(plain, None, samples))
     unquantized = _gaps(samples, _unquantized_logprobs(plain, samples))
-    print(f"FP8 server vs W8A8 by hand: max {w8a8[0]:.2e} mean {w8a8[1]:.2e}; "
-          f"vs the unquantized model: max {unquantized[0]:.2e} mean {unquantized[1]:.2e}")
-    assert w8a8[1] <= W8A8_MEAN_TOL and w8a8[0] <= W8A8_MAX_TOL and unquantized[1] > FP8_GAP
+    print(f"FP8 server vs W8A8 by hand: median {w8a8[0]:.1e}, {w8a8[1]:.1%} of tokens within {W8A8_TOL:g}; "
+          f"vs the unquantized model: median {unquantized[0]:.1e}")
+    assert _w8a8_equal(w8a8) and unquantized[0] > FP8_GAP
 
 
 def _unquantized_logprobs(model_dir: Path, samples) -> list[torch.Tensor]:
@@ -250,9 +260,9 @@ def test_fp8_syncs_land_in_the_servers_fp8_layers(fp8_server, method):
     assert {s.weight_version for s in samples} == {version}
     now = _gaps(samples, _w8a8_logprobs(plain, trainer.state_dict(), samples))
     before = _gaps(samples, _w8a8_logprobs(plain, old_state, samples))
-    print(f"{method} FP8 sync: server vs W8A8 of the trained weights max {now[0]:.2e} mean {now[1]:.2e}, "
-          f"of the old ones max {before[0]:.2e} mean {before[1]:.2e}")
-    assert now[1] <= W8A8_MEAN_TOL and now[0] <= W8A8_MAX_TOL and before[1] > FP8_GAP
+    print(f"{method} FP8 sync: server vs W8A8 of the trained weights: median {now[0]:.1e}, {now[1]:.1%} of tokens "
+          f"within {W8A8_TOL:g}; of the old ones: median {before[0]:.1e}")
+    assert _w8a8_equal(now) and before[0] > FP8_GAP
 
 
 def _rollout_batch(engine):
