@@ -35,7 +35,8 @@ def quantize_activation_groups(x: torch.Tensor, group: int) -> torch.Tensor:
 
 
 def dequantize_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: list) -> torch.Tensor:
-    """A float8 weight [..., N, K] times its per-block scales [..., ceil(N / bn), ceil(K / bk)], in float32."""
+    """A float8 weight [..., N, K] times its per-block scales [..., ceil(N / bn), ceil(K / bk)], in float32. (The
+    trainer's ``model.fp8.dequantize`` in the server's own terms: a server's process does not import gspo_megatron.)"""
     bn, bk = block
     n, k = weight.shape[-2:]
     scales = scale_inv.float().repeat_interleave(bn, dim=-2)[..., :n, :].repeat_interleave(bk, dim=-1)[..., :k]
