@@ -70,8 +70,8 @@ def test_linear_equals_sglangs_triton_block_gemm(tmp_path):
     """The stand-in against SGLang 0.5.23's ``w8a8_block_fp8_matmul_triton`` (the kernel its GPU servers run),
     interpreted, both fed the same float8 activations and weights (K = 300, N = 200: partial blocks both ways). In a
     child process: Triton decides interpreted or compiled when a kernel is defined, and sglang may be imported
-    here already. (SGLang's activation-quantization kernel crashes Triton 3.9's interpreter (heap corruption), so the groups are
-    checked against the formula above instead.)"""
+    here already. (SGLang's activation-quantization kernel crashes Triton 3.9's interpreter, a heap corruption, so
+    the groups are checked against the formula above instead.)"""
     require_sglang()
     script = f"""
 import os, sys, torch
