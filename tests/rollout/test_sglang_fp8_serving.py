@@ -106,8 +106,10 @@ def test_experts_equal_the_per_token_formula(block):
     experts, hidden, inter, tokens, k = 3, 160, 136, 7, 2  # partial blocks in both GEMMs
     w13 = [quantize_reference(torch.randn(2 * inter, hidden, generator=g) / 10, BLOCK) for _ in range(experts)]
     w2 = [quantize_reference(torch.randn(hidden, inter, generator=g) / 10, BLOCK) for _ in range(experts)]
-    layer = SimpleNamespace(w13_weight=torch.stack([q for q, _ in w13]), w13_weight_scale_inv=torch.stack([s for _, s in w13]),
-                            w2_weight=torch.stack([q for q, _ in w2]), w2_weight_scale_inv=torch.stack([s for _, s in w2]))
+    layer = SimpleNamespace(w13_weight=torch.stack([q for q, _ in w13]),
+                            w13_weight_scale_inv=torch.stack([s for _, s in w13]),
+                            w2_weight=torch.stack([q for q, _ in w2]),
+                            w2_weight_scale_inv=torch.stack([s for _, s in w2]))
     method = SimpleNamespace(weight_block_size=list(BLOCK), moe_runner_config=SimpleNamespace(
         activation="silu", gemm1_alpha=None, apply_router_weight_on_input=False, routed_scaling_factor=None))
     x = torch.randn(tokens, hidden, generator=g)
