@@ -20,6 +20,7 @@ If sglang is not installed the server tests skip, except under CI=true, where th
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -56,6 +57,18 @@ def pair_config(config: SGLangConfig) -> SGLangConfig:
     """The ``pair`` servers' configuration (the session's ``config`` with two servers of small KV caches)."""
     return replace(config, num_servers=2, max_total_tokens=PAIR_KV_TOKENS, context_length=256,
                    log_dir=str(Path(config.log_dir) / "pair"))
+
+
+@contextlib.contextmanager
+def own_engine(config: SGLangConfig):
+    """An engine on servers of a test's own (a model the session's servers cannot load), shut down after it."""
+    servers = server_mod.start_servers(config)
+    try:
+        with SGLangEngine(config, servers=servers) as engine:
+            yield engine
+    finally:
+        for server in servers:
+            server.shutdown()
 
 
 @pytest.fixture(scope="session")

@@ -16,11 +16,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from gspo_megatron.rollout import SamplingParams, SGLangEngine, flatten, logprob_mismatch, samples_to_batch
-from gspo_megatron.rollout import server as server_mod
+from gspo_megatron.rollout import SamplingParams, flatten, logprob_mismatch, samples_to_batch
 from tests.model import hf_tiny
 
-from tests.sglang_servers import server_config
+from tests.sglang_servers import own_engine, server_config
 from .helpers import TOLERANCE, fused_logprobs, prompts, require_sglang
 from .r3_ranks import GROUP, N_PROMPTS, r3_replay
 from .test_weight_sync import _mismatch, _rollout, _train_step
@@ -33,13 +32,8 @@ def glm(tmp_path_factory):
     # context_length: its max positions; the routed experts for rollout routing replay's test
     config = server_config(model_dir, tmp_path_factory.mktemp("glm_logs"), context_length=64,
                            return_routed_experts=True)
-    servers = server_mod.start_servers(config)
-    try:
-        with SGLangEngine(config, servers=servers) as engine:
-            yield engine, model_dir
-    finally:
-        for server in servers:
-            server.shutdown()
+    with own_engine(config) as engine:
+        yield engine, model_dir
 
 
 def test_sglang_serves_glm_with_the_trainers_logprobs(glm):

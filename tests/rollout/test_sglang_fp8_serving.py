@@ -26,13 +26,12 @@ import torch
 import torch.nn.functional as F
 
 from gspo_megatron.model.fp8 import Fp8Scheme, dequantize, quantize_reference
-from gspo_megatron.rollout import SamplingParams, SGLangEngine, WeightSyncConfig, flatten, samples_to_batch
+from gspo_megatron.rollout import SamplingParams, WeightSyncConfig, flatten
 from gspo_megatron.rollout import hf_weights
-from gspo_megatron.rollout import server as server_mod
-from tests.sglang_servers import server_config
+from tests.sglang_servers import own_engine, server_config
 
 from .helpers import import_from_cpu_site, prompts, require_sglang
-from .test_weight_sync import _train_step
+from .test_weight_sync import _rollout, _train_step
 
 REPO = Path(__file__).resolve().parents[2]
 BLOCK = (128, 128)
@@ -163,18 +162,22 @@ def _w8a8_logprobs(model_dir: Path, state: dict | None, samples) -> list[torch.T
             x = quantize_groups(x, 128)
         return linear(x, weight, bias)
 
-    out = []
     F.linear = w8a8_linear
     try:
-        with torch.no_grad():
-            for sample in samples:
-                ids = torch.tensor([sample.prompt_ids + sample.response_ids])
-                logprobs = torch.log_softmax(model(ids).logits[0], -1)
-                start = len(sample.prompt_ids) - 1
-                out.append(logprobs[start:start + len(sample.response_ids)]
-                           .gather(1, torch.tensor(sample.response_ids)[:, None])[:, 0])
+        return _response_logprobs(model, samples)
     finally:
         F.linear = linear
+
+
+def _response_logprobs(model, samples) -> list[torch.Tensor]:
+    """Each sample's response log-probs under ``model``, one sequence per forward."""
+    out = []
+    with torch.no_grad():
+        for sample in samples:
+            logprobs = torch.log_softmax(model(torch.tensor([sample.prompt_ids + sample.response_ids])).logits[0], -1)
+            start = len(sample.prompt_ids) - 1
+            out.append(logprobs[start:start + len(sample.response_ids)]
+                       .gather(1, torch.tensor(sample.response_ids)[:, None])[:, 0])
     return out
 
 
@@ -203,13 +206,8 @@ def fp8_server(request, tmp_path_factory):
     served = quantized_copy(plain, root / "fp8", scheme)
     config = server_config(served, root / "logs", context_length=64,
                            weight_sync=WeightSyncConfig(fp8=scheme, bucket_bytes=65536, disk_dir=str(root / "sync")))
-    servers = server_mod.start_servers(config)
-    try:
-        with SGLangEngine(config, servers=servers) as engine:
-            yield engine, plain
-    finally:
-        for server in servers:
-            server.shutdown()
+    with own_engine(config) as engine:
+        yield engine, plain
 
 
 SAMPLING = SamplingParams(max_new_tokens=8)
@@ -230,15 +228,7 @@ def test_fp8_server_answers_w8a8_logprobs(fp8_server):
 def _unquantized_logprobs(model_dir: Path, samples) -> list[torch.Tensor]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    out = []
-    with torch.no_grad():
-        for sample in samples:
-            logprobs = torch.log_softmax(model(torch.tensor([sample.prompt_ids + sample.response_ids])).logits[0], -1)
-            start = len(sample.prompt_ids) - 1
-            out.append(logprobs[start:start + len(sample.response_ids)]
-                       .gather(1, torch.tensor(sample.response_ids)[:, None])[:, 0])
-    return out
+    return _response_logprobs(AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32), samples)
 
 
 @pytest.mark.parametrize("method", ["distributed", "disk"])
@@ -253,7 +243,7 @@ def test_fp8_syncs_land_in_the_servers_fp8_layers(fp8_server, method):
     if method == "disk":  # the second sync: move on from the first one's weights
         trainer.load_state_dict(torch.load(plain.parent / "trained.pt"))
     old_state = {k: v.clone() for k, v in trainer.state_dict().items()}
-    _, batch = _rollout_batch(engine)
+    _, batch = _rollout(engine, seed=10)
     _train_step(trainer, batch)
     stats = engine.update_weights(hf_weights.checkpoint_tensors(trainer), version, method=method)
     assert stats.weight_version == version and engine.weight_version() == version
@@ -266,10 +256,6 @@ def test_fp8_syncs_land_in_the_servers_fp8_layers(fp8_server, method):
           f"within {W8A8_TOL:g}; of the old ones: median {before[0]:.1e}")
     assert _w8a8_equal(now) and before[0] > FP8_GAP
 
-
-def _rollout_batch(engine):
-    samples = flatten(engine.generate(prompts(8, seed=10), n=4, sampling=SamplingParams(max_new_tokens=12)))
-    return samples, samples_to_batch(samples)
 
 
 @pytest.mark.megatron  # trains the Megatron policy through the CLI
